@@ -1,0 +1,20 @@
+"""Neural networks as exact kernel machines, for scikit-learn.
+
+Public API
+----------
+ExactPathKernelClassifier
+    A PyTorch network trained by gradient descent, with its Exact Path Kernel.
+DistanceKernelClassifier
+    A network of distance layers ("memories"), with the same kernel API.
+ExactPathKernel
+    The learned kernel, a ``sklearn.gaussian_process.kernels.Kernel``.
+PathKernelTransformer
+    The EPK Gram matrix as a pipeline step, for ``SVC(kernel="precomputed")``.
+DistanceLayer
+    The distance layer, for building your own networks.
+"""
+
+from ._classifier import ExactPathKernelClassifier
+
+__all__ = ["ExactPathKernelClassifier"]
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,284 @@
+"""What both PyTorch classifiers share: validation, training, prediction and the
+path-kernel accessors (``kernel_``, ``decompose``)."""
+
+import copy
+from abc import abstractmethod
+from numbers import Integral, Real
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
+from sklearn.utils import check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
+
+from ._training import records_path, train_module
+
+DTYPE = torch.float64
+
+
+def as_tensor(X):
+    """A float64 torch copy of a validated array (never a view of user memory)."""
+    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE)
+
+
+def check_module_output(module, X, n_classes):
+    """Fail early, naming both widths, when the module's output does not fit."""
+    with torch.no_grad():
+        out = module(X[:1])
+    if out.ndim != 2 or out.shape[1] != n_classes:
+        raise ValueError(
+            f"The module maps X to outputs of shape {tuple(out.shape)} for one "
+            f"sample, but the target has {n_classes} classes: it must output "
+            f"logits of shape (n_samples, {n_classes})."
+        )
+
+
+class BasePathClassifier(ClassifierMixin, BaseEstimator):
+    """Base class: a torch module trained by gradient descent, path recorded.
+
+    Subclasses implement :meth:`_build_module` and list their own parameters.
+    """
+
+    _parameter_constraints = {
+        "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
+        "max_iter": [Interval(Integral, 1, None, closed="left")],
+        "batch_size": [Interval(Integral, 1, None, closed="left"), None],
+        "solver": [StrOptions({"sgd", "adam"})],
+        "momentum": [Interval(Real, 0, 1, closed="left")],
+        "shuffle": ["boolean"],
+        "tol": [Interval(Real, 0, None, closed="left"), None],
+        "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
+        "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
+        "n_points": [Interval(Integral, 1, None, closed="left")],
+        "n_jobs": [Integral, None],
+        "random_state": ["random_state"],
+        "verbose": ["verbose"],
+    }
+
+    @abstractmethod
+    def _build_module(self, n_features, n_classes):
+        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_classes)."""
+
+    def _initial_module(self, n_features, n_classes, seed):
+        # Seed torch's initialisers without touching the user's global RNG state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = self._build_module(n_features, n_classes)
+        return module.to(DTYPE)
+
+    @_fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y, sample_weight=None):
+        """Train the network by gradient descent, recording its weight path.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Training data, given to the network as float64 (scale it in a
+            :class:`~sklearn.pipeline.Pipeline` if needed).
+        y : array-like of shape (n_samples,)
+            Class labels.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of the samples in the mean cross-entropy.
+
+        Returns
+        -------
+        self : object
+            The fitted estimator.
+        """
+        X, y = validate_data(self, X, y, dtype=np.float64)
+        check_classification_targets(y)
+        classes, y_encoded = np.unique(y, return_inverse=True)
+        if classes.shape[0] < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs samples of at least 2 classes in "
+                f"the data, but the data contain only one class: {classes[0]!r}."
+            )
+        sample_weight = _check_sample_weight(sample_weight, X, dtype=np.float64)
+        if not sample_weight.sum() > 0:
+            raise ValueError("The sample weights must not all be zero.")
+
+        rng = check_random_state(self.random_state)
+        module = self._initial_module(
+            X.shape[1], classes.shape[0], rng.randint(np.iinfo(np.int32).max)
+        )
+        X_t, y_t = as_tensor(X), torch.as_tensor(y_encoded, dtype=torch.int64)
+        check_module_output(module, X_t, classes.shape[0])
+        result = train_module(
+            module,
+            X_t,
+            y_t,
+            sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE),
+            solver=self.solver,
+            learning_rate=self.learning_rate,
+            momentum=self.momentum,
+            max_iter=self.max_iter,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            tol=self.tol,
+            n_iter_no_change=self.n_iter_no_change,
+            random_state=rng,
+            verbose=self.verbose,
+        )
+        for param in module.parameters():
+            param.requires_grad_(False)
+
+        # Assign only once training succeeded: a failed fit leaves self as it was.
+        self.classes_ = classes
+        self.module_ = module
+        self.n_iter_ = result.n_iter
+        self.n_steps_ = result.n_steps
+        self.loss_curve_ = result.loss_curve
+        self.path_ = result.path
+        self._fit_X = X_t
+        self._fit_y = y_t
+        self.__dict__.pop("_kernel_cache", None)
+        return self
+
+    # -- the network -------------------------------------------------------
+
+    def _log_proba(self, X):
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        with torch.no_grad():
+            return F.log_softmax(self.module_(as_tensor(X)), dim=1).numpy()
+
+    def predict_log_proba(self, X):
+        """Log-probabilities of the classes, ``log_softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return self._log_proba(X)
+
+    def predict_proba(self, X):
+        """Class probabilities, ``softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return np.exp(self._log_proba(X))
+
+    def decision_function(self, X):
+        """The network's log-probabilities (the function the path kernel reproduces).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        scores : ndarray of shape (n_samples, n_classes) or (n_samples,)
+            ``log_softmax(module(X))``, columns following ``classes_``. For two
+            classes, scikit-learn's convention: the log-odds of ``classes_[1]``,
+            ``f_1(x) - f_0(x)``, positive when ``classes_[1]`` is predicted.
+        """
+        log_proba = self._log_proba(X)
+        if log_proba.shape[1] == 2:
+            return log_proba[:, 1] - log_proba[:, 0]
+        return log_proba
+
+    def predict(self, X):
+        """Predicted class labels.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,)
+        """
+        return self.classes_[np.argmax(self._log_proba(X), axis=1)]
+
+    # -- the path kernel ---------------------------------------------------
+
+    def _engine(self):
+        """The kernel engine of the fitted path (built once, shared by callers)."""
+        check_is_fitted(self)
+        if self.path_ is None:
+            raise NotImplementedError(
+                f"The exact path kernel is implemented for plain gradient descent "
+                f"(solver='sgd', momentum=0); this model was trained with "
+                f"solver={self.solver!r}, momentum={self.momentum}, whose updates "
+                "are not a sum of per-sample gradients at the step's start."
+            )
+        cache = self.__dict__.get("_kernel_cache")
+        if cache is None:
+            from ._engine import PathKernelEngine
+
+            cache = PathKernelEngine(
+                self.module_,
+                self.path_,
+                self._fit_X,
+                self._fit_y,
+                quadrature=self.quadrature,
+                n_points=self.n_points,
+                n_jobs=self.n_jobs,
+                verbose=self.verbose,
+            )
+            self.__dict__["_kernel_cache"] = cache
+        return cache
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state = dict(state)
+        state.pop("_kernel_cache", None)
+        return state
+
+    @property
+    def kernel_(self):
+        """The learned exact path kernel, a scikit-learn ``Kernel``.
+
+        ``kernel_(A, B)`` is the EPK between the rows of ``A`` and ``B``; a row
+        equal to a training row is on the training copy (discrete gradients at
+        the start of each step), every other row on the test copy (gradients
+        integrated along each step). Use it in ``SVC(kernel=clf.kernel_)``,
+        ``GaussianProcessClassifier(kernel=clf.kernel_)`` and the like.
+        """
+        from ._kernel import ExactPathKernel
+
+        return ExactPathKernel(self._engine())
+
+    def decompose(self, X):
+        """Write the network's output on ``X`` as an exact sum over training points.
+
+        ``bias + contributions.sum(axis=1)`` equals ``predict_log_proba(X)`` up
+        to the quadrature error reported in ``residual``. ``X`` is always on the
+        test copy, so the identity holds at every point, training points included.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        result : :class:`~sklearn.utils.Bunch`
+            ``contributions`` (n_samples, n_train, n_classes): what training point
+            ``i`` added to output ``k``; ``bias`` (n_samples, n_classes): the
+            initial network's output; ``output`` (n_samples, n_classes): the
+            trained network's log-probabilities; ``residual`` (n_samples,): the
+            exactness certificate, the summed per-step quadrature error.
+        """
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        return self._engine().decompose(as_tensor(X))
+
+
+def copy_module(module):
+    """Deep copy of a user's module, so their weights (w_0) stay untouched."""
+    return copy.deepcopy(module)
