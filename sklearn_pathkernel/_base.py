@@ -203,7 +203,8 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         -------
         y_pred : ndarray of shape (n_samples,)
         """
-        return self.classes_[np.argmax(self._log_proba(X), axis=1)]
+        log_proba = self._log_proba(X)
+        return self.classes_[np.argmax(log_proba, axis=1)]
 
     # -- the path kernel ---------------------------------------------------
 
