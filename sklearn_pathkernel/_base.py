@@ -59,14 +59,19 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     }
 
     @abstractmethod
-    def _build_module(self, n_features, n_classes):
-        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_classes)."""
+    def _build_module(self, X, n_classes):
+        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_classes).
 
-    def _initial_module(self, n_features, n_classes, seed):
+        ``X`` is the float64 training data as a tensor (for data-dependent
+        initialisation). Torch's global generator is seeded from
+        ``random_state`` while this runs.
+        """
+
+    def _initial_module(self, X, n_classes, seed):
         # Seed torch's initialisers without touching the user's global RNG state.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = self._build_module(n_features, n_classes)
+            module = self._build_module(X, n_classes)
         return module.to(DTYPE)
 
     @_fit_context(prefer_skip_nested_validation=True)
@@ -101,10 +106,10 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError("The sample weights must not all be zero.")
 
         rng = check_random_state(self.random_state)
-        module = self._initial_module(
-            X.shape[1], classes.shape[0], rng.randint(np.iinfo(np.int32).max)
-        )
         X_t, y_t = as_tensor(X), torch.as_tensor(y_encoded, dtype=torch.int64)
+        module = self._initial_module(
+            X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max)
+        )
         check_module_output(module, X_t, classes.shape[0])
         result = train_module(
             module,

@@ -150,7 +150,8 @@ class ExactPathKernelClassifier(BasePathClassifier):
         self.random_state = random_state
         self.verbose = verbose
 
-    def _build_module(self, n_features, n_classes):
+    def _build_module(self, X, n_classes):
+        n_features = X.shape[1]
         if self.module is None:
             sizes = self.hidden_layer_sizes
             sizes = (sizes,) if isinstance(sizes, Integral) else tuple(sizes)
