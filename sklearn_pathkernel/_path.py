@@ -56,7 +56,7 @@ class WeightPath:
     def nbytes(self):
         """Bytes held by the path (weights, batches and coefficients)."""
         seen, total = set(), self.weights.element_size() * self.weights.nelement()
-        for batch, coef in zip(self.batches, self.coefficients):
+        for batch, coef in zip(self.batches, self.coefficients, strict=False):
             if id(batch) not in seen:
                 seen.add(id(batch))
                 total += batch.nbytes
@@ -66,7 +66,7 @@ class WeightPath:
     def unflatten(self, flat):
         """Split a flat weight vector into a ``{name: tensor}`` parameter dict."""
         params, start = {}, 0
-        for name, shape in zip(self.param_names, self.param_shapes):
+        for name, shape in zip(self.param_names, self.param_shapes, strict=False):
             size = int(np.prod(shape, dtype=np.int64))
             params[name] = flat[start : start + size].view(shape)
             start += size
