@@ -165,7 +165,8 @@ def train_module(
             optimizer.step()
 
             if record:
-                weights[step + 1] = torch.nn.utils.parameters_to_vector(module.parameters())
+                with torch.no_grad():
+                    weights[step + 1] = torch.nn.utils.parameters_to_vector(module.parameters())
                 if not torch.isfinite(weights[step + 1]).all():
                     raise FloatingPointError(
                         f"The weights stopped being finite at step {step} (epoch "

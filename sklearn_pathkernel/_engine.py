@@ -1,0 +1,353 @@
+"""The exact path kernel engine: decomposition and Gram matrices of a recorded path.
+
+Notation (DESIGN.md): ``f_w(x) = log_softmax(module_w(x))`` with K outputs; step
+``s`` moves the weights along ``w_s(t) = w_s + t (w_{s+1} - w_s)``; the training
+copy of a point uses ``g(x; w_s)``, the gradient at the start of the step, the
+test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``. Then, exactly,
+
+    f(x; w_S) = f(x; w_0) + sum_s sum_{i in B_s} a_{s,i} <phi_s(x), g_{y_i}(x_i; w_s)>.
+
+How it is fast: per step, one forward pass and one batched backward pass give
+every layer's factors; the per-layer rules turn factors into Gram blocks without
+ever forming an (n, K, W) Jacobian; the training side of a step is computed once
+and reused for every node of every query; blocks of (query rows, training rows,
+steps) are independent tasks for joblib.
+"""
+
+import numpy as np
+import torch
+from joblib import Parallel, delayed
+from sklearn.utils import Bunch, gen_even_slices
+
+from ._probe import NetworkProbe
+from ._quadrature import NodeGroup, exact_groups, fixed_rule, shared_exact_nodes
+
+# A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
+# this (absolute, in log-probability) is re-integrated on a finer detection grid.
+CERTIFICATE_TOL = 1e-12
+REFINEMENT_GRIDS = (np.linspace(0.0, 1.0, 9), np.linspace(0.0, 1.0, 65))
+
+
+def _as_mask(flag, n):
+    mask = np.broadcast_to(np.asarray(flag, dtype=bool), (n,))
+    return mask.copy()
+
+
+def _sum_layers(probe, left, right, mode):
+    return sum(
+        rule.inner(a, b, mode) for rule, a, b in zip(probe.rules, left, right, strict=True)
+    )
+
+
+class PathKernelEngine:
+    """Exact path kernel of a module trained along a recorded path.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network (float64). Only its structure is used; weights come from ``path``.
+    path : WeightPath
+        The recorded training path.
+    X_train : torch.Tensor of shape (M, ...)
+        Training inputs, indexed by ``path.batches``.
+    y_train : torch.Tensor of shape (M,)
+        Training class codes.
+    quadrature : {"exact", "riemann", "dpk"}, default="exact"
+        Integration of the test-copy features along each step.
+    n_points : int, default=100
+        Points of the ``"riemann"`` rule.
+    n_nodes : int, default=4
+        Gauss-Legendre nodes per smooth piece for ``"exact"``.
+    tile_size : int, default=512
+        Rows per block; bounds memory.
+    n_jobs : int or None, default=None
+        joblib jobs over blocks (respects ``joblib.parallel_config``, e.g. dask).
+    verbose : int, default=0
+        Show a progress bar over blocks.
+    """
+
+    def __init__(
+        self,
+        module,
+        path,
+        X_train,
+        y_train,
+        *,
+        quadrature="exact",
+        n_points=100,
+        n_nodes=4,
+        tile_size=512,
+        n_jobs=None,
+        verbose=0,
+    ):
+        self.module = module
+        self.path = path
+        self.X_train = X_train
+        self.y_train = y_train
+        self.quadrature = quadrature
+        self.n_points = n_points
+        self.n_nodes = n_nodes
+        self.tile_size = tile_size
+        self.n_jobs = n_jobs
+        self.verbose = verbose
+        self.probe = NetworkProbe(module, path)
+        self.n_train = X_train.shape[0]
+        self.n_outputs = self.probe.log_proba(path.weights[0], X_train[:1]).shape[1]
+
+    def __deepcopy__(self, memo):
+        return self  # immutable: copies share it (sklearn's clone deep-copies params)
+
+    # -- quadrature ------------------------------------------------------------
+
+    def _groups(self, step, X, residual=None):
+        """Node groups of the test copy for ``step``; adds the certificate to ``residual``.
+
+        For ``"exact"``, a row whose certificate exceeds ``CERTIFICATE_TOL`` (two
+        kinks that cancel between detection points) is re-integrated on a finer
+        detection grid.
+        """
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        if self.quadrature != "exact":
+            groups = [NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))]
+            if residual is not None:
+                residual += self._step_errors(step, X, groups)
+            return groups
+        groups = exact_groups(self.probe, start, direction, X, self.n_nodes)
+        errors = self._step_errors(step, X, groups)
+        for grid in REFINEMENT_GRIDS:
+            failed = np.flatnonzero(errors > CERTIFICATE_TOL)
+            if failed.size == 0:
+                break
+            groups = [
+                NodeGroup(g.rows[~np.isin(g.rows, failed)], g.nodes, g.weights) for g in groups
+            ]
+            groups = [g for g in groups if g.rows.size]
+            refined = exact_groups(
+                self.probe, start, direction, X, self.n_nodes, rows=failed, grid=grid
+            )
+            errors[failed] = self._step_errors(step, X, refined)[failed]
+            groups += refined
+        if residual is not None:
+            residual += errors
+        return groups
+
+    def _step_errors(self, step, X, groups):
+        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - sum_q nu_q d/dt f(w_s(t_q))|``."""
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        errors = np.zeros(X.shape[0])
+        for group in groups:
+            rows = X[group.rows]
+            change = self.probe.log_proba(self.path.weights[step + 1], rows) - (
+                self.probe.log_proba(start, rows)
+            )
+            for t, nu in zip(group.nodes, group.weights, strict=True):
+                _, slope = self.probe.log_proba_and_slope(start + t * direction, direction, rows)
+                change -= nu * slope
+            errors[group.rows] = change.abs().amax(1).numpy()
+        return errors
+
+    # -- blocks ------------------------------------------------------------------
+
+    def _steps_chunks(self):
+        n_chunks = max(1, min(self.path.n_steps, self._n_workers()))
+        return list(gen_even_slices(self.path.n_steps, n_chunks))
+
+    def _n_workers(self):
+        from joblib import effective_n_jobs
+
+        return effective_n_jobs(self.n_jobs)
+
+    def _run(self, tasks):
+        """Run independent block tasks through joblib, in order."""
+        if self._n_workers() == 1 or len(tasks) == 1:
+            if self.verbose:
+                from tqdm.auto import tqdm
+
+                tasks = tqdm(tasks, desc="path kernel blocks")
+            return [fn(*args) for fn, *args in tasks]
+        return Parallel(n_jobs=self.n_jobs, verbose=self.verbose)(
+            delayed(fn)(*args) for fn, *args in tasks
+        )
+
+    def _tiles(self, n):
+        return list(gen_even_slices(n, max(1, -(-n // self.tile_size)))) if n else []
+
+    # -- decomposition -------------------------------------------------------------
+
+    def decompose(self, X):
+        """Contributions of every training point to the network's output on ``X``.
+
+        Parameters
+        ----------
+        X : torch.Tensor of shape (n, ...)
+            Query rows, all on the test copy.
+
+        Returns
+        -------
+        Bunch
+            ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
+            ``residual`` (n,), as float64 numpy arrays.
+        """
+        keys = [(tile, steps) for tile in self._tiles(X.shape[0]) for steps in self._steps_chunks()]
+        results = self._run([(self._decompose_block, X[tile], steps) for tile, steps in keys])
+        contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
+        residual = np.zeros(X.shape[0])
+        for (tile, _), (block, block_residual) in zip(keys, results, strict=True):
+            contributions[tile] += block
+            residual[tile] += block_residual
+        return Bunch(
+            contributions=contributions,
+            bias=self.probe.log_proba(self.path.weights[0], X).numpy(),
+            output=self.probe.log_proba(self.path.weights[-1], X).numpy(),
+            residual=residual,
+        )
+
+    def _decompose_block(self, X, steps):
+        contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
+        residual = np.zeros(X.shape[0])
+        for step in range(steps.start, steps.stop):
+            start, direction = self.path.weights[step], self.path.step_direction(step)
+            batch = torch.as_tensor(self.path.batches[step])
+            coefficients = self.path.coefficients[step]
+            _, train = self.probe.factors(start, self.X_train[batch], self.y_train[batch])
+            step_block = torch.zeros((X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype)
+            for group in self._groups(step, X, residual):
+                rows = torch.as_tensor(group.rows)
+                for t, nu in zip(group.nodes, group.weights, strict=True):
+                    _, test = self.probe.factors(start + t * direction, X[rows])
+                    step_block[rows] += nu * _sum_layers(self.probe, test, train, "pairs")[..., 0]
+            step_block *= coefficients[None, :, None]
+            if batch.numel() == self.n_train and torch.equal(batch, torch.arange(self.n_train)):
+                contributions += step_block
+            else:
+                contributions.index_add_(1, batch, step_block)
+        return contributions.numpy(), residual
+
+    def certificate(self, X):
+        """Summed per-step quadrature error of the test copy, per row of ``X``."""
+        residual = np.zeros(X.shape[0])
+        for step in range(self.path.n_steps):
+            self._groups(step, X, residual)
+        return residual
+
+    # -- Gram matrices ---------------------------------------------------------------
+
+    def gram(self, A, B=None, *, a_train=False, b_train=False, output="trace"):
+        """Exact path kernel between the rows of ``A`` and ``B``.
+
+        Parameters
+        ----------
+        A : torch.Tensor of shape (nA, ...)
+        B : torch.Tensor of shape (nB, ...) or None
+            ``None`` means ``B = A`` with ``b_train = a_train``.
+        a_train, b_train : bool or array of bool
+            Per row: True puts the row on the training copy (gradient at the start
+            of each step), False on the test copy (gradient integrated along it).
+        output : {"trace", "full"}
+            ``"trace"`` sums matching outputs, giving (nA, nB); ``"full"`` keeps
+            every output pair, giving (nA, nB, K, K).
+
+        Returns
+        -------
+        ndarray
+        """
+        if output not in ("trace", "full"):
+            raise ValueError(f"output must be 'trace' or 'full', got {output!r}.")
+        symmetric = B is None
+        a_mask = _as_mask(a_train, A.shape[0])
+        B, b_mask = (A, a_mask) if symmetric else (B, _as_mask(b_train, B.shape[0]))
+        mode = "trace" if output == "trace" else "pairs"
+        tiles_a, tiles_b = self._tiles(A.shape[0]), self._tiles(B.shape[0])
+        keys = [
+            (ta, tb, steps)
+            for i, ta in enumerate(tiles_a)
+            for j, tb in enumerate(tiles_b)
+            if not (symmetric and j < i)
+            for steps in self._steps_chunks()
+        ]
+        results = self._run(
+            [
+                (self._gram_block, A[ta], a_mask[ta], B[tb], b_mask[tb], steps, mode)
+                for ta, tb, steps in keys
+            ]
+        )
+        shape = (A.shape[0], B.shape[0]) + ((self.n_outputs,) * 2 if mode == "pairs" else ())
+        gram = np.zeros(shape)
+        for (ta, tb, _), block in zip(keys, results, strict=True):
+            gram[ta, tb] += block
+            if symmetric and ta != tb:
+                gram[tb, ta] += block.swapaxes(0, 1) if mode == "trace" else (
+                    block.transpose(1, 0, 3, 2)
+                )
+        return gram
+
+    def _gram_block(self, A, a_mask, B, b_mask, steps, mode):
+        n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
+        block = np.zeros((A.shape[0], B.shape[0]) + n_outputs)
+        a_train, a_test = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
+        b_train, b_test = np.flatnonzero(b_mask), np.flatnonzero(~b_mask)
+        probe = self.probe
+        for step in range(steps.start, steps.stop):
+            start, direction = self.path.weights[step], self.path.step_direction(step)
+            fa = probe.factors(start, A[a_train])[1] if a_train.size else None
+            fb = probe.factors(start, B[b_train])[1] if b_train.size else None
+            if a_train.size and b_train.size:
+                block[np.ix_(a_train, b_train)] += _sum_layers(probe, fa, fb, mode).numpy()
+            if a_test.size and b_train.size:
+                for group in self._groups(step, A[a_test]):
+                    rows = a_test[group.rows]
+                    for t, nu in zip(group.nodes, group.weights, strict=True):
+                        test = probe.factors(start + t * direction, A[rows])[1]
+                        block[np.ix_(rows, b_train)] += nu * _sum_layers(
+                            probe, test, fb, mode
+                        ).numpy()
+            if a_train.size and b_test.size:
+                for group in self._groups(step, B[b_test]):
+                    rows = b_test[group.rows]
+                    for t, nu in zip(group.nodes, group.weights, strict=True):
+                        test = probe.factors(start + t * direction, B[rows])[1]
+                        block[np.ix_(a_train, rows)] += nu * _sum_layers(
+                            probe, fa, test, mode
+                        ).numpy()
+            if a_test.size and b_test.size:
+                nodes, weights = self._shared_nodes(step, torch.cat([A[a_test], B[b_test]]))
+                for t, nu in zip(nodes, weights, strict=True):
+                    at = start + t * direction
+                    left = probe.factors(at, A[a_test])[1]
+                    right = probe.factors(at, B[b_test])[1]
+                    block[np.ix_(a_test, b_test)] += nu * _sum_layers(
+                        probe, left, right, mode
+                    ).numpy()
+        return block
+
+    def _shared_nodes(self, step, X):
+        if self.quadrature != "exact":
+            return fixed_rule(self.quadrature, self.n_points)
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        return shared_exact_nodes(self.probe, start, direction, X, self.n_nodes)
+
+    def diag(self, A, *, a_train=False):
+        """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
+        mask = _as_mask(a_train, A.shape[0])
+        keys = [(tile, steps) for tile in self._tiles(A.shape[0]) for steps in self._steps_chunks()]
+        results = self._run([(self._diag_block, A[tile], mask[tile], steps) for tile, steps in keys])
+        diag = np.zeros(A.shape[0])
+        for (tile, _), block in zip(keys, results, strict=True):
+            diag[tile] += block
+        return diag
+
+    def _diag_block(self, A, mask, steps):
+        diag = np.zeros(A.shape[0])
+        train, test = np.flatnonzero(mask), np.flatnonzero(~mask)
+        for step in range(steps.start, steps.stop):
+            start, direction = self.path.weights[step], self.path.step_direction(step)
+            if train.size:
+                factors = self.probe.factors(start, A[train])[1]
+                diag[train] += _sum_layers(self.probe, factors, factors, "diag").numpy()
+            if test.size:
+                for group in self._groups(step, A[test]):
+                    rows = test[group.rows]
+                    for t, nu in zip(group.nodes, group.weights, strict=True):
+                        factors = self.probe.factors(start + t * direction, A[rows])[1]
+                        diag[rows] += nu * _sum_layers(self.probe, factors, factors, "diag").numpy()
+        return diag
