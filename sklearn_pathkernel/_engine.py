@@ -99,52 +99,62 @@ class PathKernelEngine:
 
     # -- quadrature ------------------------------------------------------------
 
-    def _groups(self, step, X, residual=None):
-        """Node groups of the test copy for ``step``; adds the certificate to ``residual``.
+    def _test_features(self, step, X, residual=None):
+        """Integrate the test-copy features of ``step`` for every row of ``X``.
 
-        For ``"exact"``, a row whose certificate exceeds ``CERTIFICATE_TOL`` (two
-        kinks that cancel between detection points) is re-integrated on a finer
-        detection grid.
+        Yields ``(rows, nodes)``, covering each row once: ``nodes`` is a list of
+        ``(nu, factors)`` whose weighted sum is the row's ``phi_s``. The
+        certificate ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|`` is
+        checked from the same factors and added to ``residual``; with
+        ``"exact"``, rows above ``CERTIFICATE_TOL`` (two kinks cancelling between
+        detection points) are integrated again on a finer detection grid.
         """
         start, direction = self.path.weights[step], self.path.step_direction(step)
-        if self.quadrature != "exact":
-            groups = [NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))]
-            if residual is not None:
-                residual += self._step_errors(step, X, groups)
-            return groups
-        groups = exact_groups(self.probe, start, direction, X, self.n_nodes)
-        errors = self._step_errors(step, X, groups)
-        for grid in REFINEMENT_GRIDS:
-            failed = np.flatnonzero(errors > CERTIFICATE_TOL)
-            if failed.size == 0:
-                break
-            groups = [
-                NodeGroup(g.rows[~np.isin(g.rows, failed)], g.nodes, g.weights) for g in groups
-            ]
-            groups = [g for g in groups if g.rows.size]
-            refined = exact_groups(
-                self.probe, start, direction, X, self.n_nodes, rows=failed, grid=grid
-            )
-            errors[failed] = self._step_errors(step, X, refined)[failed]
-            groups += refined
-        if residual is not None:
-            residual += errors
-        return groups
-
-    def _step_errors(self, step, X, groups):
-        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - sum_q nu_q d/dt f(w_s(t_q))|``."""
-        start, direction = self.path.weights[step], self.path.step_direction(step)
-        errors = np.zeros(X.shape[0])
-        for group in groups:
-            rows = X[group.rows]
-            change = self.probe.log_proba(self.path.weights[step + 1], rows) - (
-                self.probe.log_proba(start, rows)
-            )
-            for t, nu in zip(group.nodes, group.weights, strict=True):
-                _, slope = self.probe.log_proba_and_slope(start + t * direction, direction, rows)
-                change -= nu * slope
-            errors[group.rows] = change.abs().amax(1).numpy()
-        return errors
+        step_params = self.path.unflatten(direction)
+        change = self.probe.log_proba(self.path.weights[step + 1], X) - self.probe.log_proba(
+            start, X
+        )
+        if self.quadrature == "exact":
+            pending = exact_groups(self.probe, start, direction, X, self.n_nodes)
+            grids = list(REFINEMENT_GRIDS)
+        else:
+            pending = [NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))]
+            grids = []
+        while pending:
+            failed = []
+            for group in pending:
+                rows = group.rows
+                nodes, estimate = [], 0.0
+                for t, nu in zip(group.nodes, group.weights, strict=True):
+                    factors = self.probe.factors(start + t * direction, X[rows])[1]
+                    slope = sum(
+                        rule.directional(f, step_params)
+                        for rule, f in zip(self.probe.rules, factors, strict=True)
+                    )
+                    estimate = estimate + nu * slope
+                    nodes.append((nu, factors))
+                errors = (change[rows] - estimate).abs().amax(1).numpy()
+                bad = errors > CERTIFICATE_TOL if grids else np.zeros(rows.size, dtype=bool)
+                if residual is not None:
+                    residual[rows[~bad]] += errors[~bad]
+                if bad.any():
+                    failed.append(rows[bad])
+                    if bad.all():
+                        continue
+                    keep = torch.as_tensor(np.flatnonzero(~bad))
+                    nodes = [(nu, [f.take(keep) for f in factors]) for nu, factors in nodes]
+                yield rows[~bad], nodes
+            pending = []
+            if failed:
+                pending = exact_groups(
+                    self.probe,
+                    start,
+                    direction,
+                    X,
+                    self.n_nodes,
+                    rows=np.concatenate(failed),
+                    grid=grids.pop(0),
+                )
 
     # -- blocks ------------------------------------------------------------------
 
@@ -206,15 +216,14 @@ class PathKernelEngine:
         contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
         residual = np.zeros(X.shape[0])
         for step in range(steps.start, steps.stop):
-            start, direction = self.path.weights[step], self.path.step_direction(step)
+            start, _direction = self.path.weights[step], self.path.step_direction(step)
             batch = torch.as_tensor(self.path.batches[step])
             coefficients = self.path.coefficients[step]
             _, train = self.probe.factors(start, self.X_train[batch], self.y_train[batch])
             step_block = torch.zeros((X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype)
-            for group in self._groups(step, X, residual):
-                rows = torch.as_tensor(group.rows)
-                for t, nu in zip(group.nodes, group.weights, strict=True):
-                    _, test = self.probe.factors(start + t * direction, X[rows])
+            for rows, nodes in self._test_features(step, X, residual):
+                rows = torch.as_tensor(rows)
+                for nu, test in nodes:
                     step_block[rows] += nu * _sum_layers(self.probe, test, train, "pairs")[..., 0]
             step_block *= coefficients[None, :, None]
             if batch.numel() == self.n_train and torch.equal(batch, torch.arange(self.n_train)):
@@ -227,7 +236,8 @@ class PathKernelEngine:
         """Summed per-step quadrature error of the test copy, per row of ``X``."""
         residual = np.zeros(X.shape[0])
         for step in range(self.path.n_steps):
-            self._groups(step, X, residual)
+            for _ in self._test_features(step, X, residual):
+                pass
         return residual
 
     # -- Gram matrices ---------------------------------------------------------------
@@ -294,19 +304,15 @@ class PathKernelEngine:
             if a_train.size and b_train.size:
                 block[np.ix_(a_train, b_train)] += _sum_layers(probe, fa, fb, mode).numpy()
             if a_test.size and b_train.size:
-                for group in self._groups(step, A[a_test]):
-                    rows = a_test[group.rows]
-                    for t, nu in zip(group.nodes, group.weights, strict=True):
-                        test = probe.factors(start + t * direction, A[rows])[1]
-                        block[np.ix_(rows, b_train)] += nu * _sum_layers(
+                for rows, nodes in self._test_features(step, A[a_test]):
+                    for nu, test in nodes:
+                        block[np.ix_(a_test[rows], b_train)] += nu * _sum_layers(
                             probe, test, fb, mode
                         ).numpy()
             if a_train.size and b_test.size:
-                for group in self._groups(step, B[b_test]):
-                    rows = b_test[group.rows]
-                    for t, nu in zip(group.nodes, group.weights, strict=True):
-                        test = probe.factors(start + t * direction, B[rows])[1]
-                        block[np.ix_(a_train, rows)] += nu * _sum_layers(
+                for rows, nodes in self._test_features(step, B[b_test]):
+                    for nu, test in nodes:
+                        block[np.ix_(a_train, b_test[rows])] += nu * _sum_layers(
                             probe, fa, test, mode
                         ).numpy()
             if a_test.size and b_test.size:
@@ -340,14 +346,14 @@ class PathKernelEngine:
         diag = np.zeros(A.shape[0])
         train, test = np.flatnonzero(mask), np.flatnonzero(~mask)
         for step in range(steps.start, steps.stop):
-            start, direction = self.path.weights[step], self.path.step_direction(step)
+            start, _direction = self.path.weights[step], self.path.step_direction(step)
             if train.size:
                 factors = self.probe.factors(start, A[train])[1]
                 diag[train] += _sum_layers(self.probe, factors, factors, "diag").numpy()
             if test.size:
-                for group in self._groups(step, A[test]):
-                    rows = test[group.rows]
-                    for t, nu in zip(group.nodes, group.weights, strict=True):
-                        factors = self.probe.factors(start + t * direction, A[rows])[1]
-                        diag[rows] += nu * _sum_layers(self.probe, factors, factors, "diag").numpy()
+                for rows, nodes in self._test_features(step, A[test]):
+                    for nu, factors in nodes:
+                        diag[test[rows]] += nu * _sum_layers(
+                            self.probe, factors, factors, "diag"
+                        ).numpy()
         return diag

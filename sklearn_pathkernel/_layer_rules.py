@@ -29,6 +29,14 @@ class Factors:
     def __init__(self, inputs=None, deltas=None, grads=None):
         self.inputs, self.deltas, self.grads = inputs, deltas, grads
 
+    def take(self, rows):
+        """The factors of a subset of rows."""
+        return Factors(*(None if f is None else f[rows] for f in (self.inputs, self.deltas, self.grads)))
+
+
+def _flat_direction(direction, names):
+    return torch.cat([direction[name].reshape(-1) for name in names if name is not None])
+
 
 def _contract(left, right, mode):
     """Inner products over the last axis of (n, K1, W) and (m, K2, W) tensors.
@@ -78,6 +86,18 @@ class LinearRule:
             return input_gram[:, :, None, None] * delta_gram
         return input_gram * delta_gram
 
+    def directional(self, factors, direction):
+        """``<g_k(x), direction>`` per row and output: (n, K)."""
+        if factors.grads is not None:
+            step = _flat_direction(direction, (self.weight_name, self.bias_name))
+            return factors.grads @ step
+        moved = torch.zeros(factors.deltas.shape[::2], dtype=factors.deltas.dtype)
+        if self.weight_name is not None:
+            moved = factors.inputs @ direction[self.weight_name].T
+        if self.bias_name is not None:
+            moved = moved + direction[self.bias_name]
+        return torch.einsum("nko,no->nk", factors.deltas, moved)
+
 
 class Conv2dRule:
     """``nn.Conv2d``: per-example weight gradients from the unfolded input (im2col)."""
@@ -103,6 +123,9 @@ class Conv2dRule:
     def inner(self, left, right, mode):
         return _contract(left.grads, right.grads, mode)
 
+    def directional(self, factors, direction):
+        return factors.grads @ _flat_direction(direction, (self.weight_name, self.bias_name))
+
 
 class GenericRule:
     """Any module with parameters: per-example gradients via ``torch.func``.
@@ -118,7 +141,7 @@ class GenericRule:
 
     def factors(self, inputs, delta, params):
         module, names = self.module, self.local_names
-        theta = {name: params[full].detach() for name, full in zip(names, self.path_names)}
+        theta = {name: params[full].detach() for name, full in zip(names, self.path_names, strict=False)}
         constants = {
             name: value.detach()
             for name, value in module.named_parameters(recurse=False)
@@ -138,6 +161,9 @@ class GenericRule:
 
     def inner(self, left, right, mode):
         return _contract(left.grads, right.grads, mode)
+
+    def directional(self, factors, direction):
+        return factors.grads @ _flat_direction(direction, self.path_names)
 
 
 def make_rule(module, prefix, path_names):

@@ -64,13 +64,14 @@ class WeightPath:
         return total
 
     def unflatten(self, flat):
-        """Split a flat weight vector into a ``{name: tensor}`` parameter dict."""
-        params, start = {}, 0
-        for name, shape in zip(self.param_names, self.param_shapes, strict=False):
-            size = int(np.prod(shape, dtype=np.int64))
-            params[name] = flat[start : start + size].view(shape)
-            start += size
-        return params
+        """Split a flat weight vector into a ``{name: tensor}`` parameter dict (views)."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.param_shapes]
+        return {
+            name: chunk.view(shape)
+            for name, shape, chunk in zip(
+                self.param_names, self.param_shapes, torch.split(flat, sizes), strict=True
+            )
+        }
 
     def step_direction(self, step):
         """``w_{s+1} - w_s``, the straight line the weights follow in step ``s``."""
