@@ -107,9 +107,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
 
         rng = check_random_state(self.random_state)
         X_t, y_t = as_tensor(X), torch.as_tensor(y_encoded, dtype=torch.int64)
-        module = self._initial_module(
-            X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max)
-        )
+        module = self._initial_module(X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max))
         check_module_output(module, X_t, classes.shape[0])
         result = train_module(
             module,

@@ -34,9 +34,7 @@ def _as_mask(flag, n):
 
 
 def _sum_layers(probe, left, right, mode):
-    return sum(
-        rule.inner(a, b, mode) for rule, a, b in zip(probe.rules, left, right, strict=True)
-    )
+    return sum(rule.inner(a, b, mode) for rule, a, b in zip(probe.rules, left, right, strict=True))
 
 
 class PathKernelEngine:
@@ -118,7 +116,9 @@ class PathKernelEngine:
             pending = exact_groups(self.probe, start, direction, X, self.n_nodes)
             grids = list(REFINEMENT_GRIDS)
         else:
-            pending = [NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))]
+            pending = [
+                NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))
+            ]
             grids = []
         while pending:
             failed = []
@@ -286,8 +286,8 @@ class PathKernelEngine:
         for (ta, tb, _), block in zip(keys, results, strict=True):
             gram[ta, tb] += block
             if symmetric and ta != tb:
-                gram[tb, ta] += block.swapaxes(0, 1) if mode == "trace" else (
-                    block.transpose(1, 0, 3, 2)
+                gram[tb, ta] += (
+                    block.swapaxes(0, 1) if mode == "trace" else (block.transpose(1, 0, 3, 2))
                 )
         return gram
 
@@ -306,24 +306,24 @@ class PathKernelEngine:
             if a_test.size and b_train.size:
                 for rows, nodes in self._test_features(step, A[a_test]):
                     for nu, test in nodes:
-                        block[np.ix_(a_test[rows], b_train)] += nu * _sum_layers(
-                            probe, test, fb, mode
-                        ).numpy()
+                        block[np.ix_(a_test[rows], b_train)] += (
+                            nu * _sum_layers(probe, test, fb, mode).numpy()
+                        )
             if a_train.size and b_test.size:
                 for rows, nodes in self._test_features(step, B[b_test]):
                     for nu, test in nodes:
-                        block[np.ix_(a_train, b_test[rows])] += nu * _sum_layers(
-                            probe, fa, test, mode
-                        ).numpy()
+                        block[np.ix_(a_train, b_test[rows])] += (
+                            nu * _sum_layers(probe, fa, test, mode).numpy()
+                        )
             if a_test.size and b_test.size:
                 nodes, weights = self._shared_nodes(step, torch.cat([A[a_test], B[b_test]]))
                 for t, nu in zip(nodes, weights, strict=True):
                     at = start + t * direction
                     left = probe.factors(at, A[a_test])[1]
                     right = probe.factors(at, B[b_test])[1]
-                    block[np.ix_(a_test, b_test)] += nu * _sum_layers(
-                        probe, left, right, mode
-                    ).numpy()
+                    block[np.ix_(a_test, b_test)] += (
+                        nu * _sum_layers(probe, left, right, mode).numpy()
+                    )
         return block
 
     def _shared_nodes(self, step, X):
@@ -336,7 +336,9 @@ class PathKernelEngine:
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
         mask = _as_mask(a_train, A.shape[0])
         keys = [(tile, steps) for tile in self._tiles(A.shape[0]) for steps in self._steps_chunks()]
-        results = self._run([(self._diag_block, A[tile], mask[tile], steps) for tile, steps in keys])
+        results = self._run(
+            [(self._diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
+        )
         diag = np.zeros(A.shape[0])
         for (tile, _), block in zip(keys, results, strict=True):
             diag[tile] += block
@@ -353,7 +355,7 @@ class PathKernelEngine:
             if test.size:
                 for rows, nodes in self._test_features(step, A[test]):
                     for nu, factors in nodes:
-                        diag[test[rows]] += nu * _sum_layers(
-                            self.probe, factors, factors, "diag"
-                        ).numpy()
+                        diag[test[rows]] += (
+                            nu * _sum_layers(self.probe, factors, factors, "diag").numpy()
+                        )
         return diag

@@ -31,7 +31,9 @@ class Factors:
 
     def take(self, rows):
         """The factors of a subset of rows."""
-        return Factors(*(None if f is None else f[rows] for f in (self.inputs, self.deltas, self.grads)))
+        return Factors(
+            *(None if f is None else f[rows] for f in (self.inputs, self.deltas, self.grads))
+        )
 
 
 def _flat_direction(direction, names):
@@ -141,7 +143,9 @@ class GenericRule:
 
     def factors(self, inputs, delta, params):
         module, names = self.module, self.local_names
-        theta = {name: params[full].detach() for name, full in zip(names, self.path_names, strict=False)}
+        theta = {
+            name: params[full].detach() for name, full in zip(names, self.path_names, strict=False)
+        }
         constants = {
             name: value.detach()
             for name, value in module.named_parameters(recurse=False)
@@ -177,9 +181,9 @@ def make_rule(module, prefix, path_names):
     if exact_type in (nn.Linear, nn.Conv2d) and set(local) <= {"weight", "bias"}:
         rule = LinearRule if exact_type is nn.Linear else Conv2dRule
         supported = exact_type is nn.Linear or (
-            module.groups == 1 and module.padding_mode == "zeros" and not isinstance(
-                module.padding, str
-            )
+            module.groups == 1
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
         )
         if supported:
             return rule(module, full.get("weight"), full.get("bias"))

@@ -126,7 +126,9 @@ class NetworkProbe:
             except RuntimeError:  # an op without a batching rule: loop over outputs
                 self._batched_backward = False
         per_output = [
-            torch.autograd.grad(log_proba, outs, cotangents[k], allow_unused=True, retain_graph=True)
+            torch.autograd.grad(
+                log_proba, outs, cotangents[k], allow_unused=True, retain_graph=True
+            )
             for k in range(n_outputs)
         ]
         return [

@@ -130,8 +130,8 @@ def train_module(
 
     record = records_path(solver, momentum)
     full_batch = np.arange(n_samples)
-    n_batches = 1 if _batches(n_samples, batch_size, False, rng) is None else (
-        -(-n_samples // batch_size)
+    n_batches = (
+        1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
     )
     if record:
         flat0, names, shapes = flatten_parameters(module)
