@@ -34,7 +34,7 @@ class NetworkProbe:
             if rule is not None:
                 self.layers.append(submodule)
                 self.rules.append(rule)
-        self._batched_backward = True
+        self._n_outputs = None
 
     def _call(self, flat, X):
         return F.log_softmax(functional_call(self.module, self.path.unflatten(flat), (X,)), dim=1)
@@ -64,6 +64,15 @@ class NetworkProbe:
         log_proba : torch.Tensor of shape (n, K)
         factors : list of Factors, one per layer rule.
         """
+        n = X.shape[0]
+        if outputs is None:
+            # Every output of every row in one backward pass: stack K copies of
+            # the batch, copy k back-propagating output k.
+            n_outputs = self.n_outputs(flat, X)
+            X = X.repeat(n_outputs, *([1] * (X.ndim - 1)))
+            chosen = torch.arange(n_outputs).repeat_interleave(n)
+        else:
+            chosen = outputs
         flat = flat.detach().requires_grad_(True)  # puts the layer outputs in the graph
         params = self.path.unflatten(flat)
         captured = [None] * len(self.layers)
@@ -77,12 +86,25 @@ class NetworkProbe:
         finally:
             for hook in hooks:
                 hook.remove()
-        deltas = self._deltas(log_proba, [out for _, out in captured], outputs)
-        factors = [
-            rule.factors(inputs, delta, params)
-            for rule, (inputs, _), delta in zip(self.rules, captured, deltas, strict=True)
-        ]
-        return log_proba.detach(), factors
+        outs = [out for _, out in captured]
+        cotangent = F.one_hot(chosen, log_proba.shape[1]).to(log_proba.dtype)
+        grads = torch.autograd.grad(log_proba, outs, cotangent, allow_unused=True)
+        factors = []
+        for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
+            delta = grad if grad is not None else torch.zeros_like(out)
+            if outputs is None:
+                delta = delta.view(-1, n, *delta.shape[1:]).transpose(0, 1)
+                inputs = tuple(x[:n] for x in inputs)
+            else:
+                delta = delta.unsqueeze(1)
+            factors.append(rule.factors(inputs, delta, params))
+        return log_proba[:n].detach(), factors
+
+    def n_outputs(self, flat, X):
+        """Number of outputs K of the network (evaluated once)."""
+        if self._n_outputs is None:
+            self._n_outputs = self.log_proba(flat, X[:1]).shape[1]
+        return self._n_outputs
 
     @staticmethod
     def _capture_hook(captured, index):
@@ -100,45 +122,3 @@ class NetworkProbe:
             return output.clone()
 
         return hook
-
-    def _deltas(self, log_proba, outs, outputs):
-        n, n_outputs = log_proba.shape
-        if outputs is not None:
-            cotangent = F.one_hot(outputs, n_outputs).to(log_proba.dtype)
-            grads = torch.autograd.grad(log_proba, outs, cotangent, allow_unused=True)
-            return [_zeros_if_none(g, out).unsqueeze(1) for g, out in zip(grads, outs, strict=True)]
-        eye = torch.eye(n_outputs, dtype=log_proba.dtype)
-        cotangents = eye[:, None, :].expand(n_outputs, n, n_outputs)
-        if self._batched_backward:
-            try:
-                grads = torch.autograd.grad(
-                    log_proba,
-                    outs,
-                    cotangents,
-                    is_grads_batched=True,
-                    allow_unused=True,
-                    retain_graph=True,
-                )
-                return [
-                    _zeros_if_none(g, out, n_outputs).transpose(0, 1)
-                    for g, out in zip(grads, outs, strict=True)
-                ]
-            except RuntimeError:  # an op without a batching rule: loop over outputs
-                self._batched_backward = False
-        per_output = [
-            torch.autograd.grad(
-                log_proba, outs, cotangents[k], allow_unused=True, retain_graph=True
-            )
-            for k in range(n_outputs)
-        ]
-        return [
-            torch.stack([_zeros_if_none(g[i], outs[i]) for g in per_output], dim=1)
-            for i in range(len(outs))
-        ]
-
-
-def _zeros_if_none(grad, out, batch=None):
-    if grad is not None:
-        return grad
-    shape = out.shape if batch is None else (batch, *out.shape)
-    return torch.zeros(shape, dtype=out.dtype)
