@@ -20,7 +20,7 @@ from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
 from ._probe import NetworkProbe
-from ._quadrature import NodeGroup, exact_groups, fixed_rule, shared_exact_nodes
+from ._quadrature import exact_nodes, fixed_rule, same_nodes, shared_exact_nodes
 
 # A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
@@ -31,6 +31,15 @@ REFINEMENT_GRIDS = (np.linspace(0.0, 1.0, 9), np.linspace(0.0, 1.0, 65))
 def _as_mask(flag, n):
     mask = np.broadcast_to(np.asarray(flag, dtype=bool), (n,))
     return mask.copy()
+
+
+def _scale_rows(weights, values):
+    return weights.view(-1, *([1] * (values.ndim - 1))) * values
+
+
+def _swap(block, mode):
+    """The transposed block: (n, m) -> (m, n), (n, m, K, K') -> (m, n, K', K)."""
+    return block.transpose(0, 1) if mode == "trace" else block.permute(1, 0, 3, 2)
 
 
 def _sum_layers(probe, left, right, mode):
@@ -97,64 +106,69 @@ class PathKernelEngine:
 
     # -- quadrature ------------------------------------------------------------
 
-    def _test_features(self, step, X, residual=None):
-        """Integrate the test-copy features of ``step`` for every row of ``X``.
+    def _evaluate_nodes(self, step, X, nodes):
+        """Factors of every node in chunks: list of ``(rows, weights, factors)``."""
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        chunk = max(1, self.tile_size)
+        evaluated = []
+        for begin in range(0, nodes.rows.size, chunk):
+            part = nodes.take(slice(begin, begin + chunk))
+            rows = torch.as_tensor(part.rows)
+            factors = self.probe.factors(
+                start, X[rows], direction=direction, t=torch.as_tensor(part.t)
+            )[1]
+            evaluated.append((rows, torch.as_tensor(part.weights), factors))
+        return evaluated
 
-        Yields ``(rows, nodes)``, covering each row once: ``nodes`` is a list of
-        ``(nu, factors)`` whose weighted sum is the row's ``phi_s``. The
-        certificate ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|`` is
-        checked from the same factors and added to ``residual``; with
-        ``"exact"``, rows above ``CERTIFICATE_TOL`` (two kinks cancelling between
+    def _certify(self, step, X, evaluated):
+        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``."""
+        start = self.path.weights[step]
+        step_params = self.path.unflatten(self.path.step_direction(step))
+        error = self.probe.log_proba(self.path.weights[step + 1], X) - self.probe.log_proba(
+            start, X
+        )
+        for rows, weights, factors in evaluated:
+            slope = sum(
+                rule.directional(f, step_params)
+                for rule, f in zip(self.probe.rules, factors, strict=True)
+            )
+            error.index_add_(0, rows, -weights[:, None] * slope)
+        return error.abs().amax(1).numpy()
+
+    def _test_features(self, step, X, residual=None):
+        """The test-copy features of ``step`` for every row of ``X``.
+
+        Returns a list of ``(rows, weights, factors)``: row ``r``'s ``phi_s`` is
+        the sum over entries with ``rows == r`` of ``weights * g(factors)``. The
+        certificate is checked from the same factors and added to ``residual``;
+        with ``"exact"``, rows above ``CERTIFICATE_TOL`` (kinks that cancel between
         detection points) are integrated again on a finer detection grid.
         """
         start, direction = self.path.weights[step], self.path.step_direction(step)
-        step_params = self.path.unflatten(direction)
-        change = self.probe.log_proba(self.path.weights[step + 1], X) - self.probe.log_proba(
-            start, X
-        )
-        if self.quadrature == "exact":
-            pending = exact_groups(self.probe, start, direction, X, self.n_nodes)
-            grids = list(REFINEMENT_GRIDS)
-        else:
-            pending = [
-                NodeGroup(np.arange(X.shape[0]), *fixed_rule(self.quadrature, self.n_points))
-            ]
-            grids = []
-        while pending:
-            failed = []
-            for group in pending:
-                rows = group.rows
-                nodes, estimate = [], 0.0
-                for t, nu in zip(group.nodes, group.weights, strict=True):
-                    factors = self.probe.factors(start + t * direction, X[rows])[1]
-                    slope = sum(
-                        rule.directional(f, step_params)
-                        for rule, f in zip(self.probe.rules, factors, strict=True)
-                    )
-                    estimate = estimate + nu * slope
-                    nodes.append((nu, factors))
-                errors = (change[rows] - estimate).abs().amax(1).numpy()
-                bad = errors > CERTIFICATE_TOL if grids else np.zeros(rows.size, dtype=bool)
-                if residual is not None:
-                    residual[rows[~bad]] += errors[~bad]
-                if bad.any():
-                    failed.append(rows[bad])
-                    if bad.all():
-                        continue
-                    keep = torch.as_tensor(np.flatnonzero(~bad))
-                    nodes = [(nu, [f.take(keep) for f in factors]) for nu, factors in nodes]
-                yield rows[~bad], nodes
-            pending = []
-            if failed:
-                pending = exact_groups(
-                    self.probe,
-                    start,
-                    direction,
-                    X,
-                    self.n_nodes,
-                    rows=np.concatenate(failed),
-                    grid=grids.pop(0),
-                )
+        all_rows = np.arange(X.shape[0])
+        if self.quadrature != "exact":
+            nodes = same_nodes(all_rows, *fixed_rule(self.quadrature, self.n_points))
+            evaluated = self._evaluate_nodes(step, X, nodes)
+            if residual is not None:
+                residual += self._certify(step, X, evaluated)
+            return evaluated
+        nodes = exact_nodes(self.probe, start, direction, X, self.n_nodes)
+        evaluated = self._evaluate_nodes(step, X, nodes)
+        errors = self._certify(step, X, evaluated)
+        for grid in REFINEMENT_GRIDS:
+            failed = np.flatnonzero(errors > CERTIFICATE_TOL)
+            if failed.size == 0:
+                break
+            keep = ~np.isin(nodes.rows, failed)
+            refined = exact_nodes(
+                self.probe, start, direction, X, self.n_nodes, rows=failed, grid=grid
+            )
+            nodes = type(nodes).cat([nodes.take(keep), refined])
+            evaluated = self._evaluate_nodes(step, X, nodes)
+            errors = self._certify(step, X, evaluated)
+        if residual is not None:
+            residual += errors
+        return evaluated
 
     # -- blocks ------------------------------------------------------------------
 
@@ -221,10 +235,9 @@ class PathKernelEngine:
             coefficients = self.path.coefficients[step]
             _, train = self.probe.factors(start, self.X_train[batch], self.y_train[batch])
             step_block = torch.zeros((X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype)
-            for rows, nodes in self._test_features(step, X, residual):
-                rows = torch.as_tensor(rows)
-                for nu, test in nodes:
-                    step_block[rows] += nu * _sum_layers(self.probe, test, train, "pairs")[..., 0]
+            for rows, weights, test in self._test_features(step, X, residual):
+                pairs = _sum_layers(self.probe, test, train, "pairs")[..., 0]
+                step_block.index_add_(0, rows, weights[:, None, None] * pairs)
             step_block *= coefficients[None, :, None]
             if batch.numel() == self.n_train and torch.equal(batch, torch.arange(self.n_train)):
                 contributions += step_block
@@ -236,8 +249,7 @@ class PathKernelEngine:
         """Summed per-step quadrature error of the test copy, per row of ``X``."""
         residual = np.zeros(X.shape[0])
         for step in range(self.path.n_steps):
-            for _ in self._test_features(step, X, residual):
-                pass
+            self._test_features(step, X, residual)
         return residual
 
     # -- Gram matrices ---------------------------------------------------------------
@@ -293,38 +305,60 @@ class PathKernelEngine:
 
     def _gram_block(self, A, a_mask, B, b_mask, steps, mode):
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
-        block = np.zeros((A.shape[0], B.shape[0]) + n_outputs)
-        a_train, a_test = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
-        b_train, b_test = np.flatnonzero(b_mask), np.flatnonzero(~b_mask)
+        block = torch.zeros((A.shape[0], B.shape[0]) + n_outputs, dtype=A.dtype)
+        a_train, a_test = (torch.as_tensor(np.flatnonzero(m)) for m in (a_mask, ~a_mask))
+        b_train, b_test = (torch.as_tensor(np.flatnonzero(m)) for m in (b_mask, ~b_mask))
         probe = self.probe
+
+        def add(rows, cols, values):
+            block[rows[:, None], cols] += values
+
         for step in range(steps.start, steps.stop):
-            start, direction = self.path.weights[step], self.path.step_direction(step)
-            fa = probe.factors(start, A[a_train])[1] if a_train.size else None
-            fb = probe.factors(start, B[b_train])[1] if b_train.size else None
-            if a_train.size and b_train.size:
-                block[np.ix_(a_train, b_train)] += _sum_layers(probe, fa, fb, mode).numpy()
-            if a_test.size and b_train.size:
-                for rows, nodes in self._test_features(step, A[a_test]):
-                    for nu, test in nodes:
-                        block[np.ix_(a_test[rows], b_train)] += (
-                            nu * _sum_layers(probe, test, fb, mode).numpy()
-                        )
-            if a_train.size and b_test.size:
-                for rows, nodes in self._test_features(step, B[b_test]):
-                    for nu, test in nodes:
-                        block[np.ix_(a_train, b_test[rows])] += (
-                            nu * _sum_layers(probe, fa, test, mode).numpy()
-                        )
-            if a_test.size and b_test.size:
-                nodes, weights = self._shared_nodes(step, torch.cat([A[a_test], B[b_test]]))
-                for t, nu in zip(nodes, weights, strict=True):
-                    at = start + t * direction
-                    left = probe.factors(at, A[a_test])[1]
-                    right = probe.factors(at, B[b_test])[1]
-                    block[np.ix_(a_test, b_test)] += (
-                        nu * _sum_layers(probe, left, right, mode).numpy()
-                    )
-        return block
+            start = self.path.weights[step]
+            fa = probe.factors(start, A[a_train])[1] if a_train.numel() else None
+            fb = probe.factors(start, B[b_train])[1] if b_train.numel() else None
+            if a_train.numel() and b_train.numel():
+                add(a_train, b_train, _sum_layers(probe, fa, fb, mode))
+            if a_test.numel() and b_train.numel():
+                part = torch.zeros((a_test.numel(), b_train.numel()) + n_outputs, dtype=A.dtype)
+                for rows, weights, test in self._test_features(step, A[a_test]):
+                    values = _sum_layers(probe, test, fb, mode)
+                    part.index_add_(0, rows, _scale_rows(weights, values))
+                add(a_test, b_train, part)
+            if a_train.numel() and b_test.numel():
+                part = torch.zeros((b_test.numel(), a_train.numel()) + n_outputs, dtype=A.dtype)
+                for rows, weights, test in self._test_features(step, B[b_test]):
+                    values = _sum_layers(probe, test, fa, mode)
+                    part.index_add_(0, rows, _scale_rows(weights, values))
+                add(a_train, b_test, _swap(part, mode))
+            if a_test.numel() and b_test.numel():
+                add(a_test, b_test, self._test_test(step, A[a_test], B[b_test], mode))
+        return block.numpy()
+
+    def _test_test(self, step, A, B, mode):
+        """``sum_q nu_q <g(a; w_s(t_q)), g(b; w_s(t_q))>``, nodes shared by all rows."""
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        t, nu = self._shared_nodes(step, torch.cat([A, B]))
+        n_nodes = len(t)
+        times = torch.as_tensor(t)
+
+        def at_nodes(X):  # rows ordered node-major: entry q * n + i
+            return self.probe.factors(
+                start,
+                X.repeat(n_nodes, *([1] * (X.ndim - 1))),
+                direction=direction,
+                t=times.repeat_interleave(X.shape[0]),
+            )[1]
+
+        left, right = at_nodes(A), at_nodes(B)
+        total = 0.0
+        for q in range(n_nodes):
+            rows_a = slice(q * A.shape[0], (q + 1) * A.shape[0])
+            rows_b = slice(q * B.shape[0], (q + 1) * B.shape[0])
+            total = total + nu[q] * _sum_layers(
+                self.probe, [f.take(rows_a) for f in left], [f.take(rows_b) for f in right], mode
+            )
+        return total
 
     def _shared_nodes(self, step, X):
         if self.quadrature != "exact":
@@ -345,17 +379,17 @@ class PathKernelEngine:
         return diag
 
     def _diag_block(self, A, mask, steps):
-        diag = np.zeros(A.shape[0])
-        train, test = np.flatnonzero(mask), np.flatnonzero(~mask)
+        diag = torch.zeros(A.shape[0], dtype=A.dtype)
+        train, test = (torch.as_tensor(np.flatnonzero(m)) for m in (mask, ~mask))
         for step in range(steps.start, steps.stop):
-            start, _direction = self.path.weights[step], self.path.step_direction(step)
-            if train.size:
-                factors = self.probe.factors(start, A[train])[1]
-                diag[train] += _sum_layers(self.probe, factors, factors, "diag").numpy()
-            if test.size:
-                for rows, nodes in self._test_features(step, A[test]):
-                    for nu, factors in nodes:
-                        diag[test[rows]] += (
-                            nu * _sum_layers(self.probe, factors, factors, "diag").numpy()
-                        )
-        return diag
+            if train.numel():
+                factors = self.probe.factors(self.path.weights[step], A[train])[1]
+                diag[train] += _sum_layers(self.probe, factors, factors, "diag")
+            if test.numel():
+                part = torch.zeros(test.numel(), dtype=A.dtype)
+                for rows, weights, factors in self._test_features(step, A[test]):
+                    part.index_add_(
+                        0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
+                    )
+                diag[test] += part
+        return diag.numpy()

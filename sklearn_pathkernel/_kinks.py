@@ -8,12 +8,11 @@ Gauss-Legendre is exact to machine precision with a handful of nodes.
 
 A ``torch`` function mode records the *switching values* of those operations
 during a forward pass (their signs select the linear piece), for any module and
-with no knowledge of its code. A kink is located by regula falsi on the first
-switching value to change sign, which is exact in one step for a first hidden
-layer (its pre-activation is linear in ``t``) and converges fast elsewhere.
+with no knowledge of its code. Kinks are located for all rows at once by regula
+falsi on the first switching value to change sign: exact in one step for a first
+hidden layer (its pre-activation is linear in ``t``), fast elsewhere.
 """
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -43,7 +42,8 @@ class SwitchRecorder(TorchFunctionMode):
         super().__init__()
         self.switches, self.pools = [], []
 
-    def _flat(self, tensor):
+    @staticmethod
+    def _rows(tensor):
         tensor = tensor.detach()
         return tensor.flatten(1) if tensor.ndim > 1 else tensor[:, None]
 
@@ -57,12 +57,12 @@ class SwitchRecorder(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor) and args[0].ndim > 0:
             z = args[0]
             if name in _SIGN_AT_ZERO:
-                self.switches.append(self._flat(z))
+                self.switches.append(self._rows(z))
             elif name in _BOUNDED:
                 for bound in _bounds(name, args, kwargs):
-                    self.switches.append(self._flat(z - bound))
+                    self.switches.append(self._rows(z - bound))
             elif name in _PAIRWISE and len(args) > 1 and isinstance(args[1], torch.Tensor):
-                self.switches.append(self._flat(z - args[1]))
+                self.switches.append(self._rows(z - args[1]))
         return func(*args, **kwargs)
 
 
@@ -81,22 +81,66 @@ def _bounds(name, args, kwargs):
 
 
 class SwitchState:
-    """Switching values of a batch of rows at one point ``t`` of a step."""
+    """Switching values of a batch of rows, row ``i`` at its own point ``t[i]``."""
 
-    def __init__(self, t, n_rows, switches, pools):
-        self.t, self.n_rows, self.switches, self.pools = t, n_rows, switches, pools
+    def __init__(self, t, switches, pools):
+        self.t, self.switches, self.pools = t, switches, pools
 
-    def row(self, i):
+    def _map(self, fn):
         return SwitchState(
-            self.t,
-            1,
-            [s[i : i + 1] for s in self.switches],
-            [(a[i : i + 1], idx[i : i + 1]) for a, idx in self.pools],
+            fn(self.t), [fn(s) for s in self.switches], [(fn(a), fn(i)) for a, i in self.pools]
+        )
+
+    def take(self, rows):
+        return self._map(lambda x: x[rows])
+
+    @staticmethod
+    def cat(parts):
+        first = parts[0]
+        return SwitchState(
+            torch.cat([p.t for p in parts]),
+            [torch.cat([p.switches[j] for p in parts]) for j in range(len(first.switches))],
+            [
+                tuple(torch.cat([p.pools[j][c] for p in parts]) for c in (0, 1))
+                for j in range(len(first.pools))
+            ],
+        )
+
+    def where(self, mask, other):
+        """Rows of ``other`` where ``mask``, else rows of ``self``."""
+
+        def pick(mine, theirs):
+            return torch.where(mask.view(-1, *([1] * (mine.ndim - 1))), theirs, mine)
+
+        return SwitchState(
+            pick(self.t, other.t),
+            [pick(a, b) for a, b in zip(self.switches, other.switches, strict=True)],
+            [
+                (pick(va, vb), pick(ia, ib))
+                for (va, ia), (vb, ib) in zip(self.pools, other.pools, strict=True)
+            ],
+        )
+
+    def put(self, rows, other):
+        """A copy with ``rows`` replaced by the rows of ``other``."""
+
+        def assign(mine, theirs):
+            mine = mine.clone()
+            mine[rows] = theirs
+            return mine
+
+        return SwitchState(
+            assign(self.t, other.t),
+            [assign(a, b) for a, b in zip(self.switches, other.switches, strict=True)],
+            [
+                (assign(va, vb), assign(ia, ib))
+                for (va, ia), (vb, ib) in zip(self.pools, other.pools, strict=True)
+            ],
         )
 
     def same_piece(self, other):
         """Boolean per row: are both states on the same linear piece?"""
-        same = torch.ones(self.n_rows, dtype=torch.bool)
+        same = torch.ones(self.t.shape[0], dtype=torch.bool)
         for a, b in zip(self.switches, other.switches, strict=True):
             same &= ((a > 0) == (b > 0)).all(1)
         for (_, ia), (_, ib) in zip(self.pools, other.pools, strict=True):
@@ -104,79 +148,101 @@ class SwitchState:
         return same
 
 
-def switch_state(probe, flat, X, t):
-    """Record the switching values of the rows of ``X`` at flat weights ``flat``."""
-    recorder = SwitchRecorder()
-    with torch.no_grad(), recorder:
-        probe._call(flat, X)
-    return SwitchState(t, X.shape[0], recorder.switches, recorder.pools)
+class _Switches:
+    """``NetworkProbe.per_row`` adapter recording switch states."""
+
+    def __init__(self, probe):
+        self.probe = probe
+
+    def __call__(self, start, X, direction, t, rows=None):
+        recorder = SwitchRecorder()
+        with torch.no_grad(), recorder:
+            self.probe._forward(start, X, direction, t)
+        t_rows = t if isinstance(t, torch.Tensor) else torch.full((X.shape[0],), float(t or 0.0))
+        return SwitchState(t_rows.to(torch.float64), recorder.switches, recorder.pools)
+
+    cat = staticmethod(SwitchState.cat)
+
+
+def switch_state(probe, start, direction, X, t):
+    """Switch states of the rows of ``X`` at ``start + t direction`` (t per row or scalar)."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.full((X.shape[0],), float(t), dtype=torch.float64)
+    return probe.per_row(_Switches(probe), start, X, direction, t)
 
 
 def _first_crossing(left, right):
-    """Regula-falsi estimate of the first sign change between two single-row states."""
-    lo, hi, best = left.t, right.t, np.inf
+    """Per row, the regula-falsi estimate of the first sign change in (left.t, right.t)."""
+    lo, hi = left.t, right.t
+    width = (hi - lo)[:, None]
+    best = torch.full_like(lo, torch.inf)
     for a, b in zip(left.switches, right.switches, strict=True):
         changed = (a > 0) != (b > 0)
         if changed.any():
-            za, zb = a[changed], b[changed]
-            best = min(best, float((lo + (hi - lo) * za / (za - zb)).min()))
+            estimate = torch.where(changed, lo[:, None] + width * a / (a - b), torch.inf)
+            best = torch.minimum(best, estimate.amin(1))
     for (va, ia), (vb, ib) in zip(left.pools, right.pools, strict=True):
         changed = ia != ib
         if changed.any():
-            # winner at the left end minus winner at the right end: >= 0, then <= 0
-            da = (va.gather(2, ia) - va.gather(2, ib))[changed]
-            db = (vb.gather(2, ia) - vb.gather(2, ib))[changed]
-            denom = da - db
-            ok = denom > 0
-            if ok.any():
-                best = min(best, float((lo + (hi - lo) * da[ok] / denom[ok]).min()))
-    if not np.isfinite(best):
-        best = 0.5 * (lo + hi)
-    return best
+            # left winner minus right winner: >= 0 at lo, <= 0 at hi
+            da = (va.gather(2, ia) - va.gather(2, ib)).flatten(1)
+            db = (vb.gather(2, ia) - vb.gather(2, ib)).flatten(1)
+            ok = changed.flatten(1) & (da - db > 0)
+            estimate = torch.where(ok, lo[:, None] + width * da / (da - db), torch.inf)
+            best = torch.minimum(best, estimate.amin(1))
+    # No sign change seen (only a pool winner without a usable bracket): bisect.
+    return torch.where(torch.isfinite(best), best.clamp(lo, hi), 0.5 * (lo + hi))
 
 
-def locate_kinks(evaluate, left, right, *, tol=1e-13, max_iter=60):
-    """Breakpoints in ``(left.t, right.t)`` where a single row changes piece.
+def locate_kinks(evaluate, left, right, *, tol=1e-12, max_iter=60, max_kinks=100_000):
+    """Breakpoints of every row where it changes piece between ``left`` and ``right``.
 
     Parameters
     ----------
     evaluate : callable
-        ``evaluate(t) -> SwitchState`` of the row at ``t``.
+        ``evaluate(rows, t) -> SwitchState`` of the given rows at per-row ``t``.
     left, right : SwitchState
-        The row's states at the ends of the interval.
+        All rows' states at the ends of their intervals.
     tol : float
         Each breakpoint is bracketed to within ``4 * tol``.
 
     Returns
     -------
-    list of float
-        Increasing breakpoints; between consecutive ones the row stays on one
-        linear piece (up to undetected double crossings, which the certificate
-        reveals).
+    list of list of float
+        Increasing breakpoints per row; between consecutive ones the row stays on
+        one linear piece (up to double crossings between ``left`` and ``right``,
+        which the certificate reveals).
     """
-    kinks, a = [], left
-    while not bool(a.same_piece(right)[0]):
-        b = right
+    kinks = [[] for _ in range(left.t.shape[0])]
+    current = left
+    for _ in range(max_kinks):
+        rows = torch.nonzero(~current.same_piece(right)).squeeze(1)
+        if rows.numel() == 0:
+            break
+        a, b = current.take(rows), right.take(rows)
         for iteration in range(max_iter):
             width = b.t - a.t
-            if width <= 4 * tol:
+            if not (width > 4 * tol).any():
                 break
             t = _first_crossing(a, b)
-            if not (a.t < t < b.t):
-                t = 0.5 * (a.t + b.t)
-            # Nudge estimates off the bracket's ends so that it closes from both sides.
-            t = min(max(t, a.t + tol), b.t - tol)
-            middle = evaluate(t)
-            if bool(a.same_piece(middle)[0]):
-                a = middle
-            else:
-                b = middle
-            if iteration >= 2 and b.t - a.t > 0.5 * width:  # slow regula falsi: bisect
-                middle = evaluate(0.5 * (a.t + b.t))
-                if bool(a.same_piece(middle)[0]):
-                    a = middle
-                else:
-                    b = middle
-        kinks.append(b.t)
-        a = b  # the state just past this kink
+            # Nudge estimates off the bracket's ends so that it closes from both
+            # sides; a closed bracket just re-evaluates its right end.
+            t = torch.minimum(torch.maximum(t, a.t + tol), b.t - tol)
+            t = torch.where(width > 4 * tol, t, b.t)
+            a, b = _split(evaluate, rows, a, b, t)
+            if iteration >= 2:  # slow regula falsi somewhere: bisect those rows
+                # (below ~1e3 tol the estimates are rounding noise: no point in bisecting)
+                slow = (b.t - a.t > 0.5 * width) & (width > 1e3 * tol)
+                if slow.any():
+                    t = torch.where(slow, 0.5 * (a.t + b.t), b.t)
+                    a, b = _split(evaluate, rows, a, b, t)
+        for row, t in zip(rows.tolist(), b.t.tolist(), strict=True):
+            kinks[row].append(t)
+        current = current.put(rows, b)  # the states just past these kinks
     return kinks
+
+
+def _split(evaluate, rows, a, b, t):
+    middle = evaluate(rows, t)
+    before = a.same_piece(middle)
+    return a.where(before, middle), b.where(~before, middle)

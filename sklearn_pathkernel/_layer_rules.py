@@ -29,6 +29,12 @@ class Factors:
     def __init__(self, inputs=None, deltas=None, grads=None):
         self.inputs, self.deltas, self.grads = inputs, deltas, grads
 
+    @staticmethod
+    def cat(parts):
+        """Stack the rows of several Factors of the same layer."""
+        fields = zip(*((p.inputs, p.deltas, p.grads) for p in parts), strict=True)
+        return Factors(*(None if f[0] is None else torch.cat(f) for f in fields))
+
     def take(self, rows):
         """The factors of a subset of rows."""
         return Factors(
@@ -58,7 +64,19 @@ class LinearRule:
     """``nn.Linear`` on 2-D input: factored form, cost O(n m (d_in + K d_out))."""
 
     def __init__(self, module, weight_name, bias_name):
+        self.module = module
         self.weight_name, self.bias_name = weight_name, bias_name
+
+    def zero_weight(self):
+        return torch.zeros_like(self.module.weight)
+
+    def moved_output(self, inputs, steps):
+        """The layer applied with the weight change ``steps`` (it is linear in them)."""
+        weight = steps[self.weight_name] if self.weight_name else None
+        bias = steps[self.bias_name] if self.bias_name else None
+        if weight is None:
+            return torch.zeros_like(F.linear(inputs[0], self.zero_weight())) + bias
+        return F.linear(inputs[0], weight, bias)
 
     def factors(self, inputs, delta, params):
         a = inputs[0]
@@ -107,6 +125,13 @@ class Conv2dRule:
     def __init__(self, module, weight_name, bias_name):
         self.module = module
         self.weight_name, self.bias_name = weight_name, bias_name
+
+    def moved_output(self, inputs, steps):
+        """The convolution applied with the weight change ``steps`` (it is linear in them)."""
+        conv = self.module
+        weight = steps[self.weight_name] if self.weight_name else torch.zeros_like(conv.weight)
+        bias = steps[self.bias_name] if self.bias_name else None
+        return F.conv2d(inputs[0], weight, bias, conv.stride, conv.padding, conv.dilation)
 
     def factors(self, inputs, delta, params):
         conv = self.module

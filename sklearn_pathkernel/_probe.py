@@ -8,9 +8,9 @@ factors (see ``_layer_rules``).
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, jvp
+from torch.func import functional_call
 
-from ._layer_rules import make_rule
+from ._layer_rules import Factors, make_rule
 
 
 class NetworkProbe:
@@ -35,60 +35,123 @@ class NetworkProbe:
                 self.layers.append(submodule)
                 self.rules.append(rule)
         self._n_outputs = None
+        self.per_row_t = all(hasattr(rule, "moved_output") for rule in self.rules)
+
+    def _forward(self, start, X, direction=None, t=None, hook=None):
+        """``log_softmax(module(X))`` with row ``i`` at weights ``start + t_i direction``.
+
+        ``t`` is None (weights ``start``), a float, or a tensor with one value per
+        row; per-row values need every layer to be linear in its parameters
+        (``self.per_row_t``), so a layer's output at ``w + t dw`` is its output at
+        ``w`` plus ``t`` times its "moved" output (the layer applied with ``dw``).
+        ``hook(index, inputs, output) -> output`` sees each parameterised layer.
+        """
+        if t is not None and not isinstance(t, torch.Tensor):
+            start, t = start + t * direction, None
+        params = self.path.unflatten(start)
+        steps = None if t is None else self.path.unflatten(direction)
+
+        def layer_hook(index):
+            def run(layer, inputs, output):
+                if steps is not None:
+                    moved = self.rules[index].moved_output(inputs, steps)
+                    output = output + t.view(-1, *([1] * (output.ndim - 1))) * moved
+                return output if hook is None else hook(index, inputs, output)
+
+            return run
+
+        handles = []
+        if hook is not None or t is not None:
+            handles = [
+                layer.register_forward_hook(layer_hook(index))
+                for index, layer in enumerate(self.layers)
+            ]
+        try:
+            return F.log_softmax(functional_call(self.module, params, (X,)), dim=1)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _call(self, flat, X):
-        return F.log_softmax(functional_call(self.module, self.path.unflatten(flat), (X,)), dim=1)
+        return self._forward(flat, X)
 
-    def log_proba(self, flat, X):
-        """``f_w(X)``, shape (n, K), without gradients."""
+    def per_row(self, fn, start, X, direction, t):
+        """Apply ``fn(start, X, direction, t)`` with per-row ``t``, falling back to one
+        call per distinct ``t`` when some layer is not linear in its parameters.
+
+        ``fn`` returns an object with ``take(rows)`` and a ``cat`` classmethod-like
+        helper given as ``fn.cat``.
+        """
+        if t is None or not isinstance(t, torch.Tensor) or self.per_row_t:
+            return fn(start, X, direction, t)
+        values, inverse = torch.unique(t, return_inverse=True)
+        parts, order = [], []
+        for j, value in enumerate(values):
+            rows = torch.nonzero(inverse == j).squeeze(1)
+            parts.append(fn(start, X[rows], direction, float(value), rows=rows))
+            order.append(rows)
+        order = torch.cat(order)
+        return fn.cat(parts).take(torch.argsort(order))
+
+    def log_proba(self, start, X, direction=None, t=None):
+        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``)."""
         with torch.no_grad():
-            return self._call(flat, X)
+            return self.per_row(_LogProba(self), start, X, direction, t).value
 
-    def log_proba_and_slope(self, flat, direction, X):
-        """``f_w(X)`` and its derivative along ``direction`` (forward-mode AD)."""
-        return jvp(lambda w: self._call(w, X), (flat,), (direction,))
-
-    def factors(self, flat, X, outputs=None):
-        """Per-layer factors of the per-example gradients at weights ``flat``.
+    def factors(self, start, X, outputs=None, *, direction=None, t=None):
+        """Per-layer factors of the per-example gradients.
 
         Parameters
         ----------
-        flat : torch.Tensor of shape (W,)
+        start : torch.Tensor of shape (W,)
         X : torch.Tensor of shape (n, ...)
         outputs : torch.Tensor of shape (n,) or None
             ``None`` keeps every output ``k`` (deltas of shape (n, K, ...)); an
             index per row keeps that output only (shape (n, 1, ...)).
+        direction, t : torch.Tensor or None
+            Row ``i`` is evaluated at ``start + t_i direction`` (see ``_forward``).
 
         Returns
         -------
         log_proba : torch.Tensor of shape (n, K)
         factors : list of Factors, one per layer rule.
         """
+        result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
+        return result.log_proba, result.factors
+
+    def _factors(self, start, X, outputs, direction, t):
         n = X.shape[0]
         if outputs is None:
             # Every output of every row in one backward pass: stack K copies of
             # the batch, copy k back-propagating output k.
-            n_outputs = self.n_outputs(flat, X)
+            n_outputs = self.n_outputs(start, X)
             X = X.repeat(n_outputs, *([1] * (X.ndim - 1)))
+            if isinstance(t, torch.Tensor):
+                t = t.repeat(n_outputs)
             chosen = torch.arange(n_outputs).repeat_interleave(n)
         else:
             chosen = outputs
-        flat = flat.detach().requires_grad_(True)  # puts the layer outputs in the graph
-        params = self.path.unflatten(flat)
+        start = start.detach().requires_grad_(True)  # puts the layer outputs in the graph
         captured = [None] * len(self.layers)
-        hooks = [
-            layer.register_forward_hook(self._capture_hook(captured, index))
-            for index, layer in enumerate(self.layers)
-        ]
-        try:
-            with torch.enable_grad():
-                log_proba = F.log_softmax(functional_call(self.module, params, (X,)), dim=1)
-        finally:
-            for hook in hooks:
-                hook.remove()
+
+        def capture(index, inputs, output):
+            if captured[index] is not None:
+                raise NotImplementedError(
+                    f"The layer {type(self.layers[index]).__name__} is called more than "
+                    "once per forward pass (shared weights); the path kernel engine "
+                    "supports layers applied once per sample."
+                )
+            captured[index] = (tuple(x.detach() for x in inputs if torch.is_tensor(x)), output)
+            # Hand a copy downstream, so that an in-place activation cannot
+            # overwrite the tensor whose gradient we take.
+            return output.clone()
+
+        with torch.enable_grad():
+            log_proba = self._forward(start, X, direction, t, hook=capture)
         outs = [out for _, out in captured]
         cotangent = F.one_hot(chosen, log_proba.shape[1]).to(log_proba.dtype)
         grads = torch.autograd.grad(log_proba, outs, cotangent, allow_unused=True)
+        params = self.path.unflatten(start.detach())
         factors = []
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
             delta = grad if grad is not None else torch.zeros_like(out)
@@ -106,19 +169,42 @@ class NetworkProbe:
             self._n_outputs = self.log_proba(flat, X[:1]).shape[1]
         return self._n_outputs
 
-    @staticmethod
-    def _capture_hook(captured, index):
-        def hook(layer, inputs, output):
-            if captured[index] is not None:
-                raise NotImplementedError(
-                    f"The layer {type(layer).__name__} is called more than once per "
-                    "forward pass (shared weights); the path kernel engine supports "
-                    "layers applied once per sample."
-                )
-            inputs = tuple(x.detach() for x in inputs if isinstance(x, torch.Tensor))
-            # Hand a copy downstream, so an in-place activation cannot overwrite
-            # the tensor whose gradient we take.
-            captured[index] = (inputs, output)
-            return output.clone()
 
-        return hook
+class _LogProba:
+    """``per_row`` adapter for plain evaluations."""
+
+    def __init__(self, probe, value=None):
+        self.probe, self.value = probe, value
+
+    def __call__(self, start, X, direction, t, rows=None):
+        return _LogProba(self.probe, self.probe._forward(start, X, direction, t))
+
+    def cat(self, parts):
+        return _LogProba(self.probe, torch.cat([p.value for p in parts]))
+
+    def take(self, rows):
+        return _LogProba(self.probe, self.value[rows])
+
+
+class _FactorsAt:
+    """``per_row`` adapter for factor evaluations."""
+
+    def __init__(self, probe, outputs, log_proba=None, factors=None):
+        self.probe, self.outputs = probe, outputs
+        self.log_proba, self.factors = log_proba, factors
+
+    def __call__(self, start, X, direction, t, rows=None):
+        outputs = self.outputs if rows is None or self.outputs is None else self.outputs[rows]
+        log_proba, factors = self.probe._factors(start, X, outputs, direction, t)
+        return _FactorsAt(self.probe, self.outputs, log_proba, factors)
+
+    def cat(self, parts):
+        factors = [Factors.cat([p.factors[i] for p in parts]) for i in range(len(parts[0].factors))]
+        return _FactorsAt(
+            self.probe, self.outputs, torch.cat([p.log_proba for p in parts]), factors
+        )
+
+    def take(self, rows):
+        return _FactorsAt(
+            self.probe, self.outputs, self.log_proba[rows], [f.take(rows) for f in self.factors]
+        )

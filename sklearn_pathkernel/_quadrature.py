@@ -1,27 +1,37 @@
 """Quadrature along a training step for the test copy of input space.
 
 The test-copy feature of step ``s`` is ``phi_s(x) = int_0^1 grad_w f(x; w_s(t)) dt``.
-A rule is a list of *groups*: rows that share nodes ``t_q`` and weights ``nu_q``
-on ``[0, 1]``. ``"exact"`` splits the step at each row's kinks and puts
-Gauss-Legendre nodes on every smooth piece; ``"riemann"`` is the EPK paper's left
-Riemann sum; ``"dpk"`` the single left point of the Discrete Path Kernel.
+A rule is a flat list of *nodes*: (row, t, weight) triples, each row with its own
+nodes. ``"exact"`` splits the step at each row's kinks and puts Gauss-Legendre
+nodes on every smooth piece; ``"riemann"`` is the EPK paper's left Riemann sum;
+``"dpk"`` the single left point of the Discrete Path Kernel.
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from ._kinks import locate_kinks, switch_state
 
 
 @dataclass
-class NodeGroup:
-    """Rows (indices into the batch) integrated with the same nodes and weights."""
+class Nodes:
+    """Quadrature nodes of a batch: row ``rows[e]`` is evaluated at ``t[e]`` with ``weights[e]``."""
 
     rows: np.ndarray
-    nodes: np.ndarray
+    t: np.ndarray
     weights: np.ndarray
+
+    @staticmethod
+    def cat(parts):
+        return Nodes(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("rows", "t", "weights"))
+        )
+
+    def take(self, mask):
+        return Nodes(self.rows[mask], self.t[mask], self.weights[mask])
 
 
 @lru_cache
@@ -43,7 +53,7 @@ def piecewise_gauss(breakpoints, n_nodes):
 
 
 def fixed_rule(quadrature, n_points):
-    """Nodes and weights of the non-adaptive rules."""
+    """Nodes and weights of the non-adaptive rules on ``[0, 1]``."""
     if quadrature == "dpk":
         return np.zeros(1), np.ones(1)
     if quadrature == "riemann":
@@ -51,53 +61,49 @@ def fixed_rule(quadrature, n_points):
     raise ValueError(f"Unknown quadrature {quadrature!r}.")
 
 
-def row_kinks(probe, start, direction, X, rows, grid):
+def same_nodes(rows, nodes, weights):
+    """Every row of ``rows`` with the same nodes and weights."""
+    rows = np.asarray(rows)
+    return Nodes(
+        np.repeat(rows, len(nodes)), np.tile(nodes, len(rows)), np.tile(weights, len(rows))
+    )
+
+
+def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     """Kinks of each row in ``rows`` along ``w(t) = start + t * direction``.
 
-    ``grid`` (increasing, from 0 to 1) is where the pieces are first compared;
-    kinks are then located between grid points whose pieces differ. A finer grid
-    finds pairs of kinks that cancel between two coarse points.
+    The pieces are first compared at the points of ``grid``; kinks are located
+    between grid points whose pieces differ. A finer grid finds pairs of kinks
+    that cancel between two coarse points. Grid points are returned as
+    breakpoints too (harmless: a finer partition of a smooth piece).
     """
-    if len(rows) == 0:
-        return []
-    states = [switch_state(probe, start + t * direction, X[rows], t) for t in grid]
-    kinks = []
-    for position, row in enumerate(rows):
-        x = X[row : row + 1]
+    rows = np.asarray(rows)
+    X_rows = X[torch.as_tensor(rows)]
+    kinks = [list(grid[1:-1]) for _ in rows]
 
-        def evaluate(t, x=x):
-            return switch_state(probe, start + t * direction, x, t)
+    def evaluate(subset, t):
+        return switch_state(probe, start, direction, X_rows[subset], t)
 
-        found = list(grid[1:-1])
-        for left, right in zip(states[:-1], states[1:], strict=True):
-            found += locate_kinks(evaluate, left.row(position), right.row(position))
-        kinks.append(np.array(sorted(found)))
-    return kinks
+    states = [switch_state(probe, start, direction, X_rows, t) for t in grid]
+    for left, right in zip(states[:-1], states[1:], strict=True):
+        for row_kinks_, found in zip(kinks, locate_kinks(evaluate, left, right), strict=True):
+            row_kinks_.extend(found)
+    return [np.sort(np.asarray(k, dtype=float)) for k in kinks]
 
 
-def exact_groups(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0), chunk=8):
-    """Groups for the kink-splitting Gauss-Legendre rule.
-
-    Rows that stay on one piece along the step share plain Gauss-Legendre nodes
-    on ``[0, 1]``; the others are taken in chunks that share the union of their
-    breakpoints (a finer partition of a smooth piece is still exact).
-    """
+def exact_nodes(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0)):
+    """Per-row nodes of the kink-splitting Gauss-Legendre rule."""
     rows = np.arange(X.shape[0]) if rows is None else np.asarray(rows)
-    grid = np.asarray(grid, dtype=float)
-    first, last = (switch_state(probe, start + t * direction, X[rows], t) for t in grid[[0, -1]])
-    if len(grid) == 2:
-        smooth = first.same_piece(last).numpy()
-    else:
-        smooth = np.zeros(len(rows), dtype=bool)
-    groups = []
-    if smooth.any():
-        groups.append(NodeGroup(rows[smooth], *gauss_legendre(n_nodes)))
-    kinked = rows[~smooth]
-    for begin in range(0, len(kinked), chunk):
-        members = kinked[begin : begin + chunk]
-        kinks = row_kinks(probe, start, direction, X, members, grid)
-        groups.append(NodeGroup(members, *piecewise_gauss(np.concatenate(kinks), n_nodes)))
-    return groups
+    kinks = row_kinks(probe, start, direction, X, rows, tuple(grid))
+    parts = [
+        same_nodes([row], *piecewise_gauss(k, n_nodes))
+        for row, k in zip(rows, kinks, strict=True)
+        if k.size
+    ]
+    smooth = [row for row, k in zip(rows, kinks, strict=True) if not k.size]
+    if smooth:
+        parts.append(same_nodes(smooth, *gauss_legendre(n_nodes)))
+    return Nodes.cat(parts) if parts else Nodes(np.zeros(0, int), np.zeros(0), np.zeros(0))
 
 
 def shared_exact_nodes(probe, start, direction, X, n_nodes):
@@ -106,8 +112,5 @@ def shared_exact_nodes(probe, start, direction, X, n_nodes):
     Needed when two rows are integrated against each other at the same ``t``
     (the test x test kernel).
     """
-    first = switch_state(probe, start, X, 0.0)
-    last = switch_state(probe, start + direction, X, 1.0)
-    kinked = np.flatnonzero(~first.same_piece(last).numpy())
-    kinks = row_kinks(probe, start, direction, X, kinked, np.array([0.0, 1.0]))
+    kinks = row_kinks(probe, start, direction, X, np.arange(X.shape[0]))
     return piecewise_gauss(np.concatenate(kinks) if kinks else np.array([]), n_nodes)
