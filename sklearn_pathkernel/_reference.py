@@ -1,0 +1,355 @@
+"""Brute-force reference for the exact path kernel: the EPK paper's Algorithm 1.
+
+Slow and obvious on purpose, and independent of the fast engine (no per-layer
+rules, no kink location): per-example Jacobians ``(n, K, W)`` of
+``f_w(x) = log_softmax(module_w(x))`` are materialised with
+``torch.func.vmap(jacrev(...))`` and contracted with ``einsum``.
+
+Notation (DESIGN.md): step ``s`` moves the weights along
+``w_s(t) = w_s + t (w_{s+1} - w_s)``; the training copy of a point uses
+``g(x; w_s)``, the test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``, integrated
+here by a fixed quadrature rule (nodes ``t_q``, weights ``nu_q`` on ``[0, 1]``).
+
+Use it to check the fast engine on small problems, and as the baseline of
+``benchmarks/bench_engine.py``. It has the interface of
+:class:`~sklearn_pathkernel._engine.PathKernelEngine`, but has no ``"exact"``
+rule: on a smooth network ``"gauss"`` converges spectrally and is the exactness
+reference; on a ReLU network every fixed rule converges slowly.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.utils import Bunch
+from torch.func import functional_call, jacrev, vmap
+
+QUADRATURES = ("riemann", "dpk", "midpoint", "gauss")
+
+# Upper bound on the bytes of one materialised (rows, K, W) Jacobian tile; a few
+# such tiles are alive at once.
+TILE_BYTES = 128 * 2**20
+
+
+def quadrature_rule(quadrature, n_points):
+    """Nodes ``t`` and weights ``nu`` of a fixed rule on ``[0, 1]``.
+
+    Parameters
+    ----------
+    quadrature : {"riemann", "dpk", "midpoint", "gauss"}
+        ``"riemann"``: left Riemann sum ``t = 0, 1/T, ..., (T-1)/T`` (Algorithm 1);
+        ``"dpk"``: ``t = 0`` only; ``"midpoint"``: the ``T`` midpoints;
+        ``"gauss"``: ``T`` Gauss-Legendre nodes.
+    n_points : int
+        ``T``, the number of nodes (ignored by ``"dpk"``).
+
+    Returns
+    -------
+    t, nu : ndarray of shape (n_nodes,)
+    """
+    if quadrature not in QUADRATURES:
+        raise ValueError(
+            f"quadrature must be one of {QUADRATURES} for the reference engine, got "
+            f"{quadrature!r} (the reference has no kink-splitting 'exact' rule; use "
+            "'gauss' on smooth networks)."
+        )
+    if quadrature == "dpk":
+        return np.zeros(1), np.ones(1)
+    if int(n_points) < 1:
+        raise ValueError(f"n_points must be a positive integer, got {n_points!r}.")
+    T = int(n_points)
+    if quadrature == "riemann":
+        return np.arange(T) / T, np.full(T, 1.0 / T)
+    if quadrature == "midpoint":
+        return (np.arange(T) + 0.5) / T, np.full(T, 1.0 / T)
+    nodes, weights = np.polynomial.legendre.leggauss(T)
+    return 0.5 * (nodes + 1.0), 0.5 * weights
+
+
+def log_proba(module, path, flat_weights, X):
+    """``f(X; w) = log_softmax(module_w(X))`` at the flat weights ``w``, shape (n, K)."""
+    with torch.no_grad():
+        logits = functional_call(module, path.unflatten(flat_weights), (X,))
+    return F.log_softmax(logits, dim=1)
+
+
+def jacobian(module, path, flat_weights, X):
+    """Per-example Jacobians of ``log_softmax(module_w(x))`` with respect to ``w``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network; only its structure (and buffers) are used.
+    path : WeightPath
+        Gives the split of a flat weight vector into the module's parameters.
+    flat_weights : torch.Tensor of shape (W,)
+    X : torch.Tensor of shape (n, ...)
+
+    Returns
+    -------
+    torch.Tensor of shape (n, K, W)
+        ``J[i, k, w] = d f_k(x_i) / d w_w``, flat weights in ``named_parameters`` order.
+    """
+
+    def outputs(weights, x):
+        logits = functional_call(module, path.unflatten(weights), (x.unsqueeze(0),))
+        return F.log_softmax(logits, dim=1)[0]
+
+    if X.shape[0] == 0:  # vmap cannot map over an empty batch
+        n_outputs = log_proba(module, path, flat_weights, X[:0]).shape[1]
+        return torch.zeros((0, n_outputs, flat_weights.numel()), dtype=flat_weights.dtype)
+    return vmap(jacrev(outputs), in_dims=(None, 0))(flat_weights.detach(), X)
+
+
+def _contract(left, right, output):
+    """``sum_w left[a, k, w] right[b, k', w]``: trace over k = k', or every (k, k')."""
+    if output == "trace":
+        return torch.einsum("akw,bkw->ab", left, right)
+    return torch.einsum("akw,blw->abkl", left, right)
+
+
+def _as_mask(flag, n):
+    return np.broadcast_to(np.asarray(flag, dtype=bool), (n,)).copy()
+
+
+class NaivePathKernelEngine:
+    """Exact path kernel by materialised Jacobians (reference implementation).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network (float64). Only its structure is used; weights come from ``path``.
+    path : WeightPath
+        The recorded training path.
+    X_train : torch.Tensor of shape (M, ...)
+        Training inputs, indexed by ``path.batches``.
+    y_train : torch.Tensor of shape (M,)
+        Training class codes.
+    quadrature : {"riemann", "dpk", "midpoint", "gauss"}, default="gauss"
+        Fixed rule integrating the test-copy gradient along each step. ``"exact"``
+        (the fast engine's kink-splitting rule) is not available here.
+    n_points : int, default=100
+        Nodes of the rule.
+    n_nodes : int, default=4
+        Unused; accepted for interface compatibility with the fast engine.
+    tile_size : int, default=256
+        Maximum rows per materialised Jacobian tile (also capped so that a tile
+        stays under ``TILE_BYTES``).
+    n_jobs : int or None, default=None
+        Unused (the reference runs serially); accepted for compatibility.
+    verbose : int, default=0
+        Show a progress bar over steps.
+    """
+
+    def __init__(
+        self,
+        module,
+        path,
+        X_train,
+        y_train,
+        *,
+        quadrature="gauss",
+        n_points=100,
+        n_nodes=4,
+        tile_size=256,
+        n_jobs=None,
+        verbose=0,
+    ):
+        self.module = module
+        self.path = path
+        self.X_train = X_train
+        self.y_train = y_train
+        self.quadrature = quadrature
+        self.n_points = n_points
+        self.n_nodes = n_nodes
+        self.tile_size = tile_size
+        self.n_jobs = n_jobs
+        self.verbose = verbose
+        self.nodes, self.node_weights = quadrature_rule(quadrature, n_points)
+        self.n_train = X_train.shape[0]
+        self.n_outputs = self._f(path.weights[0], X_train[:1]).shape[1]
+
+    # -- building blocks ----------------------------------------------------------
+
+    def _f(self, weights, X):
+        return log_proba(self.module, self.path, weights, X)
+
+    def _jac(self, weights, X):
+        return jacobian(self.module, self.path, weights, X)
+
+    def _weights_at(self, step, t):
+        return self.path.weights[step] + float(t) * self.path.step_direction(step)
+
+    def _tiles(self, n):
+        per_row = max(1, self.n_outputs * self.path.n_weights * 8)
+        rows = max(1, min(int(self.tile_size), TILE_BYTES // per_row))
+        return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+    def _steps(self):
+        steps = range(self.path.n_steps)
+        if self.verbose:
+            from tqdm.auto import tqdm
+
+            return tqdm(steps, desc="reference path kernel steps")
+        return steps
+
+    def _test_feature(self, step, X):
+        """``phi_s(X) = sum_q nu_q g(X; w_s(t_q))``, shape (n, K, W)."""
+        phi = torch.zeros((X.shape[0], self.n_outputs, self.path.n_weights), dtype=X.dtype)
+        for t, nu in zip(self.nodes, self.node_weights, strict=True):
+            phi += float(nu) * self._jac(self._weights_at(step, t), X)
+        return phi
+
+    def _step_residual(self, step, X, phi):
+        """``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|`` per row."""
+        change = self._f(self.path.weights[step + 1], X) - self._f(self.path.weights[step], X)
+        linear = torch.einsum("nkw,w->nk", phi, self.path.step_direction(step))
+        return (change - linear).abs().amax(1)
+
+    def _label_gradients(self, step, rows):
+        """``g_{y_i}(x_i; w_s)`` of training rows ``rows``, shape (len(rows), W)."""
+        X, y = self.X_train[rows], self.y_train[rows]
+        grads = torch.empty((len(rows), self.path.n_weights), dtype=X.dtype)
+        for tile in self._tiles(len(rows)):
+            jac = self._jac(self.path.weights[step], X[tile])
+            grads[tile] = jac[torch.arange(jac.shape[0]), y[tile]]
+        return grads
+
+    # -- decomposition ---------------------------------------------------------------
+
+    def decompose(self, X):
+        """Contributions of every training point to the network's output on ``X``.
+
+        Parameters
+        ----------
+        X : torch.Tensor of shape (n, ...)
+            Query rows, all on the test copy.
+
+        Returns
+        -------
+        Bunch
+            ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
+            ``residual`` (n,), as float64 numpy arrays.
+        """
+        contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
+        residual = torch.zeros(X.shape[0], dtype=X.dtype)
+        for step in self._steps():
+            batch = torch.as_tensor(np.asarray(self.path.batches[step]))
+            coefficients = self.path.coefficients[step].to(X.dtype)
+            for tile in self._tiles(X.shape[0]):
+                phi = self._test_feature(step, X[tile])
+                residual[tile] += self._step_residual(step, X[tile], phi)
+                for part in self._tiles(batch.numel()):
+                    grads = self._label_gradients(step, batch[part])
+                    values = torch.einsum("nkw,bw->nbk", phi, grads)
+                    values *= coefficients[part][None, :, None]
+                    contributions[tile].index_add_(1, batch[part], values)
+        return Bunch(
+            contributions=contributions.numpy(),
+            bias=self._f(self.path.weights[0], X).numpy(),
+            output=self._f(self.path.weights[-1], X).numpy(),
+            residual=residual.numpy(),
+        )
+
+    def certificate(self, X):
+        """Summed per-step quadrature error of the test copy, per row of ``X``."""
+        residual = torch.zeros(X.shape[0], dtype=X.dtype)
+        for step in self._steps():
+            for tile in self._tiles(X.shape[0]):
+                phi = self._test_feature(step, X[tile])
+                residual[tile] += self._step_residual(step, X[tile], phi)
+        return residual.numpy()
+
+    # -- Gram matrices ------------------------------------------------------------------
+
+    def gram(self, A, B=None, *, a_train=False, b_train=False, output="trace"):
+        """Exact path kernel between the rows of ``A`` and ``B``.
+
+        Every entry is computed (no symmetry is assumed), so symmetry of the result
+        is a real check.
+
+        Parameters
+        ----------
+        A : torch.Tensor of shape (nA, ...)
+        B : torch.Tensor of shape (nB, ...) or None
+            ``None`` means ``B = A`` with ``b_train = a_train``.
+        a_train, b_train : bool or array of bool
+            Per row: True puts the row on the training copy (gradient at the start
+            of each step), False on the test copy (gradient integrated along it).
+        output : {"trace", "full"}
+            ``"trace"`` gives (nA, nB); ``"full"`` keeps every output pair,
+            (nA, nB, K, K).
+
+        Returns
+        -------
+        ndarray
+        """
+        if output not in ("trace", "full"):
+            raise ValueError(f"output must be 'trace' or 'full', got {output!r}.")
+        a_mask = _as_mask(a_train, A.shape[0])
+        if B is None:
+            B, b_mask = A, a_mask
+        else:
+            b_mask = _as_mask(b_train, B.shape[0])
+        extra = (self.n_outputs,) * 2 if output == "full" else ()
+        gram = torch.zeros((A.shape[0], B.shape[0]) + extra, dtype=A.dtype)
+        for step in self._steps():
+            for ta in self._tiles(A.shape[0]):
+                for tb in self._tiles(B.shape[0]):
+                    gram[ta, tb] += self._gram_step(
+                        step, A[ta], a_mask[ta], B[tb], b_mask[tb], output
+                    )
+        return gram.numpy()
+
+    def _gram_step(self, step, A, a_mask, B, b_mask, output):
+        """One step's kernel between two tiles, each row on its own copy."""
+        extra = (self.n_outputs,) * 2 if output == "full" else ()
+        block = torch.zeros((A.shape[0], B.shape[0]) + extra, dtype=A.dtype)
+        a_tr, a_te = (torch.as_tensor(np.flatnonzero(m)) for m in (a_mask, ~a_mask))
+        b_tr, b_te = (torch.as_tensor(np.flatnonzero(m)) for m in (b_mask, ~b_mask))
+        start = self.path.weights[step]
+        jac_a = self._jac(start, A[a_tr])
+        jac_b = self._jac(start, B[b_tr])
+        # Test rows: accumulate phi_s and, node by node, the test x test kernel
+        # with the same t on both sides.
+        phi_a = torch.zeros((a_te.numel(), self.n_outputs, self.path.n_weights), dtype=A.dtype)
+        phi_b = torch.zeros((b_te.numel(), self.n_outputs, self.path.n_weights), dtype=A.dtype)
+        test_test = 0.0
+        if a_te.numel() or b_te.numel():
+            for t, nu in zip(self.nodes, self.node_weights, strict=True):
+                weights = self._weights_at(step, t)
+                node_a, node_b = self._jac(weights, A[a_te]), self._jac(weights, B[b_te])
+                phi_a += float(nu) * node_a
+                phi_b += float(nu) * node_b
+                test_test = test_test + float(nu) * _contract(node_a, node_b, output)
+        block[a_tr[:, None], b_tr] = _contract(jac_a, jac_b, output)
+        block[a_te[:, None], b_tr] = _contract(phi_a, jac_b, output)
+        block[a_tr[:, None], b_te] = _contract(jac_a, phi_b, output)
+        if a_te.numel() and b_te.numel():
+            block[a_te[:, None], b_te] = test_test
+        return block
+
+    def diag(self, A, *, a_train=False):
+        """The diagonal of ``gram(A, a_train=a_train)``, computed row by row.
+
+        Parameters
+        ----------
+        A : torch.Tensor of shape (nA, ...)
+        a_train : bool or array of bool
+
+        Returns
+        -------
+        ndarray of shape (nA,)
+        """
+        mask = _as_mask(a_train, A.shape[0])
+        diag = torch.zeros(A.shape[0], dtype=A.dtype)
+        for step in self._steps():
+            for tile in self._tiles(A.shape[0]):
+                rows = np.arange(A.shape[0])[tile]
+                train = torch.as_tensor(rows[mask[tile]])
+                test = torch.as_tensor(rows[~mask[tile]])
+                jac = self._jac(self.path.weights[step], A[train])
+                diag[train] += jac.square().sum((1, 2))
+                for t, nu in zip(self.nodes, self.node_weights, strict=True):
+                    jac = self._jac(self._weights_at(step, t), A[test])
+                    diag[test] += float(nu) * jac.square().sum((1, 2))
+        return diag.numpy()
