@@ -81,7 +81,8 @@ def jacobian(module, path, flat_weights, X):
         The network; only its structure (and buffers) are used.
     path : WeightPath
         Gives the split of a flat weight vector into the module's parameters.
-    flat_weights : torch.Tensor of shape (W,)
+    flat_weights : torch.Tensor of shape (W,) or (n, W)
+        One weight vector for all rows, or one per row.
     X : torch.Tensor of shape (n, ...)
 
     Returns
@@ -94,10 +95,13 @@ def jacobian(module, path, flat_weights, X):
         logits = functional_call(module, path.unflatten(weights), (x.unsqueeze(0),))
         return F.log_softmax(logits, dim=1)[0]
 
+    flat_weights = flat_weights.detach()
+    n_weights = flat_weights.shape[-1]
     if X.shape[0] == 0:  # vmap cannot map over an empty batch
-        n_outputs = log_proba(module, path, flat_weights, X[:0]).shape[1]
-        return torch.zeros((0, n_outputs, flat_weights.numel()), dtype=flat_weights.dtype)
-    return vmap(jacrev(outputs), in_dims=(None, 0))(flat_weights.detach(), X)
+        n_outputs = log_proba(module, path, path.weights[0], X[:0]).shape[1]
+        return torch.zeros((0, n_outputs, n_weights), dtype=flat_weights.dtype)
+    per_row = 0 if flat_weights.ndim == 2 else None
+    return vmap(jacrev(outputs), in_dims=(per_row, 0))(flat_weights, X)
 
 
 def _contract(left, right, output):
@@ -105,6 +109,13 @@ def _contract(left, right, output):
     if output == "trace":
         return torch.einsum("akw,bkw->ab", left, right)
     return torch.einsum("akw,blw->abkl", left, right)
+
+
+def _contract_at_nodes(nu, left, right, output):
+    """``sum_q nu_q sum_w left[q, a, k, w] right[q, b, k', w]`` (same node on both sides)."""
+    if output == "trace":
+        return torch.einsum("q,qakw,qbkw->ab", nu, left, right)
+    return torch.einsum("q,qakw,qblw->abkl", nu, left, right)
 
 
 def _as_mask(flag, n):
@@ -176,13 +187,34 @@ class NaivePathKernelEngine:
     def _jac(self, weights, X):
         return jacobian(self.module, self.path, weights, X)
 
-    def _weights_at(self, step, t):
-        return self.path.weights[step] + float(t) * self.path.step_direction(step)
+    def _rows_per_tile(self):
+        per_row = max(1, self.n_outputs * self.path.n_weights * 8)
+        return max(1, min(int(self.tile_size), TILE_BYTES // per_row))
 
     def _tiles(self, n):
-        per_row = max(1, self.n_outputs * self.path.n_weights * 8)
-        rows = max(1, min(int(self.tile_size), TILE_BYTES // per_row))
+        rows = self._rows_per_tile()
         return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+    def _node_chunks(self, n_rows):
+        """Slices of the quadrature nodes such that ``nodes x n_rows`` Jacobians fit a tile."""
+        size = max(1, self._rows_per_tile() // max(1, n_rows))
+        n = self.nodes.size
+        return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+    def _jac_at_nodes(self, step, X, nodes):
+        """``g(X; w_s(t_q))`` for the nodes ``q`` in the slice ``nodes``: (q, n, K, W).
+
+        All (node, row) pairs go through one vmapped call (one weight vector per pair).
+        """
+        t = torch.as_tensor(self.nodes[nodes], dtype=self.path.weights.dtype)
+        weights = self.path.weights[step] + t[:, None] * self.path.step_direction(step)
+        n_nodes, n_rows = t.numel(), X.shape[0]
+        rows = X.repeat(n_nodes, *([1] * (X.ndim - 1)))
+        jac = self._jac(weights.repeat_interleave(n_rows, dim=0), rows)
+        return jac.view(n_nodes, n_rows, *jac.shape[1:])
+
+    def _nu(self, nodes, dtype):
+        return torch.as_tensor(self.node_weights[nodes], dtype=dtype)
 
     def _steps(self):
         steps = range(self.path.n_steps)
@@ -195,8 +227,10 @@ class NaivePathKernelEngine:
     def _test_feature(self, step, X):
         """``phi_s(X) = sum_q nu_q g(X; w_s(t_q))``, shape (n, K, W)."""
         phi = torch.zeros((X.shape[0], self.n_outputs, self.path.n_weights), dtype=X.dtype)
-        for t, nu in zip(self.nodes, self.node_weights, strict=True):
-            phi += float(nu) * self._jac(self._weights_at(step, t), X)
+        for nodes in self._node_chunks(X.shape[0]):
+            phi += torch.einsum(
+                "q,qnkw->nkw", self._nu(nodes, X.dtype), self._jac_at_nodes(step, X, nodes)
+            )
         return phi
 
     def _step_residual(self, step, X, phi):
@@ -315,12 +349,13 @@ class NaivePathKernelEngine:
         phi_b = torch.zeros((b_te.numel(), self.n_outputs, self.path.n_weights), dtype=A.dtype)
         test_test = 0.0
         if a_te.numel() or b_te.numel():
-            for t, nu in zip(self.nodes, self.node_weights, strict=True):
-                weights = self._weights_at(step, t)
-                node_a, node_b = self._jac(weights, A[a_te]), self._jac(weights, B[b_te])
-                phi_a += float(nu) * node_a
-                phi_b += float(nu) * node_b
-                test_test = test_test + float(nu) * _contract(node_a, node_b, output)
+            for nodes in self._node_chunks(a_te.numel() + b_te.numel()):
+                nu = self._nu(nodes, A.dtype)
+                node_a = self._jac_at_nodes(step, A[a_te], nodes)
+                node_b = self._jac_at_nodes(step, B[b_te], nodes)
+                phi_a += torch.einsum("q,qnkw->nkw", nu, node_a)
+                phi_b += torch.einsum("q,qnkw->nkw", nu, node_b)
+                test_test = test_test + _contract_at_nodes(nu, node_a, node_b, output)
         block[a_tr[:, None], b_tr] = _contract(jac_a, jac_b, output)
         block[a_te[:, None], b_tr] = _contract(phi_a, jac_b, output)
         block[a_tr[:, None], b_te] = _contract(jac_a, phi_b, output)
@@ -349,7 +384,7 @@ class NaivePathKernelEngine:
                 test = torch.as_tensor(rows[~mask[tile]])
                 jac = self._jac(self.path.weights[step], A[train])
                 diag[train] += jac.square().sum((1, 2))
-                for t, nu in zip(self.nodes, self.node_weights, strict=True):
-                    jac = self._jac(self._weights_at(step, t), A[test])
-                    diag[test] += float(nu) * jac.square().sum((1, 2))
+                for nodes in self._node_chunks(test.numel()):
+                    jac = self._jac_at_nodes(step, A[test], nodes)
+                    diag[test] += torch.einsum("q,qnkw->n", self._nu(nodes, A.dtype), jac.square())
         return diag.numpy()
