@@ -258,3 +258,44 @@ def test_bad_output_is_rejected(tanh_engine):
     ref, X = tanh_engine
     with pytest.raises(ValueError, match="trace"):
         ref.gram(X[:2], output="diag")
+
+
+# -- the fast engine against the reference -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "activation, fast_rule, reference_rule, atol",
+    [
+        # "exact" on a smooth network is 4 Gauss nodes per step (no kinks to split
+        # at): about 1e-11 off the converged reference, within its certificate.
+        (nn.Tanh, {"quadrature": "exact"}, {"quadrature": "gauss", "n_points": 16}, 5e-11),
+        (
+            nn.ReLU,
+            {"quadrature": "riemann", "n_points": 7},
+            {"quadrature": "riemann", "n_points": 7},
+            1e-12,
+        ),
+        (nn.ReLU, {"quadrature": "dpk"}, {"quadrature": "dpk"}, 1e-12),
+    ],
+    ids=["tanh-exact-vs-gauss", "relu-riemann", "relu-dpk"],
+)
+def test_fast_engine_agrees_with_the_reference(activation, fast_rule, reference_rule, atol):
+    engine_module = pytest.importorskip("sklearn_pathkernel._engine")
+    X, y = make_data()
+    module, path = trained(mlp(activation), X, y, batch_size=12, max_iter=1)
+    fast = engine_module.PathKernelEngine(module, path, X, y, **fast_rule)
+    ref = engine(module, path, X, y, **reference_rule)
+    Q = queries(4)
+    A, mask = torch.cat([Q, X[:5]]), np.arange(9) >= 4
+    fast_parts, ref_parts = fast.decompose(Q), ref.decompose(Q)
+    np.testing.assert_allclose(fast_parts.contributions, ref_parts.contributions, rtol=0, atol=atol)
+    if fast_rule == reference_rule:  # same nodes: same quadrature error
+        np.testing.assert_allclose(fast_parts.residual, ref_parts.residual, rtol=1e-9, atol=1e-14)
+    for output in ("trace", "full"):
+        expected = ref.gram(A, a_train=mask, output=output)
+        np.testing.assert_allclose(
+            fast.gram(A, a_train=mask, output=output), expected, rtol=1e-11, atol=atol
+        )
+    np.testing.assert_allclose(
+        fast.diag(A, a_train=mask), ref.diag(A, a_train=mask), rtol=1e-11, atol=atol
+    )
