@@ -15,6 +15,8 @@ DistanceLayer
 """
 
 from ._classifier import ExactPathKernelClassifier
+from ._kernel import ExactPathKernel
+from ._transformer import PathKernelTransformer
 
-__all__ = ["ExactPathKernelClassifier"]
+__all__ = ["ExactPathKernel", "ExactPathKernelClassifier", "PathKernelTransformer"]
 __version__ = "0.1.0.dev0"

@@ -2,11 +2,14 @@
 
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from sklearn_pathkernel import ExactPathKernelClassifier
+from sklearn_pathkernel import ExactPathKernelClassifier, PathKernelTransformer
 
 # Small, fast settings: the checks fit hundreds of times.
 ESTIMATORS = [
     ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=100, random_state=0),
+    PathKernelTransformer(
+        ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0)
+    ),
 ]
 
 
