@@ -14,6 +14,9 @@ and reused for every node of every query; blocks of (query rows, training rows,
 steps) are independent tasks for joblib.
 """
 
+import copy
+import threading
+
 import numpy as np
 import torch
 from joblib import Parallel, delayed
@@ -24,7 +27,7 @@ from ._quadrature import exact_nodes, fixed_rule, same_nodes, shared_exact_nodes
 
 # A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
-CERTIFICATE_TOL = 1e-12
+CERTIFICATE_TOL = 1e-11
 REFINEMENT_GRIDS = (np.linspace(0.0, 1.0, 9), np.linspace(0.0, 1.0, 65))
 
 
@@ -39,7 +42,8 @@ def _scale_rows(weights, values):
 
 def _swap(block, mode):
     """The transposed block: (n, m) -> (m, n), (n, m, K, K') -> (m, n, K', K)."""
-    return block.transpose(0, 1) if mode == "trace" else block.permute(1, 0, 3, 2)
+    axes = (1, 0) if mode == "trace" else (1, 0, 3, 2)
+    return block.permute(*axes) if torch.is_tensor(block) else block.transpose(axes)
 
 
 def _sum_layers(probe, left, right, mode):
@@ -97,12 +101,32 @@ class PathKernelEngine:
         self.tile_size = tile_size
         self.n_jobs = n_jobs
         self.verbose = verbose
-        self.probe = NetworkProbe(module, path)
+        self._probe = NetworkProbe(module, path)
         self.n_train = X_train.shape[0]
-        self.n_outputs = self.probe.log_proba(path.weights[0], X_train[:1]).shape[1]
+        self.n_outputs = self._probe.log_proba(path.weights[0], X_train[:1]).shape[1]
 
     def __deepcopy__(self, memo):
         return self  # immutable: copies share it (sklearn's clone deep-copies params)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_thread_probes", None)
+        return state
+
+    @property
+    def probe(self):
+        """The network probe of the calling thread.
+
+        Probes register forward hooks on their module while they evaluate it, so
+        every worker thread gets its own copy of the module.
+        """
+        if threading.current_thread() is threading.main_thread():
+            return self._probe
+        probes = self.__dict__.setdefault("_thread_probes", {})
+        ident = threading.get_ident()
+        if ident not in probes:
+            probes[ident] = NetworkProbe(copy.deepcopy(self.module), self.path)
+        return probes[ident]
 
     # -- quadrature ------------------------------------------------------------
 
@@ -135,7 +159,7 @@ class PathKernelEngine:
             error.index_add_(0, rows, -weights[:, None] * slope)
         return error.abs().amax(1).numpy()
 
-    def _test_features(self, step, X, residual=None):
+    def _test_features(self, step, X, residual=None, n_nodes=None):
         """The test-copy features of ``step`` for every row of ``X``.
 
         Returns a list of ``(rows, weights, factors)``: row ``r``'s ``phi_s`` is
@@ -145,6 +169,7 @@ class PathKernelEngine:
         detection points) are integrated again on a finer detection grid.
         """
         start, direction = self.path.weights[step], self.path.step_direction(step)
+        n_nodes = n_nodes or self.n_nodes
         all_rows = np.arange(X.shape[0])
         if self.quadrature != "exact":
             nodes = same_nodes(all_rows, *fixed_rule(self.quadrature, self.n_points))
@@ -152,7 +177,7 @@ class PathKernelEngine:
             if residual is not None:
                 residual += self._certify(step, X, evaluated)
             return evaluated
-        nodes = exact_nodes(self.probe, start, direction, X, self.n_nodes)
+        nodes = exact_nodes(self.probe, start, direction, X, n_nodes)
         evaluated = self._evaluate_nodes(step, X, nodes)
         errors = self._certify(step, X, evaluated)
         for grid in REFINEMENT_GRIDS:
@@ -160,9 +185,7 @@ class PathKernelEngine:
             if failed.size == 0:
                 break
             keep = ~np.isin(nodes.rows, failed)
-            refined = exact_nodes(
-                self.probe, start, direction, X, self.n_nodes, rows=failed, grid=grid
-            )
+            refined = exact_nodes(self.probe, start, direction, X, n_nodes, rows=failed, grid=grid)
             nodes = type(nodes).cat([nodes.take(keep), refined])
             evaluated = self._evaluate_nodes(step, X, nodes)
             errors = self._certify(step, X, evaluated)
@@ -189,7 +212,9 @@ class PathKernelEngine:
 
                 tasks = tqdm(tasks, desc="path kernel blocks")
             return [fn(*args) for fn, *args in tasks]
-        return Parallel(n_jobs=self.n_jobs, verbose=self.verbose)(
+        # Threads by default (torch releases the GIL in its kernels; nothing to
+        # pickle); ``joblib.parallel_config(backend="dask")`` sends blocks to a cluster.
+        return Parallel(n_jobs=self.n_jobs, verbose=self.verbose, prefer="threads")(
             delayed(fn)(*args) for fn, *args in tasks
         )
 
@@ -275,64 +300,85 @@ class PathKernelEngine:
         """
         if output not in ("trace", "full"):
             raise ValueError(f"output must be 'trace' or 'full', got {output!r}.")
+        mode = "trace" if output == "trace" else "pairs"
         symmetric = B is None
         a_mask = _as_mask(a_train, A.shape[0])
         B, b_mask = (A, a_mask) if symmetric else (B, _as_mask(b_train, B.shape[0]))
-        mode = "trace" if output == "trace" else "pairs"
-        tiles_a, tiles_b = self._tiles(A.shape[0]), self._tiles(B.shape[0])
-        keys = [
-            (ta, tb, steps)
-            for i, ta in enumerate(tiles_a)
-            for j, tb in enumerate(tiles_b)
-            if not (symmetric and j < i)
-            for steps in self._steps_chunks()
-        ]
-        results = self._run(
-            [
-                (self._gram_block, A[ta], a_mask[ta], B[tb], b_mask[tb], steps, mode)
-                for ta, tb, steps in keys
-            ]
-        )
-        shape = (A.shape[0], B.shape[0]) + ((self.n_outputs,) * 2 if mode == "pairs" else ())
-        gram = np.zeros(shape)
-        for (ta, tb, _), block in zip(keys, results, strict=True):
-            gram[ta, tb] += block
-            if symmetric and ta != tb:
-                gram[tb, ta] += (
-                    block.swapaxes(0, 1) if mode == "trace" else (block.transpose(1, 0, 3, 2))
-                )
+        a_tr, a_te = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
+        b_tr, b_te = np.flatnonzero(b_mask), np.flatnonzero(~b_mask)
+        n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
+        gram = np.zeros((A.shape[0], B.shape[0]) + n_outputs)
+
+        def rows(X, index):
+            return X[torch.as_tensor(index)]
+
+        if a_tr.size and b_tr.size:
+            gram[np.ix_(a_tr, b_tr)] = self._blocks(
+                "discrete", rows(A, a_tr), rows(B, b_tr), mode, symmetric
+            )
+        if a_te.size and b_tr.size:
+            gram[np.ix_(a_te, b_tr)] = self._blocks("mixed", rows(A, a_te), rows(B, b_tr), mode)
+        if a_tr.size and b_te.size:
+            if symmetric:
+                mixed = gram[np.ix_(b_te, a_tr)]
+            else:
+                mixed = self._blocks("mixed", rows(B, b_te), rows(A, a_tr), mode)
+            gram[np.ix_(a_tr, b_te)] = _swap(mixed, mode)
+        if a_te.size and b_te.size:
+            gram[np.ix_(a_te, b_te)] = self._blocks(
+                "test", rows(A, a_te), rows(B, b_te), mode, symmetric
+            )
+        if symmetric:  # exactly symmetric, not just up to rounding
+            gram = 0.5 * (gram + _swap(gram, mode))
         return gram
 
-    def _gram_block(self, A, a_mask, B, b_mask, steps, mode):
+    def _blocks(self, kind, P, Q, mode, symmetric=False):
+        """One kind of block between rows ``P`` and ``Q``, as independent tasks.
+
+        ``kind`` is "discrete" (both on the training copy), "mixed" (``P`` on the
+        test copy, ``Q`` on the training copy) or "test" (both on the test copy).
+        Tasks are (tile of ``P``, chunk of steps); a symmetric request computes
+        only the columns from the tile's first row on and mirrors them.
+        """
+        keys = [(tile, steps) for tile in self._tiles(P.shape[0]) for steps in self._steps_chunks()]
+        results = self._run(
+            [
+                (self._block_rows, kind, P[tile], Q[tile.start :] if symmetric else Q, steps, mode)
+                for tile, steps in keys
+            ]
+        )
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
-        block = torch.zeros((A.shape[0], B.shape[0]) + n_outputs, dtype=A.dtype)
-        a_train, a_test = (torch.as_tensor(np.flatnonzero(m)) for m in (a_mask, ~a_mask))
-        b_train, b_test = (torch.as_tensor(np.flatnonzero(m)) for m in (b_mask, ~b_mask))
+        out = np.zeros((P.shape[0], Q.shape[0]) + n_outputs)
+        for (tile, _), block in zip(keys, results, strict=True):
+            offset = tile.start if symmetric else 0
+            out[tile, offset:] += block
+            if symmetric:
+                width = tile.stop - tile.start
+                out[tile.stop :, tile] += _swap(block[:, width:], mode)
+        return out
+
+    def _block_rows(self, kind, P, Q, steps, mode):
+        n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
+        block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype)
         probe = self.probe
-
-        def add(rows, cols, values):
-            block[rows[:, None], cols] += values
-
+        q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start = self.path.weights[step]
-            fa = probe.factors(start, A[a_train])[1] if a_train.numel() else None
-            fb = probe.factors(start, B[b_train])[1] if b_train.numel() else None
-            if a_train.numel() and b_train.numel():
-                add(a_train, b_train, _sum_layers(probe, fa, fb, mode))
-            if a_test.numel() and b_train.numel():
-                part = torch.zeros((a_test.numel(), b_train.numel()) + n_outputs, dtype=A.dtype)
-                for rows, weights, test in self._test_features(step, A[a_test]):
-                    values = _sum_layers(probe, test, fb, mode)
-                    part.index_add_(0, rows, _scale_rows(weights, values))
-                add(a_test, b_train, part)
-            if a_train.numel() and b_test.numel():
-                part = torch.zeros((b_test.numel(), a_train.numel()) + n_outputs, dtype=A.dtype)
-                for rows, weights, test in self._test_features(step, B[b_test]):
-                    values = _sum_layers(probe, test, fa, mode)
-                    part.index_add_(0, rows, _scale_rows(weights, values))
-                add(a_train, b_test, _swap(part, mode))
-            if a_test.numel() and b_test.numel():
-                add(a_test, b_test, self._test_test(step, A[a_test], B[b_test], mode))
+            if kind == "discrete":
+                left = probe.factors(start, P)[1]
+            elif kind == "mixed":
+                features = self._test_features(step, P)  # once per step, for all of Q
+            for tile in q_tiles:
+                if kind == "test":
+                    block[:, tile] += self._test_test(step, P, Q[tile], mode)
+                    continue
+                right = probe.factors(start, Q[tile])[1]
+                if kind == "discrete":
+                    block[:, tile] += _sum_layers(probe, left, right, mode)
+                    continue
+                for rows, weights, test in features:
+                    values = _sum_layers(probe, test, right, mode)
+                    block[:, tile].index_add_(0, rows, _scale_rows(weights, values))
         return block.numpy()
 
     def _test_test(self, step, A, B, mode):
@@ -364,7 +410,8 @@ class PathKernelEngine:
         if self.quadrature != "exact":
             return fixed_rule(self.quadrature, self.n_points)
         start, direction = self.path.weights[step], self.path.step_direction(step)
-        return shared_exact_nodes(self.probe, start, direction, X, self.n_nodes)
+        # The integrand is a product of two gradients: twice the polynomial degree.
+        return shared_exact_nodes(self.probe, start, direction, X, 2 * self.n_nodes)
 
     def diag(self, A, *, a_train=False):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
@@ -387,7 +434,10 @@ class PathKernelEngine:
                 diag[train] += _sum_layers(self.probe, factors, factors, "diag")
             if test.numel():
                 part = torch.zeros(test.numel(), dtype=A.dtype)
-                for rows, weights, factors in self._test_features(step, A[test]):
+                # Same rule as the test x test Gram: products of two gradients
+                # need twice the nodes.
+                features = self._test_features(step, A[test], n_nodes=2 * self.n_nodes)
+                for rows, weights, factors in features:
                     part.index_add_(
                         0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
                     )

@@ -194,7 +194,7 @@ def _first_crossing(left, right):
     return torch.where(torch.isfinite(best), best.clamp(lo, hi), 0.5 * (lo + hi))
 
 
-def locate_kinks(evaluate, left, right, *, tol=1e-12, max_iter=60, max_kinks=100_000):
+def locate_kinks(evaluate, left, right, *, tol=1e-13, max_iter=60, max_kinks=100_000):
     """Breakpoints of every row where it changes piece between ``left`` and ``right``.
 
     Parameters
