@@ -22,6 +22,7 @@ import torch
 from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
+from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
 from ._quadrature import exact_nodes, fixed_rule, same_nodes, shared_exact_nodes
 
@@ -218,8 +219,10 @@ class PathKernelEngine:
             delayed(fn)(*args) for fn, *args in tasks
         )
 
-    def _tiles(self, n):
-        return list(gen_even_slices(n, max(1, -(-n // self.tile_size)))) if n else []
+    def _tiles(self, n, row_bytes=0):
+        """Row slices of at most ``tile_size`` rows, fewer when rows are large."""
+        size = rows_per_tile(self.tile_size, row_bytes)
+        return list(gen_even_slices(n, max(1, -(-n // size)))) if n else []
 
     # -- decomposition -------------------------------------------------------------
 
@@ -237,7 +240,15 @@ class PathKernelEngine:
             ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
             ``residual`` (n,), as float64 numpy arrays.
         """
-        keys = [(tile, steps) for tile in self._tiles(X.shape[0]) for steps in self._steps_chunks()]
+        row_bytes = 8 * self.n_train * self.n_outputs
+        check_fits(
+            row_bytes * X.shape[0] * (1 + self._n_workers()),
+            f"decompose on {X.shape[0]} rows ({self.n_train} training points, "
+            f"{self.n_outputs} outputs)",
+            "decompose fewer rows at a time.",
+        )
+        tiles = self._tiles(X.shape[0], 2 * row_bytes)
+        keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
         results = self._run([(self._decompose_block, X[tile], steps) for tile, steps in keys])
         contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
         residual = np.zeros(X.shape[0])
@@ -307,6 +318,11 @@ class PathKernelEngine:
         a_tr, a_te = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
         b_tr, b_te = np.flatnonzero(b_mask), np.flatnonzero(~b_mask)
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
+        check_fits(
+            3 * 8 * A.shape[0] * B.shape[0] * int(np.prod(n_outputs)),
+            f"A {output!r} Gram of shape {(A.shape[0], B.shape[0]) + n_outputs}",
+            "request fewer rows at a time, or output='trace' instead of 'full'.",
+        )
         gram = np.zeros((A.shape[0], B.shape[0]) + n_outputs)
 
         def rows(X, index):
@@ -340,7 +356,9 @@ class PathKernelEngine:
         Tasks are (tile of ``P``, chunk of steps); a symmetric request computes
         only the columns from the tile's first row on and mirrors them.
         """
-        keys = [(tile, steps) for tile in self._tiles(P.shape[0]) for steps in self._steps_chunks()]
+        row_bytes = 8 * Q.shape[0] * (self.n_outputs**2 if mode == "pairs" else 1)
+        tiles = self._tiles(P.shape[0], row_bytes)
+        keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
         results = self._run(
             [
                 (self._block_rows, kind, P[tile], Q[tile.start :] if symmetric else Q, steps, mode)

@@ -324,3 +324,28 @@ def test_engine_does_not_touch_module_or_path(relu_case):
     engine.gram(A, X, b_train=True)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
     assert torch.equal(weights, path.weights)
+
+
+def test_requests_that_cannot_fit_fail_early_with_sizes(relu_case, monkeypatch):
+    from sklearn_pathkernel import _memory
+
+    module, path, X, y, A = relu_case
+    engine = engine_for(module, path, X, y)
+    monkeypatch.setattr(_memory, "available_memory", lambda: 1000)
+    with pytest.raises(MemoryError, match=r"Gram of shape \(9, 30, 3, 3\).*output='trace'"):
+        engine.gram(A, X, b_train=True, output="full")
+    with pytest.raises(MemoryError, match="decompose on 9 rows"):
+        engine.decompose(A)
+
+
+def test_large_rows_are_tiled_within_the_block_budget(relu_case, monkeypatch):
+    from sklearn_pathkernel import _memory
+
+    module, path, X, y, A = relu_case
+    reference = engine_for(module, path, X, y).gram(A, X, b_train=True, output="full")
+    monkeypatch.setattr(_memory, "BLOCK_BUDGET_BYTES", 8 * 30 * 9 * 2)  # two rows per block
+    engine = engine_for(module, path, X, y)
+    assert len(engine._tiles(9, 8 * 30 * 9)) == 5
+    np.testing.assert_allclose(
+        engine.gram(A, X, b_train=True, output="full"), reference, rtol=1e-12
+    )
