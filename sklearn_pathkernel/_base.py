@@ -17,6 +17,8 @@ from sklearn.utils.validation import _check_sample_weight, check_is_fitted, vali
 from ._training import train_module
 
 DTYPE = torch.float64
+# Attributes validate_data(reset=True) sets on the estimator.
+_VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
 
 
 def as_tensor(X):
@@ -93,6 +95,18 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         self : object
             The fitted estimator.
         """
+        # validate_data sets n_features_in_ / feature_names_in_ before training
+        # starts: a failed or interrupted fit puts back what was there before.
+        saved = {key: self.__dict__[key] for key in _VALIDATION_ATTRS if key in self.__dict__}
+        try:
+            return self._fit(X, y, sample_weight)
+        except BaseException:
+            for key in _VALIDATION_ATTRS:
+                self.__dict__.pop(key, None)
+            self.__dict__.update(saved)
+            raise
+
+    def _fit(self, X, y, sample_weight):
         X, y = validate_data(self, X, y, dtype=np.float64)
         check_classification_targets(y)
         classes, y_encoded = np.unique(y, return_inverse=True)
@@ -101,7 +115,9 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
                 f"{type(self).__name__} needs samples of at least 2 classes in "
                 f"the data, but the data contain only one class: {classes[0]!r}."
             )
-        sample_weight = _check_sample_weight(sample_weight, X, dtype=np.float64)
+        sample_weight = _check_sample_weight(
+            sample_weight, X, dtype=np.float64, ensure_non_negative=True
+        )
         if not sample_weight.sum() > 0:
             raise ValueError("The sample weights must not all be zero.")
 

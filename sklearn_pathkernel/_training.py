@@ -149,7 +149,13 @@ def train_module(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             index = torch.as_tensor(batch)
-            share = sample_weight[index] / sample_weight[index].sum()
+            batch_weight = sample_weight[index].sum()
+            # A batch whose points all weigh 0 has zero loss: a step that moves nothing.
+            share = (
+                sample_weight[index] / batch_weight
+                if batch_weight > 0
+                else torch.zeros_like(sample_weight[index])
+            )
 
             optimizer.zero_grad(set_to_none=True)
             log_proba = F.log_softmax(module(X[index]), dim=1)
@@ -167,11 +173,15 @@ def train_module(
             if record:
                 with torch.no_grad():
                     weights[step + 1] = torch.nn.utils.parameters_to_vector(module.parameters())
-                if not torch.isfinite(weights[step + 1]).all():
-                    raise FloatingPointError(
-                        f"The weights stopped being finite at step {step} (epoch "
-                        f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
-                    )
+                finite = bool(torch.isfinite(weights[step + 1]).all())
+            else:  # no path to look at (adam, momentum): check the parameters themselves
+                finite = all(bool(torch.isfinite(p).all()) for p in params)
+            if not finite:
+                raise FloatingPointError(
+                    f"The weights stopped being finite at step {step} (epoch "
+                    f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
+                )
+            if record:
                 path.batches.append(batch)
                 path.coefficients.append((lr * share).detach().clone())
                 learning_rates.append(lr)
