@@ -27,7 +27,7 @@ QUADRATURES = ("riemann", "dpk", "midpoint", "gauss")
 
 # Upper bound on the bytes of one materialised (rows, K, W) Jacobian tile; a few
 # such tiles are alive at once.
-TILE_BYTES = 128 * 2**20
+TILE_BYTES = 256 * 2**20
 
 
 def quadrature_rule(quadrature, n_points):
@@ -328,39 +328,38 @@ class NaivePathKernelEngine:
         gram = torch.zeros((A.shape[0], B.shape[0]) + extra, dtype=A.dtype)
         for step in self._steps():
             for ta in self._tiles(A.shape[0]):
+                side_a = self._features(step, A[ta], a_mask[ta])
                 for tb in self._tiles(B.shape[0]):
-                    gram[ta, tb] += self._gram_step(
-                        step, A[ta], a_mask[ta], B[tb], b_mask[tb], output
-                    )
+                    side_b = self._features(step, B[tb], b_mask[tb])
+                    gram[ta, tb] += self._gram_step(step, side_a, side_b, output)
         return gram.numpy()
 
-    def _gram_step(self, step, A, a_mask, B, b_mask, output):
+    def _features(self, step, X, train_mask):
+        """One tile's features of a step: training rows ``g(x; w_s)``, test rows ``phi_s(x)``."""
+        train, test = (torch.as_tensor(np.flatnonzero(m)) for m in (train_mask, ~train_mask))
+        return Bunch(
+            X=X,
+            train=train,
+            test=test,
+            jac=self._jac(self.path.weights[step], X[train]),
+            phi=self._test_feature(step, X[test]),
+        )
+
+    def _gram_step(self, step, a, b, output):
         """One step's kernel between two tiles, each row on its own copy."""
         extra = (self.n_outputs,) * 2 if output == "full" else ()
-        block = torch.zeros((A.shape[0], B.shape[0]) + extra, dtype=A.dtype)
-        a_tr, a_te = (torch.as_tensor(np.flatnonzero(m)) for m in (a_mask, ~a_mask))
-        b_tr, b_te = (torch.as_tensor(np.flatnonzero(m)) for m in (b_mask, ~b_mask))
-        start = self.path.weights[step]
-        jac_a = self._jac(start, A[a_tr])
-        jac_b = self._jac(start, B[b_tr])
-        # Test rows: accumulate phi_s and, node by node, the test x test kernel
-        # with the same t on both sides.
-        phi_a = torch.zeros((a_te.numel(), self.n_outputs, self.path.n_weights), dtype=A.dtype)
-        phi_b = torch.zeros((b_te.numel(), self.n_outputs, self.path.n_weights), dtype=A.dtype)
-        test_test = 0.0
-        if a_te.numel() or b_te.numel():
-            for nodes in self._node_chunks(a_te.numel() + b_te.numel()):
-                nu = self._nu(nodes, A.dtype)
-                node_a = self._jac_at_nodes(step, A[a_te], nodes)
-                node_b = self._jac_at_nodes(step, B[b_te], nodes)
-                phi_a += torch.einsum("q,qnkw->nkw", nu, node_a)
-                phi_b += torch.einsum("q,qnkw->nkw", nu, node_b)
-                test_test = test_test + _contract_at_nodes(nu, node_a, node_b, output)
-        block[a_tr[:, None], b_tr] = _contract(jac_a, jac_b, output)
-        block[a_te[:, None], b_tr] = _contract(phi_a, jac_b, output)
-        block[a_tr[:, None], b_te] = _contract(jac_a, phi_b, output)
-        if a_te.numel() and b_te.numel():
-            block[a_te[:, None], b_te] = test_test
+        block = torch.zeros((a.X.shape[0], b.X.shape[0]) + extra, dtype=a.X.dtype)
+        block[a.train[:, None], b.train] = _contract(a.jac, b.jac, output)
+        block[a.test[:, None], b.train] = _contract(a.phi, b.jac, output)
+        block[a.train[:, None], b.test] = _contract(a.jac, b.phi, output)
+        if a.test.numel() and b.test.numel():
+            # Test x test integrates the product, both sides at the same t.
+            for nodes in self._node_chunks(a.test.numel() + b.test.numel()):
+                node_a = self._jac_at_nodes(step, a.X[a.test], nodes)
+                node_b = self._jac_at_nodes(step, b.X[b.test], nodes)
+                block[a.test[:, None], b.test] += _contract_at_nodes(
+                    self._nu(nodes, a.X.dtype), node_a, node_b, output
+                )
         return block
 
     def diag(self, A, *, a_train=False):
