@@ -238,6 +238,14 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
                 "are not a sum of per-sample gradients at the step's start."
             )
         cache = self.__dict__.get("_kernel_cache")
+        settings = (self.quadrature, self.n_points, self.n_jobs, self.verbose)
+        if cache is not None and settings != (
+            cache.quadrature,
+            cache.n_points,
+            cache.n_jobs,
+            cache.verbose,
+        ):
+            cache = None  # set_params after fit: the kernel follows the new settings
         if cache is None:
             from ._engine import PathKernelEngine
 
