@@ -245,3 +245,26 @@ def test_kernel_unavailable_for_momentum(data):
     ).fit(X, y)
     with pytest.raises(NotImplementedError, match="momentum"):
         _ = clf.kernel_
+
+
+def test_gaussian_process_optimiser_computes_the_training_gram_once(data, monkeypatch):
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import WhiteKernel
+
+    X, y = data
+    clf = ExactPathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=2).fit(X, y)
+    engine = clf._engine()
+    calls = []
+    gram = engine.gram
+
+    def counting_gram(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return gram(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "gram", counting_gram)
+    kernel = ConstantKernel() * clf.kernel_ + WhiteKernel()
+    gpr = GaussianProcessRegressor(kernel=kernel, n_restarts_optimizer=1, random_state=0)
+    gpr.fit(X, np.eye(3)[y])
+    assert calls == [30]  # every optimiser step and restart reused the memoised Gram
+    gpr.predict(X[:5] + 0.1)
+    assert calls == [30, 5]
