@@ -2,6 +2,7 @@
 path-kernel accessors (``kernel_``, ``decompose``)."""
 
 import copy
+import os
 from abc import abstractmethod
 from numbers import Integral, Real
 
@@ -56,6 +57,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
         "n_points": [Interval(Integral, 1, None, closed="left")],
         "n_jobs": [Integral, None],
+        "path_storage": [StrOptions({"memory", "disk"}), str, os.PathLike],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
     }
@@ -140,6 +142,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             n_iter_no_change=self.n_iter_no_change,
             random_state=rng,
             verbose=self.verbose,
+            path_storage=self.path_storage,
         )
         for param in module.parameters():
             param.requires_grad_(False)

@@ -65,6 +65,16 @@ class ExactPathKernelClassifier(BasePathClassifier):
         Points of the ``"riemann"`` rule.
     n_jobs : int or None, default=None
         Parallel jobs (joblib) over blocks of kernel computations.
+    path_storage : "memory", "disk" or path-like, default="memory"
+        Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
+        float64 numbers, is kept: ``"memory"`` (RAM), ``"disk"`` (a
+        memory-mapped file in the system's temporary directory) or a memory-mapped
+        file in the given directory, for long trainings whose path does not fit
+        in RAM. Kernels and decompositions are identical either way. Before
+        training, the path's size is checked against the available memory (or
+        free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
+        Pickling writes the weights into the pickle; the unpickled estimator
+        holds them in memory.
     random_state : int, RandomState instance or None, default=None
         Seeds the initial weights and the mini-batch order.
     verbose : int, default=0
@@ -130,6 +140,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
         quadrature="exact",
         n_points=100,
         n_jobs=None,
+        path_storage="memory",
         random_state=None,
         verbose=0,
     ):
@@ -147,6 +158,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_jobs = n_jobs
+        self.path_storage = path_storage
         self.random_state = random_state
         self.verbose = verbose
 

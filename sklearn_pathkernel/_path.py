@@ -10,10 +10,16 @@ with ``f = log_softmax(module(x))``. For the mean cross-entropy,
 ``coef_{s,i} = lr_s * sample_weight_i / sum_{j in B_s} sample_weight_j``.
 """
 
+import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+PATH_STORAGES = ("memory", "disk")
 
 
 @dataclass
@@ -35,6 +41,15 @@ class WeightPath:
         The learning rate used at each step.
     param_names, param_shapes : list
         How a flat weight vector splits into the module's parameters.
+    storage : str
+        Where ``weights`` lives: ``"memory"``, or the directory of the
+        memory-mapped file holding it (see :func:`allocate_weights`).
+
+    Notes
+    -----
+    Pickling (and ``copy.deepcopy``) writes the weights themselves into the
+    pickle, so a pickle never depends on a file; the copy holds its weights in
+    memory (``storage == "memory"``).
     """
 
     weights: torch.Tensor
@@ -43,6 +58,19 @@ class WeightPath:
     learning_rates: np.ndarray = None
     param_names: list = field(default_factory=list)
     param_shapes: list = field(default_factory=list)
+    storage: str = "memory"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state.get("storage", "memory") != "memory":
+            # Self-contained pickle: the data, not the (possibly temporary) file.
+            state["weights"] = state["weights"].clone()
+            state["storage"] = "memory"
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("storage", "memory")
+        self.__dict__.update(state)
 
     @property
     def n_steps(self):
@@ -86,3 +114,123 @@ def flatten_parameters(module):
         shapes.append(tuple(param.shape))
         tensors.append(param.detach().reshape(-1))
     return torch.cat(tensors), names, shapes
+
+
+def available_memory():
+    """Bytes of memory available to this process (``MemAvailable`` on Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
+
+
+def _gib(nbytes):
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def storage_directory(path_storage):
+    """The directory of a ``path_storage`` setting, or None for ``"memory"``."""
+    if isinstance(path_storage, str) and path_storage == "memory":
+        return None
+    if isinstance(path_storage, str) and path_storage == "disk":
+        return tempfile.gettempdir()
+    if isinstance(path_storage, str | os.PathLike):
+        directory = os.fspath(path_storage)
+        if not os.path.isdir(directory):
+            raise ValueError(
+                f"path_storage must be 'memory', 'disk' or an existing directory; "
+                f"{directory!r} is not a directory."
+            )
+        return directory
+    raise TypeError(
+        "path_storage must be 'memory', 'disk' or a directory path, got "
+        f"{type(path_storage).__name__}."
+    )
+
+
+def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float64):
+    """An uninitialised ``(n_rows, n_weights)`` weight array, in RAM or on disk.
+
+    Parameters
+    ----------
+    n_rows : int
+        ``S + 1``: the number of steps plus one (an upper bound when training
+        may stop early).
+    n_weights : int
+        ``W``, the number of trainable weights.
+    path_storage : "memory", "disk" or path-like
+        ``"memory"``: a torch tensor in RAM. ``"disk"``: a numpy memmap in a new
+        file of the system's temporary directory; a directory: a new file there.
+        The file is deleted as soon as it is mapped (POSIX), so it never
+        outlives the process; the operating system pages it in and out.
+
+    Returns
+    -------
+    weights : torch.Tensor
+    storage : str
+        ``"memory"`` or the directory of the file.
+
+    Raises
+    ------
+    MemoryError
+        When the array would not fit in the available memory (``"memory"``) or
+        in the free disk space (otherwise); the message names S, W, the bytes
+        and the ways out.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = int(n_rows) * int(n_weights) * itemsize
+    sizes = (
+        f"The weight path of {n_rows - 1} steps x {n_weights} weights "
+        f"({n_rows} x {n_weights} x {itemsize} bytes = {_gib(nbytes)})"
+    )
+    directory = storage_directory(path_storage)
+    if directory is None:
+        available = available_memory()
+        if nbytes > available:
+            raise MemoryError(
+                f"{sizes} does not fit in the {_gib(available)} of available memory. "
+                "Store it on disk with path_storage='disk' (or a directory with "
+                "enough free space), or lower max_iter (steps = max_iter x batches "
+                "per epoch), use larger batches or a smaller network."
+            )
+        return torch.empty((n_rows, n_weights), dtype=dtype), "memory"
+
+    free = shutil.disk_usage(directory).free
+    if nbytes > free:
+        raise MemoryError(
+            f"{sizes} does not fit in the {_gib(free)} free on the disk of "
+            f"{directory!r}. Give path_storage a directory on a larger disk, or "
+            "lower max_iter (steps = max_iter x batches per epoch), use larger "
+            "batches or a smaller network."
+        )
+    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=".f64", dir=directory)
+    os.close(handle)
+    try:
+        array = np.memmap(
+            filename,
+            dtype=torch.empty((), dtype=dtype).numpy().dtype,
+            mode="w+",
+            shape=(n_rows, n_weights),
+        )
+    except BaseException:
+        os.remove(filename)
+        raise
+    try:
+        os.remove(filename)  # POSIX: the mapping keeps the data until it is released
+    except OSError:  # pragma: no cover - Windows cannot remove a mapped file
+        weakref.finalize(array, _remove_quietly, filename)
+    return torch.from_numpy(array), directory
+
+
+def _remove_quietly(filename):  # pragma: no cover - Windows only
+    try:
+        os.remove(filename)
+    except OSError:
+        pass

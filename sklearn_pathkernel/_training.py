@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.utils import check_random_state
 
-from ._path import WeightPath, flatten_parameters
+from ._path import WeightPath, allocate_weights, flatten_parameters
 
 
 @dataclass
@@ -81,6 +81,7 @@ def train_module(
     n_iter_no_change=10,
     random_state=None,
     verbose=0,
+    path_storage="memory",
 ):
     """Train ``module`` in place on the mean cross-entropy of its log-softmax.
 
@@ -109,6 +110,10 @@ def train_module(
     random_state : int, RandomState or None
         Seeds the batch order.
     verbose : int
+    path_storage : "memory", "disk" or path-like
+        Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
+        live: RAM, or a memory-mapped file (see
+        :func:`~sklearn_pathkernel._path.allocate_weights`). The values are the same.
 
     Returns
     -------
@@ -118,6 +123,8 @@ def train_module(
     ------
     FloatingPointError
         If the loss or the weights stop being finite; the message names the step.
+    MemoryError
+        Before training, if the weight path cannot fit in memory (or on disk).
     """
     start = time.perf_counter()
     rng = check_random_state(random_state)
@@ -135,9 +142,11 @@ def train_module(
     )
     if record:
         flat0, names, shapes = flatten_parameters(module)
-        weights = torch.empty((max_iter * n_batches + 1, flat0.numel()), dtype=flat0.dtype)
+        weights, storage = allocate_weights(
+            max_iter * n_batches + 1, flat0.numel(), path_storage, dtype=flat0.dtype
+        )
         weights[0] = flat0
-        path = WeightPath(weights, [], [], None, names, shapes)
+        path = WeightPath(weights, [], [], None, names, shapes, storage)
 
     loss_curve, learning_rates = [], []
     best_loss, no_improvement, step = np.inf, 0, 0
@@ -205,7 +214,10 @@ def train_module(
         path = None
     else:
         if step + 1 < path.weights.shape[0]:
-            path.weights = path.weights[: step + 1].clone()
+            # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
+            path.weights = path.weights[: step + 1]
+            if storage == "memory":
+                path.weights = path.weights.clone()
         path.learning_rates = np.asarray(learning_rates, dtype=float)
     return TrainingResult(
         loss_curve=loss_curve,
