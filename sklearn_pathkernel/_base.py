@@ -115,7 +115,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         if classes.shape[0] < 2:
             raise ValueError(
                 f"{type(self).__name__} needs samples of at least 2 classes in "
-                f"the data, but the data contain only one class: {classes[0]!r}."
+                f"the data, but the data contain only one class: {classes.tolist()[0]!r}."
             )
         sample_weight = _check_sample_weight(
             sample_weight, X, dtype=np.float64, ensure_non_negative=True
