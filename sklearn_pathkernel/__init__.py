@@ -15,8 +15,16 @@ DistanceLayer
 """
 
 from ._classifier import ExactPathKernelClassifier
+from ._distance import DistanceLayer
+from ._distance_classifier import DistanceKernelClassifier
 from ._kernel import ExactPathKernel
 from ._transformer import PathKernelTransformer
 
-__all__ = ["ExactPathKernel", "ExactPathKernelClassifier", "PathKernelTransformer"]
+__all__ = [
+    "DistanceKernelClassifier",
+    "DistanceLayer",
+    "ExactPathKernel",
+    "ExactPathKernelClassifier",
+    "PathKernelTransformer",
+]
 __version__ = "0.1.0.dev0"

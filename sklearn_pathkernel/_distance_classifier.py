@@ -1,0 +1,255 @@
+"""DistanceKernelClassifier: a network of distance layers, as an exact kernel machine."""
+
+from numbers import Integral, Real
+
+import torch
+from sklearn.utils._param_validation import Interval, StrOptions
+from torch import nn
+
+from ._base import BasePathClassifier
+from ._distance import (
+    DISTANCE_KERNELS,
+    INITS,
+    KERNELS,
+    TRANSFORMS,
+    DistanceLayer,
+    Negate,
+    Transform,
+    init_memories,
+)
+
+HEADS = ("linear", "distance")
+
+
+def make_distance_network(
+    X, n_classes, hidden_layer_sizes, kernel, init, transform, head, gamma=1.0
+):
+    """Distance layers of the given widths, each followed by ``transform``, then a head.
+
+    Data-based initialisations see, for each layer, the training data as the
+    previous layers map it. ``head="linear"`` is an ``nn.Linear`` starting at
+    zero (so the kernel machine's bias ``f(x; w_0)`` is a constant);
+    ``head="distance"`` is a distance layer with one memory per class whose
+    logits are ``-k(h, c_k) + b_k`` for distance kernels and ``k(h, c_k) + b_k``
+    for similarities.
+    """
+    layers, width, H = [], X.shape[1], X
+    for size in hidden_layer_sizes:
+        layer = init_memories(
+            DistanceLayer(width, size, kernel, gamma=gamma, dtype=X.dtype), H, init
+        )
+        layers += [layer, Transform(transform)]
+        with torch.no_grad():
+            H = layers[-1](layer(H))
+        width = size
+    if head == "linear":
+        out = nn.Linear(width, n_classes, dtype=X.dtype)
+        nn.init.zeros_(out.weight)
+        nn.init.zeros_(out.bias)
+        layers.append(out)
+    else:
+        out = DistanceLayer(width, n_classes, kernel, gamma=gamma, dtype=X.dtype)
+        layers.append(out)  # uniform memories: _build_module does not see the labels
+        if kernel in DISTANCE_KERNELS:
+            layers.append(Negate())
+    return nn.Sequential(*layers)
+
+
+class DistanceKernelClassifier(BasePathClassifier):
+    """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
+
+    Each hidden layer compares its input with learned memories
+    (:class:`DistanceLayer`: by default the mean squared difference of the
+    "Distance Kernel based Neural Networks" seed), reshapes the distances per
+    example against their chi-squared skew (``transform``), and feeds the next
+    layer; a head maps the last layer to logits. The network is trained on the
+    mean cross-entropy of its log-softmax and, like
+    :class:`ExactPathKernelClassifier`, exposes its Exact Path Kernel:
+    :meth:`decompose` and :attr:`kernel_`.
+
+    Parameters
+    ----------
+    hidden_layer_sizes : tuple of int, default=(100,)
+        Number of memories of each distance layer.
+    kernel : {"sqeuclidean", "euclidean", "rbf", "laplacian", "cosine"}, \
+            default="sqeuclidean"
+        How a distance layer compares an input with a memory (see
+        :class:`DistanceLayer`); used by the ``"distance"`` head too.
+    init : {"uniform", "kmeans++", "samples"}, default="kmeans++"
+        Initial memories: ``nn.Linear``'s uniform range, or rows of the training
+        data (as the previous layers map it) chosen by k-means++ seeding or at
+        random. Memories beyond the number of samples stay uniform.
+    transform : {"none", "sqrt", "log1p", "standardize"}, default="log1p"
+        Per-example remedy for the skew of squared distances before the next
+        layer (see ``doc/benchmarks_distance.rst`` for the measurements behind
+        the default). ``"sqrt"`` and ``"log1p"`` act on ``max(z, 0)``, so they
+        are meant for the non-negative kernels; ``"standardize"`` centres and
+        scales each example's outputs over the layer's memories.
+    head : {"linear", "distance"}, default="linear"
+        ``"linear"``: a linear layer starting at zero (the kernel machine's bias
+        is a constant); ``"distance"``: one memory per class, logits
+        ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``).
+    gamma : float, default=1.0
+        Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
+    learning_rate : float or callable, default=0.5
+        Step size, or a schedule ``learning_rate(step) -> float``.
+    max_iter : int, default=200
+        Number of epochs. With ``batch_size=None`` each epoch is one full-batch
+        gradient descent step: the training path of the EPK paper.
+    batch_size : int or None, default=None
+        Mini-batch size; ``None`` uses the whole training set at every step.
+    solver : {"sgd", "adam"}, default="sgd"
+        ``"sgd"`` is gradient descent (with optional ``momentum``). The path
+        kernel is implemented for ``"sgd"`` without momentum; other settings
+        train normally but ``kernel_`` and ``decompose`` raise.
+    momentum : float, default=0.0
+        Momentum of ``"sgd"``.
+    shuffle : bool, default=True
+        Reshuffle mini-batches each epoch.
+    tol : float or None, default=None
+        Stop when the training loss has not improved by ``tol`` for
+        ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
+    n_iter_no_change : int, default=10
+        See ``tol``.
+    quadrature : {"exact", "riemann", "dpk"}, default="exact"
+        How the test-copy features integrate the gradient along each step (see
+        :class:`ExactPathKernelClassifier`).
+    n_points : int, default=100
+        Points of the ``"riemann"`` rule.
+    n_jobs : int or None, default=None
+        Parallel jobs (joblib) over blocks of kernel computations.
+    path_storage : "memory", "disk" or path-like, default="memory"
+        Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
+        float64 numbers, is kept: ``"memory"`` (RAM), ``"disk"`` (a
+        memory-mapped file in the system's temporary directory) or a memory-mapped
+        file in the given directory, for long trainings whose path does not fit
+        in RAM. Kernels and decompositions are identical either way. Before
+        training, the path's size is checked against the available memory (or
+        free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
+        Pickling writes the weights into the pickle; the unpickled estimator
+        holds them in memory.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the initial memories and the mini-batch order.
+    verbose : int, default=0
+        Print the training loss per epoch and show progress of kernel
+        computations.
+
+    Attributes
+    ----------
+    classes_ : ndarray of shape (n_classes,)
+        Class labels; output ``k`` of the network belongs to ``classes_[k]``.
+    module_ : torch.nn.Sequential
+        The trained network (float64, weights ``w_S``).
+    path_ : WeightPath or None
+        The recorded weight path (None when the solver records none).
+    n_iter_ : int
+        Epochs run.
+    n_steps_ : int
+        Gradient descent steps taken.
+    loss_curve_ : list of float
+        Training loss per epoch.
+    n_features_in_ : int
+        Number of features seen during fit.
+    feature_names_in_ : ndarray of shape (n_features_in_,)
+        Feature names seen during fit, when X has string column names.
+
+    See Also
+    --------
+    ExactPathKernelClassifier : The same kernel API on a multilayer perceptron.
+    DistanceLayer : The layer, for building your own networks.
+
+    Notes
+    -----
+    Distances are means over features, so scale the features (for example
+    with :class:`~sklearn.preprocessing.StandardScaler` in a pipeline).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn_pathkernel import DistanceKernelClassifier
+    >>> X = np.array([[0, 0], [0, 1], [1, 0], [1, 1]])
+    >>> y = np.array([0, 1, 1, 0])  # XOR
+    >>> clf = DistanceKernelClassifier(random_state=0).fit(X, y)
+    >>> clf.predict(X)
+    array([0, 1, 1, 0])
+    >>> clf.decompose(X[:1]).contributions.shape
+    (1, 4, 2)
+    """
+
+    _parameter_constraints = {
+        **BasePathClassifier._parameter_constraints,
+        "hidden_layer_sizes": ["array-like", Interval(Integral, 1, None, closed="left")],
+        "kernel": [StrOptions(set(KERNELS))],
+        "init": [StrOptions(set(INITS))],
+        "transform": [StrOptions(set(TRANSFORMS))],
+        "head": [StrOptions(set(HEADS))],
+        "gamma": [Interval(Real, 0, None, closed="neither")],
+    }
+
+    def __init__(
+        self,
+        hidden_layer_sizes=(100,),
+        kernel="sqeuclidean",
+        init="kmeans++",
+        transform="log1p",
+        head="linear",
+        gamma=1.0,
+        learning_rate=0.5,
+        max_iter=200,
+        batch_size=None,
+        solver="sgd",
+        momentum=0.0,
+        shuffle=True,
+        tol=None,
+        n_iter_no_change=10,
+        quadrature="exact",
+        n_points=100,
+        n_jobs=None,
+        path_storage="memory",
+        random_state=None,
+        verbose=0,
+    ):
+        self.hidden_layer_sizes = hidden_layer_sizes
+        self.kernel = kernel
+        self.init = init
+        self.transform = transform
+        self.head = head
+        self.gamma = gamma
+        self.learning_rate = learning_rate
+        self.max_iter = max_iter
+        self.batch_size = batch_size
+        self.solver = solver
+        self.momentum = momentum
+        self.shuffle = shuffle
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.quadrature = quadrature
+        self.n_points = n_points
+        self.n_jobs = n_jobs
+        self.path_storage = path_storage
+        self.random_state = random_state
+        self.verbose = verbose
+
+    def _build_module(self, X, n_classes):
+        sizes = self.hidden_layer_sizes
+        sizes = (sizes,) if isinstance(sizes, Integral) else tuple(sizes)
+        if any(not isinstance(size, Integral) or size < 1 for size in sizes):
+            raise ValueError(
+                f"hidden_layer_sizes must hold positive integers, got {self.hidden_layer_sizes!r}."
+            )
+        if self.kernel == "cosine" and self.transform in ("sqrt", "log1p"):
+            raise ValueError(
+                f"transform={self.transform!r} needs non-negative layer outputs, but the "
+                "cosine kernel's similarities are in [-1, 1]; use transform='none' or "
+                "'standardize' with kernel='cosine'."
+            )
+        return make_distance_network(
+            X,
+            n_classes,
+            [int(size) for size in sizes],
+            self.kernel,
+            self.init,
+            self.transform,
+            self.head,
+            gamma=self.gamma,
+        )
