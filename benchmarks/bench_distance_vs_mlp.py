@@ -45,7 +45,7 @@ DATASETS = {
 ABLATIONS = [
     ("kernel", ["sqeuclidean", "euclidean", "rbf", "laplacian", "cosine"]),
     ("init", ["uniform", "kmeans++", "samples"]),
-    ("transform", ["none", "sqrt", "log1p", "standardize"]),
+    ("skew_transform", ["none", "sqrt", "log1p", "standardize"]),
     ("head", ["linear", "distance"]),
 ]
 

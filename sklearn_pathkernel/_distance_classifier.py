@@ -61,7 +61,7 @@ class DistanceKernelClassifier(BasePathClassifier):
     Each hidden layer compares its input with learned memories
     (:class:`DistanceLayer`: by default the mean squared difference of the
     "Distance Kernel based Neural Networks" seed), reshapes the distances per
-    example against their chi-squared skew (``transform``), and feeds the next
+    example against their chi-squared skew (``skew_transform``), and feeds the next
     layer; a head maps the last layer to logits. The network is trained on the
     mean cross-entropy of its log-softmax and, like
     :class:`ExactPathKernelClassifier`, exposes its Exact Path Kernel:
@@ -79,7 +79,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         Initial memories: ``nn.Linear``'s uniform range, or rows of the training
         data (as the previous layers map it) chosen by k-means++ seeding or at
         random. Memories beyond the number of samples stay uniform.
-    transform : {"none", "sqrt", "log1p", "standardize"}, default="log1p"
+    skew_transform : {"none", "sqrt", "log1p", "standardize"}, default="log1p"
         Per-example remedy for the skew of squared distances before the next
         layer (see ``doc/benchmarks_distance.rst`` for the measurements behind
         the default). ``"sqrt"`` and ``"log1p"`` act on ``max(z, 0)``, so they
@@ -181,7 +181,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         "hidden_layer_sizes": ["array-like", Interval(Integral, 1, None, closed="left")],
         "kernel": [StrOptions(set(KERNELS))],
         "init": [StrOptions(set(INITS))],
-        "transform": [StrOptions(set(TRANSFORMS))],
+        "skew_transform": [StrOptions(set(TRANSFORMS))],
         "head": [StrOptions(set(HEADS))],
         "gamma": [Interval(Real, 0, None, closed="neither")],
     }
@@ -191,7 +191,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         hidden_layer_sizes=(100,),
         kernel="sqeuclidean",
         init="kmeans++",
-        transform="log1p",
+        skew_transform="log1p",
         head="linear",
         gamma=1.0,
         learning_rate=0.5,
@@ -212,7 +212,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         self.hidden_layer_sizes = hidden_layer_sizes
         self.kernel = kernel
         self.init = init
-        self.transform = transform
+        self.skew_transform = skew_transform
         self.head = head
         self.gamma = gamma
         self.learning_rate = learning_rate
@@ -237,10 +237,10 @@ class DistanceKernelClassifier(BasePathClassifier):
             raise ValueError(
                 f"hidden_layer_sizes must hold positive integers, got {self.hidden_layer_sizes!r}."
             )
-        if self.kernel == "cosine" and self.transform in ("sqrt", "log1p"):
+        if self.kernel == "cosine" and self.skew_transform in ("sqrt", "log1p"):
             raise ValueError(
-                f"transform={self.transform!r} needs non-negative layer outputs, but the "
-                "cosine kernel's similarities are in [-1, 1]; use transform='none' or "
+                f"skew_transform={self.skew_transform!r} needs non-negative layer outputs, but the "
+                "cosine kernel's similarities are in [-1, 1]; use skew_transform='none' or "
                 "'standardize' with kernel='cosine'."
             )
         return make_distance_network(
@@ -249,7 +249,7 @@ class DistanceKernelClassifier(BasePathClassifier):
             [int(size) for size in sizes],
             self.kernel,
             self.init,
-            self.transform,
+            self.skew_transform,
             self.head,
             gamma=self.gamma,
         )

@@ -2,7 +2,11 @@
 
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from sklearn_pathkernel import ExactPathKernelClassifier, PathKernelTransformer
+from sklearn_pathkernel import (
+    DistanceKernelClassifier,
+    ExactPathKernelClassifier,
+    PathKernelTransformer,
+)
 
 # Small, fast settings: the checks fit hundreds of times.
 ESTIMATORS = [
@@ -10,6 +14,9 @@ ESTIMATORS = [
     PathKernelTransformer(
         ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0)
     ),
+    # init="uniform": the data-based inits (default "kmeans++") pick training rows,
+    # so duplicating a row is not the same as weighting it by 2.
+    DistanceKernelClassifier(hidden_layer_sizes=(8,), init="uniform", max_iter=100, random_state=0),
 ]
 
 

@@ -101,7 +101,9 @@ def test_gradcheck(kernel):
     def run(x, *values):
         return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (x,))
 
-    assert torch.autograd.gradcheck(run, (x, *[p.detach().clone().requires_grad_() for p in params]))
+    assert torch.autograd.gradcheck(
+        run, (x, *[p.detach().clone().requires_grad_() for p in params])
+    )
 
 
 @pytest.mark.parametrize("kind", ["none", "sqrt", "log1p", "standardize"])
