@@ -177,6 +177,7 @@ def measure(spec):
         "peak_rss_mb": memory.peak / 2**20,
         "extra_mb": (memory.peak - memory.before) / 2**20,
         "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "load": os.getloadavg()[0],
     }
     if spec["task"] == "decompose":
         total = result.bias + result.contributions.sum(1)
@@ -233,7 +234,7 @@ def toy_table(sizes, engines, timeout, workdir):
 
     header = (
         f"{'task':<12}{'engine':<7}{'time':>11}{'naive/fast':>11}{'overhead':>10}"
-        f"{'peak RSS':>11}{'extra':>10}{'sum error':>11}{'max |fast-naive|':>18}"
+        f"{'peak RSS':>11}{'extra':>10}{'load':>6}{'sum error':>11}{'rel. fast-naive':>17}"
     )
     print(header)
     print("-" * len(header))
@@ -241,10 +242,9 @@ def toy_table(sizes, engines, timeout, workdir):
         fast, naive = results.get(("fast", task)), results.get(("naive", task))
         difference = None
         if fast and naive:
-            difference = np.abs(
-                np.load(os.path.join(workdir, f"fast_{task}.npy"))
-                - np.load(os.path.join(workdir, f"naive_{task}.npy"))
-            ).max()
+            fast_values = np.load(os.path.join(workdir, f"fast_{task}.npy"))
+            naive_values = np.load(os.path.join(workdir, f"naive_{task}.npy"))
+            difference = np.abs(fast_values - naive_values).max() / np.abs(naive_values).max()
         for name in engines:
             row = results.get((name, task))
             if row is None:
@@ -252,18 +252,21 @@ def toy_table(sizes, engines, timeout, workdir):
                 continue
             ratio = f"{naive['time'] / fast['time']:10.1f}x" if fast and naive else "-".rjust(11)
             error = f"{row['sum_error']:11.1e}" if "sum_error" in row else "".rjust(11)
-            diff = f"{difference:18.1e}" if difference is not None and name == "fast" else ""
+            diff = f"{difference:17.1e}" if difference is not None and name == "fast" else ""
             print(
                 f"{task:<12}{name:<7}{fmt_time(row['time']):>11}"
                 f"{ratio if name == 'fast' else '':>11}"
                 f"{row['time'] / row['fit_time']:9.0f}x"
-                f"{row['peak_rss_mb']:8.0f} MB{row['extra_mb']:7.0f} MB{error}{diff}"
+                f"{row['peak_rss_mb']:8.0f} MB{row['extra_mb']:7.0f} MB"
+                f"{row['load']:6.1f}{error}{diff}"
             )
     any_row = next((r for r in results.values() if r), None)
     if any_row:
         print(
             f"training (fit) time: {any_row['fit_time']:.3f} s ({any_row['n_steps']} steps, "
-            f"W={any_row['n_weights']}); overhead = kernel time / training time."
+            f"W={any_row['n_weights']}); overhead = kernel time / training time; load = "
+            "1-min load average at the end (other jobs share the cores); rel. fast-naive = "
+            "max |fast - naive| / max |naive| (Gram or contributions)."
         )
     print()
     return results
@@ -276,7 +279,7 @@ def scale_table(sizes, engines, naive_steps, timeout):
     )
     header = (
         f"{'engine':<7}{'steps run':>10}{'time':>11}{'time, all steps':>18}{'overhead':>10}"
-        f"{'peak RSS':>11}{'extra':>10}"
+        f"{'peak RSS':>11}{'extra':>10}{'load':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -296,7 +299,7 @@ def scale_table(sizes, engines, naive_steps, timeout):
         print(
             f"{name:<7}{row['n_steps']:>10}{fmt_time(row['time']):>11}{fmt_time(total):>12}"
             f"{'*' if note else ' ':<6}{total / row['fit_time']:9.0f}x"
-            f"{row['peak_rss_mb']:8.0f} MB{row['extra_mb']:7.0f} MB"
+            f"{row['peak_rss_mb']:8.0f} MB{row['extra_mb']:7.0f} MB{row['load']:6.1f}"
         )
     if rows.get("fast") and rows.get("naive"):
         fast, naive = rows["fast"], rows["naive"]
@@ -330,7 +333,10 @@ def main():
         return
 
     engines = ["fast", "naive"] if fast_engine_available() else ["naive"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
+    )
     with tempfile.TemporaryDirectory() as workdir:
         toy_table(TOY_QUICK if args.quick else TOY, engines, args.timeout, workdir)
     if not args.skip_scale:
