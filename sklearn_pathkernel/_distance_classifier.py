@@ -91,9 +91,9 @@ class DistanceKernelClassifier(BasePathClassifier):
         ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``).
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
-    learning_rate : float or callable, default=0.5
+    learning_rate : float or callable, default=1.5
         Step size, or a schedule ``learning_rate(step) -> float``.
-    max_iter : int, default=200
+    max_iter : int, default=500
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
         gradient descent step: the training path of the EPK paper.
     batch_size : int or None, default=None
@@ -194,8 +194,8 @@ class DistanceKernelClassifier(BasePathClassifier):
         skew_transform="log1p",
         head="linear",
         gamma=1.0,
-        learning_rate=0.5,
-        max_iter=200,
+        learning_rate=1.5,
+        max_iter=500,
         batch_size=None,
         solver="sgd",
         momentum=0.0,
