@@ -182,10 +182,12 @@ class GenericRule:
             out = functional_call(module, {**constants, **theta}, batched)
             return (out.squeeze(0) * cotangent).sum()
 
-        per_output = vmap(grad(output_dot), in_dims=(None, None, 0))
-        per_example = vmap(per_output, in_dims=(None, 0, 0))
-        grads = per_example(theta, tuple(inputs), delta)
+        # One vmap over (example, output) pairs. (A nested vmap over the outputs,
+        # with unbatched inputs, hits wrong batching rules, e.g. for cdist.)
         n, k = delta.shape[:2]
+        pairs = tuple(arg.repeat_interleave(k, dim=0) for arg in inputs)
+        per_pair = vmap(grad(output_dot), in_dims=(None, 0, 0))
+        grads = per_pair(theta, pairs, delta.reshape(n * k, *delta.shape[2:]))
         return Factors(grads=torch.cat([grads[name].reshape(n, k, -1) for name in names], 2))
 
     def inner(self, left, right, mode):

@@ -120,6 +120,8 @@ class NetworkProbe:
         return result.log_proba, result.factors
 
     def _factors(self, start, X, outputs, direction, t):
+        if t is not None and not torch.is_tensor(t):
+            start, t = start + t * direction, None  # one point for all rows
         n = X.shape[0]
         if outputs is None:
             # Every output of every row in one backward pass: stack K copies of

@@ -101,7 +101,8 @@ def jacobian(module, path, flat_weights, X):
         n_outputs = log_proba(module, path, path.weights[0], X[:0]).shape[1]
         return torch.zeros((0, n_outputs, n_weights), dtype=flat_weights.dtype)
     per_row = 0 if flat_weights.ndim == 2 else None
-    return vmap(jacrev(outputs), in_dims=(per_row, 0))(flat_weights, X)
+    # chunk_size=1: vmap over the output basis hits wrong batching rules (e.g. cdist).
+    return vmap(jacrev(outputs, chunk_size=1), in_dims=(per_row, 0))(flat_weights, X)
 
 
 def _contract(left, right, output):

@@ -349,3 +349,41 @@ def test_large_rows_are_tiled_within_the_block_budget(relu_case, monkeypatch):
     np.testing.assert_allclose(
         engine.gram(A, X, b_train=True, output="full"), reference, rtol=1e-12
     )
+
+
+def test_generic_rule_per_example_gradients_match_a_loop():
+    """Per-example gradients by torch.func equal autograd one example at a time.
+
+    The distance layer uses ``torch.cdist``, whose batching rule is wrong under a
+    vmap over cotangents with unbatched inputs (what ``jacrev`` does): the rule
+    must batch inputs and cotangents together.
+    """
+    from sklearn_pathkernel._distance import DistanceLayer
+    from sklearn_pathkernel._layer_rules import GenericRule
+
+    torch.manual_seed(0)
+    layer = DistanceLayer(3, 4).to(DTYPE)
+    rule = GenericRule(layer, ["memories", "bias"], ["memories", "bias"])
+    x = torch.randn(5, 3, dtype=DTYPE)
+    delta = torch.randn(5, 2, 4, dtype=DTYPE)
+    grads = rule.factors((x,), delta, dict(layer.named_parameters())).grads
+    for i in range(5):
+        for k in range(2):
+            layer.zero_grad()
+            (layer(x[i : i + 1])[0] * delta[i, k]).sum().backward()
+            expected = torch.cat([layer.memories.grad.reshape(-1), layer.bias.grad])
+            torch.testing.assert_close(grads[i, k], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_sum_identity_distance_network():
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    X, y = blobs(30, 3, 3, 0)
+    clf = DistanceKernelClassifier(hidden_layer_sizes=(4,), max_iter=5, random_state=0)
+    clf.fit(X.numpy(), y.numpy())
+    A = queries(3, n=4)
+    parts = clf.decompose(A.numpy())
+    assert (
+        np.abs(parts.bias + parts.contributions.sum(1) - clf.predict_log_proba(A.numpy())).max()
+        < 1e-9
+    )
