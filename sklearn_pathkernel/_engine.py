@@ -29,6 +29,9 @@ from ._quadrature import exact_nodes, fixed_rule, same_nodes, shared_exact_nodes
 # A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
 CERTIFICATE_TOL = 1e-11
+# The test x test integrand is a product of two gradients (twice the polynomial
+# degree of one) and carries no certificate: it gets three times the nodes.
+TEST_TEST_NODES = 3
 REFINEMENT_GRIDS = (np.linspace(0.0, 1.0, 9), np.linspace(0.0, 1.0, 65))
 
 
@@ -428,8 +431,7 @@ class PathKernelEngine:
         if self.quadrature != "exact":
             return fixed_rule(self.quadrature, self.n_points)
         start, direction = self.path.weights[step], self.path.step_direction(step)
-        # The integrand is a product of two gradients: twice the polynomial degree.
-        return shared_exact_nodes(self.probe, start, direction, X, 2 * self.n_nodes)
+        return shared_exact_nodes(self.probe, start, direction, X, TEST_TEST_NODES * self.n_nodes)
 
     def diag(self, A, *, a_train=False):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
@@ -453,8 +455,10 @@ class PathKernelEngine:
             if test.numel():
                 part = torch.zeros(test.numel(), dtype=A.dtype)
                 # Same rule as the test x test Gram: products of two gradients
-                # need twice the nodes.
-                features = self._test_features(step, A[test], n_nodes=2 * self.n_nodes)
+                # need more nodes.
+                features = self._test_features(
+                    step, A[test], n_nodes=TEST_TEST_NODES * self.n_nodes
+                )
                 for rows, weights, factors in features:
                     part.index_add_(
                         0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
