@@ -80,15 +80,21 @@ class DistanceKernelClassifier(BasePathClassifier):
         data (as the previous layers map it) chosen by k-means++ seeding or at
         random. Memories beyond the number of samples stay uniform.
     skew_transform : {"none", "sqrt", "log1p", "standardize"}, default="log1p"
-        Per-example remedy for the skew of squared distances before the next
-        layer (see ``doc/benchmarks_distance.rst`` for the measurements behind
-        the default). ``"sqrt"`` and ``"log1p"`` act on ``max(z, 0)``, so they
-        are meant for the non-negative kernels; ``"standardize"`` centres and
-        scales each example's outputs over the layer's memories.
+        Per-example remedy for the chi-squared skew of squared distances before
+        the next layer: ``"sqrt"`` and ``"log1p"`` act on ``max(z, 0)`` (for the
+        non-negative kernels); ``"standardize"`` centres and scales each
+        example's outputs over the layer's memories. ``"log1p"`` is the default
+        because it is the only one that learns XOR for every seed (squared
+        distances share one ``|x|^2`` term, so without a transform a linear head
+        sees only ``|x|^2``, ``x`` and 1, which on Boolean inputs is linear), and
+        it is smooth with slope 1 at 0, where ``"sqrt"``'s derivative is
+        infinite. Measurements: ``doc/benchmarks_distance.rst``.
     head : {"linear", "distance"}, default="linear"
         ``"linear"``: a linear layer starting at zero (the kernel machine's bias
         is a constant); ``"distance"``: one memory per class, logits
-        ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``).
+        ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``). ``"linear"`` is
+        the default: the distance head's gradients carry a ``1 / n_memories``
+        factor and it fails AND and XOR at the default learning rate.
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
     learning_rate : float or callable, default=1.5
@@ -172,7 +178,9 @@ class DistanceKernelClassifier(BasePathClassifier):
     >>> clf = DistanceKernelClassifier(random_state=0).fit(X, y)
     >>> clf.predict(X)
     array([0, 1, 1, 0])
-    >>> clf.decompose(X[:1]).contributions.shape
+    >>> small = DistanceKernelClassifier(hidden_layer_sizes=(4,), max_iter=5,
+    ...                                  random_state=0).fit(X, y)
+    >>> small.decompose(X[:1]).contributions.shape
     (1, 4, 2)
     """
 
