@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._memory import available_memory
+
 PATH_STORAGES = ("memory", "disk")
 
 
@@ -114,21 +116,6 @@ def flatten_parameters(module):
         shapes.append(tuple(param.shape))
         tensors.append(param.detach().reshape(-1))
     return torch.cat(tensors), names, shapes
-
-
-def available_memory():
-    """Bytes of memory available to this process (``MemAvailable`` on Linux)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return float("inf")
 
 
 def _gib(nbytes):
