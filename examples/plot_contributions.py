@@ -62,7 +62,7 @@ for q in range(3):
     bound = np.abs(values).max()
     for k in range(3):
         ax = axes[q, k]
-        ax.contourf(xx, yy, regions, levels=[-0.5, 0.5, 1.5, 2.5], cmap=background)
+        ax.pcolormesh(xx, yy, regions, cmap=background, vmin=0, vmax=2, shading="nearest")
         sc = ax.scatter(X[:, 0], X[:, 1], c=values[:, k], cmap="RdBu_r",
                         norm=TwoSlopeNorm(0.0, -bound, bound), s=22, edgecolors="k",
                         linewidths=0.3)
@@ -74,5 +74,6 @@ for ax in axes[-1]:
     ax.set_xlabel("$x_1$")
 for ax in axes[:, 0]:
     ax.set_ylabel("$x_2$")
-fig.savefig(Path(__file__).with_suffix(".png"), dpi=90, bbox_inches="tight")
+if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
+    fig.savefig(Path(__file__).with_suffix(".png"), dpi=90, bbox_inches="tight")
 plt.show()

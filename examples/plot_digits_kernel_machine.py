@@ -72,5 +72,6 @@ for ax, quadrature in zip(axes, ["exact", "dpk"], strict=True):
     ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="network probability of its predicted class",
            title=f"{quadrature}: max log-prob. difference {error:.1e}", aspect="equal")
 axes[0].set_ylabel("kernel machine probability of that class")
-fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
+if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
+    fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
 plt.show()

@@ -87,5 +87,6 @@ ax_err.set(xlabel="test point", ylabel="|kernel machine - network|  (0 drawn at 
            title=f"Difference (max {difference.max():.1e})")
 ax_err.legend(loc="upper right", fontsize=8)
 fig.tight_layout()
-fig.savefig(Path(__file__).with_suffix(".png"), dpi=100)
+if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
+    fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
 plt.show()

@@ -59,5 +59,6 @@ ax.set(xticks=range(len(param_grid["svc__C"])), xticklabels=param_grid["svc__C"]
        xlabel="svc__C", ylabel="epk__estimator__max_iter (gradient steps)",
        title="Mean CV accuracy")
 fig.colorbar(image, ax=ax)
-fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
+if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
+    fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
 plt.show()
