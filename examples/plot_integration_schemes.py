@@ -13,6 +13,16 @@ A small CNN (a user ``nn.Module``: ``nn.Unflatten`` to 1x8x8, ``Conv2d``, ``ReLU
 ``MaxPool2d``, ``Flatten``, and a ``Linear`` head initialised at zero) is trained on
 scikit-learn's digits; the decomposition of the test outputs is compared with the
 network for each scheme: the error, and what it costs.
+
+This example is not executed during the documentation build: the exact scheme's kink
+search on a CNN takes more than a minute (see :ref:`performance`). Run as a script on a
+shared 2-core machine it printed::
+
+    CNN: 8 full-batch steps, training accuracy 0.627
+       DPK (1 point): max |kernel machine - network| = 2.9e-02, certificate 3.2e-02, 13.7 s
+        Riemann T=10: max |kernel machine - network| = 2.8e-03, certificate 3.2e-03, 5.8 s
+       Riemann T=200: max |kernel machine - network| = 1.5e-04, certificate 1.6e-04, 22.4 s
+               exact: max |kernel machine - network| = 1.6e-13, certificate 2.0e-13, 86.7 s
 """
 
 # %%
