@@ -24,7 +24,14 @@ from sklearn.utils import Bunch, gen_even_slices
 
 from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
-from ._quadrature import exact_nodes, fixed_rule, same_nodes, shared_exact_nodes
+from ._quadrature import (
+    Nodes,
+    exact_nodes,
+    fixed_rule,
+    gauss_legendre,
+    same_nodes,
+    shared_exact_nodes,
+)
 
 # A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
@@ -32,7 +39,11 @@ CERTIFICATE_TOL = 1e-11
 # The test x test integrand is a product of two gradients (twice the polynomial
 # degree of one) and carries no certificate: it gets three times the nodes.
 TEST_TEST_NODES = 3
-REFINEMENT_GRIDS = (np.linspace(0.0, 1.0, 9), np.linspace(0.0, 1.0, 65))
+REFINEMENT_GRIDS = tuple(np.linspace(0.0, 1.0, n) for n in (9, 65))
+# Last resort for rows whose certificate still fails (two kinks closer than the
+# grid, e.g. a squared distance plus bias touching zero): bisect their pieces until
+# each piece's own certificate passes, at most this deep.
+MAX_BISECTIONS = 48
 
 
 def _as_mask(flag, n):
@@ -193,9 +204,73 @@ class PathKernelEngine:
             nodes = type(nodes).cat([nodes.take(keep), refined])
             evaluated = self._evaluate_nodes(step, X, nodes)
             errors = self._certify(step, X, evaluated)
+        failed = np.flatnonzero(errors > CERTIFICATE_TOL)
+        if failed.size:
+            keep = ~np.isin(nodes.rows, failed)
+            refined = self._bisected_nodes(step, X, failed, n_nodes)
+            nodes = type(nodes).cat([nodes.take(keep), refined])
+            evaluated = self._evaluate_nodes(step, X, nodes)
+            errors = self._certify(step, X, evaluated)
         if residual is not None:
             residual += errors
         return evaluated
+
+    def _bisected_nodes(self, step, X, rows, n_nodes):
+        """Adaptive nodes: halve every piece whose own certificate fails.
+
+        The exact change of ``f`` over any piece ``[a, b]`` is known (two forward
+        passes), so each piece is certified on its own; a piece holding an
+        undetected kink shrinks geometrically until its error is negligible.
+        """
+        start, direction = self.path.weights[step], self.path.step_direction(step)
+        step_params = self.path.unflatten(direction)
+        base_nodes, base_weights = gauss_legendre(n_nodes)
+        tolerance = CERTIFICATE_TOL / 64
+        pending = (np.asarray(rows), np.zeros(len(rows)), np.ones(len(rows)))
+        done = []
+        for depth in range(MAX_BISECTIONS + 1):
+            piece_rows, a, b = pending
+            if piece_rows.size == 0:
+                break
+            width = (b - a)[:, None]
+            nodes = Nodes(
+                np.repeat(piece_rows, n_nodes),
+                (a[:, None] + width * base_nodes).ravel(),
+                (width * base_weights).ravel(),
+            )
+            if depth == MAX_BISECTIONS:
+                done.append(nodes)
+                break
+            estimate = torch.zeros(piece_rows.size, self.n_outputs, dtype=X.dtype)
+            pieces = torch.as_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
+            for begin in range(0, nodes.rows.size, max(1, self.tile_size)):
+                part = slice(begin, begin + self.tile_size)
+                factors = self.probe.factors(
+                    start,
+                    X[torch.as_tensor(nodes.rows[part])],
+                    direction=direction,
+                    t=torch.as_tensor(nodes.t[part]),
+                )[1]
+                slope = sum(
+                    rule.directional(f, step_params)
+                    for rule, f in zip(self.probe.rules, factors, strict=True)
+                )
+                weights = torch.as_tensor(nodes.weights[part])[:, None]
+                estimate.index_add_(0, pieces[part], weights * slope)
+            X_rows = X[torch.as_tensor(piece_rows)]
+            change = self.probe.log_proba(
+                start, X_rows, direction, torch.as_tensor(b)
+            ) - self.probe.log_proba(start, X_rows, direction, torch.as_tensor(a))
+            ok = ((change - estimate).abs().amax(1) <= tolerance).numpy()
+            done.append(nodes.take(np.repeat(ok, n_nodes)))
+            bad_rows, bad_a, bad_b = piece_rows[~ok], a[~ok], b[~ok]
+            middle = 0.5 * (bad_a + bad_b)
+            pending = (
+                np.concatenate([bad_rows, bad_rows]),
+                np.concatenate([bad_a, middle]),
+                np.concatenate([middle, bad_b]),
+            )
+        return Nodes.cat(done)
 
     # -- blocks ------------------------------------------------------------------
 

@@ -387,3 +387,20 @@ def test_sum_identity_distance_network():
         np.abs(parts.bias + parts.contributions.sum(1) - clf.predict_log_proba(A.numpy())).max()
         < 1e-9
     )
+
+
+def test_bisection_certifies_a_double_crossing_the_grids_miss():
+    """A squared distance plus bias touching zero twice within ~1e-8 of ``t``.
+
+    Kink detection compares pieces at grid points and misses both crossings; the
+    certificate catches the error and bisection fixes it.
+    """
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    X, y = blobs(60, 4, 3, 0)
+    clf = DistanceKernelClassifier(
+        hidden_layer_sizes=(8,), max_iter=5, learning_rate=0.5, random_state=0
+    ).fit(X.numpy(), y.numpy())
+    parts = clf.decompose(X[:10].numpy() + 0.3)
+    assert parts.residual.max() < 1e-9
+    assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-9
