@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ._kinks import locate_kinks, switch_state
+from ._kinks import SwitchState, locate_kinks, switch_state
 
 
 @dataclass
@@ -86,9 +86,53 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
 
     states = [switch_state(probe, start, direction, X_rows, t) for t in grid]
     for left, right in zip(states[:-1], states[1:], strict=True):
-        for row_kinks_, found in zip(kinks, locate_kinks(evaluate, left, right), strict=True):
-            row_kinks_.extend(found)
+        linear = _linear_switches(evaluate, left, right, kinks)
+
+        def evaluate_rest(subset, t, linear=linear):
+            return _without(evaluate(subset, t), [mask[subset] for mask in linear])
+
+        found = locate_kinks(evaluate_rest, _without(left, linear), _without(right, linear))
+        for row_kinks_, row_found in zip(kinks, found, strict=True):
+            row_kinks_.extend(row_found)
     return [np.sort(np.asarray(k, dtype=float)) for k in kinks]
+
+
+def _linear_switches(evaluate, left, right, kinks):
+    """Roots of the switching values that are linear in ``t`` between two states.
+
+    A first layer's pre-activations are linear in ``t`` along a step, so all of
+    their kinks follow from the two end values at once (no search); they are
+    added to ``kinks``. Returns, per switch tensor, the mask of those units, to be
+    ignored by the search. Linearity is checked at the midpoint.
+    """
+    changed_rows = torch.nonzero(~left.same_piece(right)).squeeze(1)
+    masks = [torch.zeros_like(z, dtype=torch.bool) for z in left.switches]
+    if changed_rows.numel() == 0 or not masks:
+        return masks
+    lo, hi = left.t[changed_rows], right.t[changed_rows]
+    middle = evaluate(changed_rows, 0.5 * (lo + hi))
+    for mask, z_lo, z_hi, z_mid in zip(
+        masks, left.switches, right.switches, middle.switches, strict=True
+    ):
+        z_lo, z_hi = z_lo[changed_rows], z_hi[changed_rows]
+        scale = z_lo.abs() + z_hi.abs()
+        linear = (z_mid - 0.5 * (z_lo + z_hi)).abs() <= 1e-12 * scale
+        mask[changed_rows] = linear
+        crossing = linear & ((z_lo > 0) != (z_hi > 0))
+        if crossing.any():
+            roots = lo[:, None] + (hi - lo)[:, None] * z_lo / (z_lo - z_hi)
+            for position, root in zip(*torch.nonzero(crossing, as_tuple=True), strict=True):
+                kinks[int(changed_rows[position])].append(float(roots[position, root]))
+    return masks
+
+
+def _without(state, masks):
+    """The state with masked switching values replaced by a constant (never switching)."""
+    return SwitchState(
+        state.t,
+        [torch.where(mask, 1.0, z) for z, mask in zip(state.switches, masks, strict=True)],
+        state.pools,
+    )
 
 
 def exact_nodes(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0)):
