@@ -54,7 +54,7 @@ sphinx_gallery_conf = {
     # Executed during the build: every plot_*.py except the CNN quadrature comparison, whose
     # exact scheme takes minutes (doc/performance.rst); its page shows the code and the
     # numbers measured by running it as a script.
-    "filename_pattern": r"/plot_(?!integration_schemes)",
+    "filename_pattern": r"/plot_",
     "ignore_pattern": r"(demo\.py|__init__\.py)$",
     "within_subsection_order": "FileNameSortKey",
     "download_all_examples": False,
