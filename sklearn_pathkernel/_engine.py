@@ -29,6 +29,7 @@ from ._quadrature import (
     exact_nodes,
     fixed_rule,
     gauss_legendre,
+    piece_edges,
     same_nodes,
     shared_exact_nodes,
 )
@@ -36,14 +37,21 @@ from ._quadrature import (
 # A step whose quadrature misses the exact change f(w_{s+1}) - f(w_s) by more than
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
 CERTIFICATE_TOL = 1e-11
+# ... unless rounding alone explains the miss: f(w_{s+1}) - f(w_s) is known only to
+# about eps * |f|, so with large log-probabilities (a saturated softmax on unscaled
+# inputs: |f| ~ 1e3) no quadrature can get below this many eps times |f|.
+ROUNDING_ULPS = 64
 # The test x test integrand is a product of two gradients (twice the polynomial
 # degree of one) and carries no certificate: it gets three times the nodes.
 TEST_TEST_NODES = 3
 REFINEMENT_GRIDS = tuple(np.linspace(0.0, 1.0, n) for n in (9, 65))
 # Last resort for rows whose certificate still fails (two kinks closer than the
-# grid, e.g. a squared distance plus bias touching zero): bisect their pieces until
-# each piece's own certificate passes, at most this deep.
+# grid, e.g. a squared distance plus bias touching zero, or a sharp but smooth
+# transition of a nearly saturated softmax): bisect their pieces until each piece's
+# own certificate passes, at most this deep and into at most this many pieces per
+# row (a row past the cap keeps its pieces; its certificate reports the error).
 MAX_BISECTIONS = 48
+MAX_PIECES_PER_ROW = 512
 
 
 def _as_mask(flag, n):
@@ -59,6 +67,14 @@ def _swap(block, mode):
     """The transposed block: (n, m) -> (m, n), (n, m, K, K') -> (m, n, K', K)."""
     axes = (1, 0) if mode == "trace" else (1, 0, 3, 2)
     return block.permute(*axes) if torch.is_tensor(block) else block.transpose(axes)
+
+
+def _rounding_floor(*scales):
+    """Per row, the error that rounding alone can cause in ``f(b) - f(a)``.
+
+    ``scales`` are the rows' largest absolute logits at the points compared.
+    """
+    return ROUNDING_ULPS * torch.finfo(scales[0].dtype).eps * sum(scales)
 
 
 def _sum_layers(probe, left, right, mode):
@@ -160,19 +176,24 @@ class PathKernelEngine:
         return evaluated
 
     def _certify(self, step, X, evaluated):
-        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``."""
+        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``.
+
+        Returns the errors and, per row, the tolerance they are held to:
+        ``CERTIFICATE_TOL``, or the rounding floor of ``f`` where that is larger.
+        """
         start = self.path.weights[step]
         step_params = self.path.unflatten(self.path.step_direction(step))
-        error = self.probe.log_proba(self.path.weights[step + 1], X) - self.probe.log_proba(
-            start, X
-        )
+        f_start, scale_start = self.probe.log_proba(start, X, with_scale=True)
+        f_end, scale_end = self.probe.log_proba(self.path.weights[step + 1], X, with_scale=True)
+        error = f_end - f_start
         for rows, weights, factors in evaluated:
             slope = sum(
                 rule.directional(f, step_params)
                 for rule, f in zip(self.probe.rules, factors, strict=True)
             )
             error.index_add_(0, rows, -weights[:, None] * slope)
-        return error.abs().amax(1).numpy()
+        tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
+        return error.abs().amax(1).numpy(), tolerance.numpy()
 
     def _test_features(self, step, X, residual=None, n_nodes=None):
         """The test-copy features of ``step`` for every row of ``X``.
@@ -190,43 +211,59 @@ class PathKernelEngine:
             nodes = same_nodes(all_rows, *fixed_rule(self.quadrature, self.n_points))
             evaluated = self._evaluate_nodes(step, X, nodes)
             if residual is not None:
-                residual += self._certify(step, X, evaluated)
+                residual += self._certify(step, X, evaluated)[0]
             return evaluated
-        nodes = exact_nodes(self.probe, start, direction, X, n_nodes)
+        kinks = []
+        nodes = exact_nodes(self.probe, start, direction, X, n_nodes, kinks=kinks)
+        kinks = dict(zip(all_rows, kinks, strict=True))
         evaluated = self._evaluate_nodes(step, X, nodes)
-        errors = self._certify(step, X, evaluated)
+        errors, tolerance = self._certify(step, X, evaluated)
         for grid in REFINEMENT_GRIDS:
-            failed = np.flatnonzero(errors > CERTIFICATE_TOL)
+            failed = np.flatnonzero(errors > tolerance)
             if failed.size == 0:
                 break
             keep = ~np.isin(nodes.rows, failed)
-            refined = exact_nodes(self.probe, start, direction, X, n_nodes, rows=failed, grid=grid)
+            found = []
+            refined = exact_nodes(
+                self.probe, start, direction, X, n_nodes, rows=failed, grid=grid, kinks=found
+            )
+            kinks.update(zip(failed, found, strict=True))
             nodes = type(nodes).cat([nodes.take(keep), refined])
             evaluated = self._evaluate_nodes(step, X, nodes)
-            errors = self._certify(step, X, evaluated)
-        failed = np.flatnonzero(errors > CERTIFICATE_TOL)
+            errors, tolerance = self._certify(step, X, evaluated)
+        failed = np.flatnonzero(errors > tolerance)
         if failed.size:
             keep = ~np.isin(nodes.rows, failed)
-            refined = self._bisected_nodes(step, X, failed, n_nodes)
+            refined = self._bisected_nodes(step, X, failed, [kinks[r] for r in failed], n_nodes)
             nodes = type(nodes).cat([nodes.take(keep), refined])
             evaluated = self._evaluate_nodes(step, X, nodes)
-            errors = self._certify(step, X, evaluated)
+            errors, _ = self._certify(step, X, evaluated)
         if residual is not None:
             residual += errors
         return evaluated
 
-    def _bisected_nodes(self, step, X, rows, n_nodes):
+    def _bisected_nodes(self, step, X, rows, kinks, n_nodes):
         """Adaptive nodes: halve every piece whose own certificate fails.
 
-        The exact change of ``f`` over any piece ``[a, b]`` is known (two forward
+        The pieces start as each row's kink partition (``kinks``, per row). The
+        exact change of ``f`` over any piece ``[a, b]`` is known (two forward
         passes), so each piece is certified on its own; a piece holding an
-        undetected kink shrinks geometrically until its error is negligible.
+        undetected kink, or a transition too sharp for its nodes, shrinks
+        geometrically until its error is negligible. A
+        piece passes below ``CERTIFICATE_TOL / 64`` or the rounding floor of its
+        ends, whichever is larger; a row stops splitting at ``MAX_PIECES_PER_ROW``
+        (so a row that rounding keeps from passing cannot split without end).
         """
         start, direction = self.path.weights[step], self.path.step_direction(step)
         step_params = self.path.unflatten(direction)
         base_nodes, base_weights = gauss_legendre(n_nodes)
         tolerance = CERTIFICATE_TOL / 64
-        pending = (np.asarray(rows), np.zeros(len(rows)), np.ones(len(rows)))
+        edges = [piece_edges(row_kinks) for row_kinks in kinks]
+        pending = (
+            np.concatenate([np.full(e.size - 1, row) for row, e in zip(rows, edges, strict=True)]),
+            np.concatenate([e[:-1] for e in edges]),
+            np.concatenate([e[1:] for e in edges]),
+        )
         done = []
         for depth in range(MAX_BISECTIONS + 1):
             piece_rows, a, b = pending
@@ -258,10 +295,17 @@ class PathKernelEngine:
                 weights = torch.as_tensor(nodes.weights[part])[:, None]
                 estimate.index_add_(0, pieces[part], weights * slope)
             X_rows = X[torch.as_tensor(piece_rows)]
-            change = self.probe.log_proba(
-                start, X_rows, direction, torch.as_tensor(b)
-            ) - self.probe.log_proba(start, X_rows, direction, torch.as_tensor(a))
-            ok = ((change - estimate).abs().amax(1) <= tolerance).numpy()
+            f_a, scale_a = self.probe.log_proba(
+                start, X_rows, direction, torch.as_tensor(a), with_scale=True
+            )
+            f_b, scale_b = self.probe.log_proba(
+                start, X_rows, direction, torch.as_tensor(b), with_scale=True
+            )
+            floor = torch.clamp(_rounding_floor(scale_a, scale_b), min=tolerance)
+            ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).numpy()
+            # Rows that would split into more pieces than the cap keep the ones they have.
+            n_failing = np.bincount(piece_rows[~ok], minlength=X.shape[0])[piece_rows]
+            ok |= 2 * n_failing > MAX_PIECES_PER_ROW
             done.append(nodes.take(np.repeat(ok, n_nodes)))
             bad_rows, bad_a, bad_b = piece_rows[~ok], a[~ok], b[~ok]
             middle = 0.5 * (bad_a + bad_b)

@@ -37,7 +37,7 @@ class NetworkProbe:
         self._n_outputs = None
         self.per_row_t = all(hasattr(rule, "moved_output") for rule in self.rules)
 
-    def _forward(self, start, X, direction=None, t=None, hook=None):
+    def _forward(self, start, X, direction=None, t=None, hook=None, logits=False):
         """``log_softmax(module(X))`` with row ``i`` at weights ``start + t_i direction``.
 
         ``t`` is None (weights ``start``), a float, or a tensor with one value per
@@ -45,6 +45,7 @@ class NetworkProbe:
         (``self.per_row_t``), so a layer's output at ``w + t dw`` is its output at
         ``w`` plus ``t`` times its "moved" output (the layer applied with ``dw``).
         ``hook(index, inputs, output) -> output`` sees each parameterised layer.
+        ``logits=True`` returns ``module(X)`` without the log-softmax.
         """
         if t is not None and not isinstance(t, torch.Tensor):
             start, t = start + t * direction, None
@@ -67,7 +68,8 @@ class NetworkProbe:
                 for index, layer in enumerate(self.layers)
             ]
         try:
-            return F.log_softmax(functional_call(self.module, params, (X,)), dim=1)
+            out = functional_call(self.module, params, (X,))
+            return out if logits else F.log_softmax(out, dim=1)
         finally:
             for handle in handles:
                 handle.remove()
@@ -93,10 +95,16 @@ class NetworkProbe:
         order = torch.cat(order)
         return fn.cat(parts).take(torch.argsort(order))
 
-    def log_proba(self, start, X, direction=None, t=None):
-        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``)."""
+    def log_proba(self, start, X, direction=None, t=None, *, with_scale=False):
+        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``).
+
+        ``with_scale=True`` also returns, per row, the largest absolute logit:
+        ``f`` is computed to about ``eps`` times it (a saturated softmax can
+        have small log-probabilities from huge logits).
+        """
         with torch.no_grad():
-            return self.per_row(_LogProba(self), start, X, direction, t).value
+            result = self.per_row(_LogProba(self), start, X, direction, t)
+        return (result.value, result.scale) if with_scale else result.value
 
     def factors(self, start, X, outputs=None, *, direction=None, t=None):
         """Per-layer factors of the per-example gradients.
@@ -173,19 +181,22 @@ class NetworkProbe:
 
 
 class _LogProba:
-    """``per_row`` adapter for plain evaluations."""
+    """``per_row`` adapter for plain evaluations (log-probabilities and logit scale)."""
 
-    def __init__(self, probe, value=None):
-        self.probe, self.value = probe, value
+    def __init__(self, probe, value=None, scale=None):
+        self.probe, self.value, self.scale = probe, value, scale
 
     def __call__(self, start, X, direction, t, rows=None):
-        return _LogProba(self.probe, self.probe._forward(start, X, direction, t))
+        logits = self.probe._forward(start, X, direction, t, logits=True)
+        return _LogProba(self.probe, F.log_softmax(logits, dim=1), logits.abs().amax(1))
 
     def cat(self, parts):
-        return _LogProba(self.probe, torch.cat([p.value for p in parts]))
+        return _LogProba(
+            self.probe, torch.cat([p.value for p in parts]), torch.cat([p.scale for p in parts])
+        )
 
     def take(self, rows):
-        return _LogProba(self.probe, self.value[rows])
+        return _LogProba(self.probe, self.value[rows], self.scale[rows])
 
 
 class _FactorsAt:

@@ -41,9 +41,14 @@ def gauss_legendre(n_nodes):
     return 0.5 * (nodes + 1.0), 0.5 * weights
 
 
+def piece_edges(breakpoints):
+    """The pieces of ``[0, 1]`` split at ``breakpoints``: sorted unique edges."""
+    return np.unique(np.concatenate([[0.0], np.asarray(breakpoints, float), [1.0]]))
+
+
 def piecewise_gauss(breakpoints, n_nodes):
     """Gauss-Legendre nodes on each piece of ``[0, 1]`` split at ``breakpoints``."""
-    edges = np.unique(np.concatenate([[0.0], np.asarray(breakpoints, float), [1.0]]))
+    edges = piece_edges(breakpoints)
     base_nodes, base_weights = gauss_legendre(n_nodes)
     widths = np.diff(edges)
     keep = widths > 0
@@ -135,10 +140,16 @@ def _without(state, masks):
     )
 
 
-def exact_nodes(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0)):
-    """Per-row nodes of the kink-splitting Gauss-Legendre rule."""
+def exact_nodes(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0), kinks=None):
+    """Per-row nodes of the kink-splitting Gauss-Legendre rule.
+
+    ``kinks`` (a list, optional) receives each row's breakpoints.
+    """
     rows = np.arange(X.shape[0]) if rows is None else np.asarray(rows)
-    kinks = row_kinks(probe, start, direction, X, rows, tuple(grid))
+    found = row_kinks(probe, start, direction, X, rows, tuple(grid))
+    if kinks is not None:
+        kinks.extend(found)
+    kinks = found
     parts = [
         same_nodes([row], *piecewise_gauss(k, n_nodes))
         for row, k in zip(rows, kinks, strict=True)

@@ -404,3 +404,24 @@ def test_bisection_certifies_a_double_crossing_the_grids_miss():
     parts = clf.decompose(X[:10].numpy() + 0.3)
     assert parts.residual.max() < 1e-9
     assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-9
+
+
+def test_saturated_softmax_on_unscaled_inputs_is_certified_without_blowup():
+    """Features near 100 (scikit-learn's idempotence check): the first steps swing the
+    softmax between saturated states. Each step's change is then known only to about
+    eps * |logits| (~1e-13), and its integrand has sharp smooth transitions between
+    the kinks. Bisection starts from the kink partition, resolves the transitions and
+    accepts the rounding floor, instead of halving pieces without end."""
+    rng = np.random.RandomState(0)
+    X = torch.tensor(rng.normal(loc=100, size=(60, 2)))
+    y = torch.tensor((X[:, 0] > 100).numpy().astype(np.int64))
+    torch.manual_seed(0)
+    module = mlp([2, 100, 2], zero_head=True)
+    path = train_module(module, X, y, learning_rate=0.1, max_iter=3).path
+    engine = engine_for(module, path, X, y)
+    A = torch.tensor(rng.normal(loc=100, size=(4, 2)))
+    _, scale = engine.probe.log_proba(path.weights[1], A, with_scale=True)
+    assert scale.min() > 100  # saturated after one step: the case this test is about
+    parts = engine.decompose(A)
+    assert parts.residual.max() < 1e-10
+    assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-10
