@@ -36,7 +36,11 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         A classifier of this package with a path kernel (``kernel_``), e.g.
         :class:`ExactPathKernelClassifier` or :class:`DistanceKernelClassifier`,
         trained with plain gradient descent. ``None`` uses
-        ``ExactPathKernelClassifier()``. It is cloned, never fitted in place.
+        ``ExactPathKernelClassifier(random_state=random_state)``. It is cloned,
+        never fitted in place.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the default estimator (``estimator=None``); a given estimator keeps
+        its own ``random_state``.
 
     Attributes
     ----------
@@ -72,16 +76,20 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     (10,)
     """
 
-    _parameter_constraints = {"estimator": [HasMethods(["fit"]), None]}
+    _parameter_constraints = {
+        "estimator": [HasMethods(["fit"]), None],
+        "random_state": ["random_state"],
+    }
 
-    def __init__(self, estimator=None):
+    def __init__(self, estimator=None, random_state=None):
         self.estimator = estimator
+        self.random_state = random_state
 
     def _make_estimator(self):
         if self.estimator is None:
             from ._classifier import ExactPathKernelClassifier
 
-            return ExactPathKernelClassifier()
+            return ExactPathKernelClassifier(random_state=self.random_state)
         if not hasattr(type(self.estimator), "kernel_"):
             raise TypeError(
                 "PathKernelTransformer needs an estimator with a path kernel (a kernel_ "

@@ -8,18 +8,32 @@ from sklearn_pathkernel import (
     PathKernelTransformer,
 )
 
-# Small, fast settings: the checks fit hundreds of times.
+# The default estimators, as a user gets them, plus small fast settings.
 ESTIMATORS = [
+    ExactPathKernelClassifier(),
+    PathKernelTransformer(),
+    DistanceKernelClassifier(),
     ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=100, random_state=0),
     PathKernelTransformer(
         ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0)
     ),
-    # init="uniform": the data-based inits (default "kmeans++") pick training rows,
-    # so duplicating a row is not the same as weighting it by 2.
     DistanceKernelClassifier(hidden_layer_sizes=(8,), init="uniform", max_iter=100, random_state=0),
 ]
 
 
-@parametrize_with_checks(ESTIMATORS)
+def expected_failed_checks(estimator):
+    """The one known failure, with its reason."""
+    if isinstance(estimator, DistanceKernelClassifier) and estimator.init != "uniform":
+        return {
+            "check_sample_weight_equivalence_on_dense_data": (
+                "the data-based initialisation (init='kmeans++') draws memories from the "
+                "training rows, so duplicating a row is not the same as weighting it by 2; "
+                "with init='uniform' the check passes"
+            )
+        }
+    return {}
+
+
+@parametrize_with_checks(ESTIMATORS, expected_failed_checks=expected_failed_checks)
 def test_sklearn_compatible_estimator(estimator, check):
     check(estimator)
