@@ -111,7 +111,8 @@ class LinearRule:
         if factors.grads is not None:
             step = _flat_direction(direction, (self.weight_name, self.bias_name))
             return factors.grads @ step
-        moved = torch.zeros(factors.deltas.shape[::2], dtype=factors.deltas.dtype)
+        deltas = factors.deltas
+        moved = torch.zeros(deltas.shape[::2], dtype=deltas.dtype, device=deltas.device)
         if self.weight_name is not None:
             moved = factors.inputs @ direction[self.weight_name].T
         if self.bias_name is not None:
@@ -120,7 +121,19 @@ class LinearRule:
 
 
 class Conv2dRule:
-    """``nn.Conv2d``: per-example weight gradients from the unfolded input (im2col)."""
+    """``nn.Conv2d``: per-example gradients from the unfolded input (im2col).
+
+    With columns ``u_p`` (the unfolded input at output position ``p``, plus a
+    constant 1 for the bias) and back-propagated gradients ``delta_p``, the
+    per-example gradient is ``sum_p delta_p u_p^T``, and
+
+        <g_i, g_j> = sum_{p, q} (u_ip . u_jq) (delta_ip . delta_jq).
+
+    The factored form costs ``P^2 (d_in + d_out)`` per pair of rows (``P``
+    positions), the materialised one ``d_out d_in`` plus ``d_out d_in`` numbers
+    per row and output: factored is chosen when it is cheaper, typically for late
+    layers with many channels on few positions.
+    """
 
     def __init__(self, module, weight_name, bias_name):
         self.module = module
@@ -133,25 +146,98 @@ class Conv2dRule:
         bias = steps[self.bias_name] if self.bias_name else None
         return F.conv2d(inputs[0], weight, bias, conv.stride, conv.padding, conv.dilation)
 
-    def factors(self, inputs, delta, params):
-        conv = self.module
-        # delta: (n, K, C_out, H_out, W_out) -> (n, K, C_out, P)
-        delta = delta.flatten(3)
+    def _columns(self, x, n_positions):
+        """(n, d_in', P): unfolded input, with a row of ones when the bias is in the path."""
+        conv, parts = self.module, []
+        if self.weight_name is not None:
+            parts.append(F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride))
+        if self.bias_name is not None:
+            parts.append(torch.ones((x.shape[0], 1, n_positions), dtype=x.dtype, device=x.device))
+        return torch.cat(parts, dim=1)
+
+    def _step_matrix(self, direction):
+        """The weight change as (d_out, d_in'), laid out like the columns."""
         parts = []
         if self.weight_name is not None:
-            patches = F.unfold(
-                inputs[0], conv.kernel_size, conv.dilation, conv.padding, conv.stride
-            )  # (n, C_in * kh * kw, P)
-            parts.append(torch.einsum("nkop,nip->nkoi", delta, patches).flatten(2))
+            weight = direction[self.weight_name]
+            parts.append(weight.reshape(weight.shape[0], -1))
         if self.bias_name is not None:
-            parts.append(delta.sum(-1))
-        return Factors(grads=torch.cat(parts, dim=2))
+            parts.append(direction[self.bias_name][:, None])
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def factored_is_cheaper(n_positions, d_in, d_out):
+        """Per pair of rows: ``P^2 (d_in + d_out)`` (factored) vs ``d_in d_out``."""
+        return n_positions**2 * (d_in + d_out) < d_in * d_out
+
+    def factors(self, inputs, delta, params):
+        delta = delta.flatten(3)  # (n, K, C_out, H_out, W_out) -> (n, K, C_out, P)
+        columns = self._columns(inputs[0], delta.shape[-1])  # (n, d_in', P)
+        if self.factored_is_cheaper(delta.shape[-1], columns.shape[1], delta.shape[2]):
+            return Factors(inputs=columns, deltas=delta)
+        return Factors(grads=_conv_grads(columns, delta))
 
     def inner(self, left, right, mode):
-        return _contract(left.grads, right.grads, mode)
+        if left.grads is not None or right.grads is not None:
+            return _contract(_materialised(left), _materialised(right), mode)
+        return _factored_conv_inner(left.inputs, left.deltas, right.inputs, right.deltas, mode)
 
     def directional(self, factors, direction):
-        return factors.grads @ _flat_direction(direction, (self.weight_name, self.bias_name))
+        step = self._step_matrix(direction)  # (d_out, d_in')
+        if factors.grads is not None:
+            return factors.grads @ step.reshape(-1)
+        moved = torch.einsum("od,ndp->nop", step, factors.inputs)
+        return torch.einsum("nkop,nop->nk", factors.deltas, moved)
+
+
+def _conv_grads(columns, delta):
+    """Materialised per-example gradients (n, K, d_out * d_in') of a convolution."""
+    return torch.einsum("nkop,nip->nkoi", delta, columns).flatten(2)
+
+
+def _materialised(factors):
+    return factors.grads if factors.grads is not None else _conv_grads(
+        factors.inputs, factors.deltas
+    )
+
+
+# Memory for one chunk of the factored convolution's (rows, rows, P, P) intermediates.
+_CONV_CHUNK_BYTES = 64 * 2**20
+
+
+def _factored_conv_inner(u, du, v, dv, mode):
+    """``sum_{p,q} (u_ip . v_jq) (du_ikp . dv_jk'q)`` in ``mode`` (see ``_contract``).
+
+    ``u`` (n, d, P) and ``v`` (m, d, Q) are columns; ``du`` (n, K, o, P) and
+    ``dv`` (m, K', o, Q) back-propagated gradients. Rows of the left side are
+    taken in chunks so the (chunk, m, P, Q) intermediates stay small.
+    """
+    if mode == "diag":
+        columns = torch.einsum("ndp,ndq->npq", u, v)
+        deltas = torch.einsum("nkop,nkoq->npq", du, dv)
+        return (columns * deltas).sum((1, 2))
+    n, m = u.shape[0], v.shape[0]
+    P, Q, K, J, o = u.shape[-1], v.shape[-1], du.shape[1], dv.shape[1], du.shape[2]
+    # Per left row: the (m, P, Q) column Gram and the (K, P) x (m, J, Q) delta Gram.
+    width = m * P * Q * (2 if mode == "trace" else 1 + K * J)
+    chunk = max(1, int(_CONV_CHUNK_BYTES // (8 * max(width, 1))))
+    right = dv.permute(0, 1, 3, 2).reshape(m * J * Q, o)  # rows (j, q) of each right row
+    parts = []
+    for begin in range(0, n, chunk):
+        rows = slice(begin, begin + chunk)
+        columns = torch.einsum("cdp,mdq->cmpq", u[rows], v)
+        if mode == "trace":
+            deltas = torch.einsum("ckop,mkoq->cmpq", du[rows], dv)
+            parts.append((columns * deltas).sum((2, 3)))
+            continue
+        c = columns.shape[0]
+        left = du[rows].permute(0, 1, 3, 2).reshape(c * K * P, o)
+        deltas = (left @ right.T).view(c, K, P, m, J, Q)  # one matrix product
+        parts.append(torch.einsum("cmpq,ckpmjq->cmkj", columns, deltas))
+    if not parts:
+        shape = (0, m) if mode == "trace" else (0, m, K, J)
+        return torch.zeros(shape, dtype=u.dtype, device=u.device)
+    return torch.cat(parts)
 
 
 class GenericRule:
