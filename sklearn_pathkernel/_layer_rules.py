@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from ._distance_rule import make_distance_rule
+
 
 class Factors:
     """Per-layer factors of a batch: either ``(inputs, deltas)`` or materialised grads."""
@@ -196,8 +198,8 @@ def _conv_grads(columns, delta):
 
 
 def _materialised(factors):
-    return factors.grads if factors.grads is not None else _conv_grads(
-        factors.inputs, factors.deltas
+    return (
+        factors.grads if factors.grads is not None else _conv_grads(factors.inputs, factors.deltas)
     )
 
 
@@ -300,4 +302,7 @@ def make_rule(module, prefix, path_names):
         )
         if supported:
             return rule(module, full.get("weight"), full.get("bias"))
+    distance_rule = make_distance_rule(module, full)
+    if distance_rule is not None:
+        return distance_rule
     return GenericRule(module, in_path, [full[name] for name in in_path])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from ._layer_rules import Factors, make_rule
+from ._layer_rules import make_rule
 
 
 class NetworkProbe:
@@ -35,15 +35,19 @@ class NetworkProbe:
                 self.layers.append(submodule)
                 self.rules.append(rule)
         self._n_outputs = None
-        self.per_row_t = all(hasattr(rule, "moved_output") for rule in self.rules)
+        self.per_row_t = all(
+            hasattr(rule, "moved_output") or hasattr(rule, "output_at") for rule in self.rules
+        )
 
     def _forward(self, start, X, direction=None, t=None, hook=None, logits=False):
         """``log_softmax(module(X))`` with row ``i`` at weights ``start + t_i direction``.
 
         ``t`` is None (weights ``start``), a float, or a tensor with one value per
-        row; per-row values need every layer to be linear in its parameters
-        (``self.per_row_t``), so a layer's output at ``w + t dw`` is its output at
-        ``w`` plus ``t`` times its "moved" output (the layer applied with ``dw``).
+        row; per-row values need every layer to support them (``self.per_row_t``):
+        a layer linear in its parameters has at ``w + t dw`` its output at ``w``
+        plus ``t`` times its "moved" output (the layer applied with ``dw``); any
+        other layer's rule computes its output at per-row weights (``output_at``),
+        in place of the layer's own forward.
         ``hook(index, inputs, output) -> output`` sees each parameterised layer.
         ``logits=True`` returns ``module(X)`` without the log-softmax.
         """
@@ -54,7 +58,7 @@ class NetworkProbe:
 
         def layer_hook(index):
             def run(layer, inputs, output):
-                if steps is not None:
+                if steps is not None and hasattr(self.rules[index], "moved_output"):
                     moved = self.rules[index].moved_output(inputs, steps)
                     output = output + t.view(-1, *([1] * (output.ndim - 1))) * moved
                 return output if hook is None else hook(index, inputs, output)
@@ -67,12 +71,20 @@ class NetworkProbe:
                 layer.register_forward_hook(layer_hook(index))
                 for index, layer in enumerate(self.layers)
             ]
+        replaced = []
+        if steps is not None:
+            for rule, layer in zip(self.rules, self.layers, strict=True):
+                if not hasattr(rule, "moved_output"):
+                    layer.forward = _forward_at(rule, params, steps, t)
+                    replaced.append(layer)
         try:
             out = functional_call(self.module, params, (X,))
             return out if logits else F.log_softmax(out, dim=1)
         finally:
             for handle in handles:
                 handle.remove()
+            for layer in replaced:
+                del layer.forward
 
     def _call(self, flat, X):
         return self._forward(flat, X)
@@ -128,6 +140,13 @@ class NetworkProbe:
         return result.log_proba, result.factors
 
     def _factors(self, start, X, outputs, direction, t):
+        # Rules of layers not linear in their weights (``output_at``) get the
+        # step's start, its direction and t per row, also when all rows share one
+        # t: every factor of a step then refers to the same weights.
+        base, base_direction = start.detach(), direction
+        row_t = None
+        if t is not None:
+            row_t = torch.as_tensor(t, dtype=start.dtype, device=start.device).expand(X.shape[0])
         if t is not None and not torch.is_tensor(t):
             start, t = start + t * direction, None  # one point for all rows
         n = X.shape[0]
@@ -138,7 +157,7 @@ class NetworkProbe:
             X = X.repeat(n_outputs, *([1] * (X.ndim - 1)))
             if isinstance(t, torch.Tensor):
                 t = t.repeat(n_outputs)
-            chosen = torch.arange(n_outputs).repeat_interleave(n)
+            chosen = torch.arange(n_outputs, device=X.device).repeat_interleave(n)
         else:
             chosen = outputs
         start = start.detach().requires_grad_(True)  # puts the layer outputs in the graph
@@ -162,6 +181,7 @@ class NetworkProbe:
         cotangent = F.one_hot(chosen, log_proba.shape[1]).to(log_proba.dtype)
         grads = torch.autograd.grad(log_proba, outs, cotangent, allow_unused=True)
         params = self.path.unflatten(start.detach())
+        row_params = row_steps = None
         factors = []
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
             delta = grad if grad is not None else torch.zeros_like(out)
@@ -170,7 +190,13 @@ class NetworkProbe:
                 inputs = tuple(x[:n] for x in inputs)
             else:
                 delta = delta.unsqueeze(1)
-            factors.append(rule.factors(inputs, delta, params))
+            if hasattr(rule, "output_at"):
+                if row_params is None:
+                    row_params = self.path.unflatten(base)
+                    row_steps = None if row_t is None else self.path.unflatten(base_direction)
+                factors.append(rule.factors(inputs, delta, row_params, steps=row_steps, t=row_t))
+            else:
+                factors.append(rule.factors(inputs, delta, params))
         return log_proba[:n].detach(), factors
 
     def n_outputs(self, flat, X):
@@ -178,6 +204,15 @@ class NetworkProbe:
         if self._n_outputs is None:
             self._n_outputs = self.log_proba(flat, X[:1]).shape[1]
         return self._n_outputs
+
+
+def _forward_at(rule, params, steps, t):
+    """A layer's forward with row ``i`` at weights ``params + t_i steps`` (by its rule)."""
+
+    def forward(*inputs):
+        return rule.output_at(inputs, params, steps, t)
+
+    return forward
 
 
 class _LogProba:
@@ -212,7 +247,10 @@ class _FactorsAt:
         return _FactorsAt(self.probe, self.outputs, log_proba, factors)
 
     def cat(self, parts):
-        factors = [Factors.cat([p.factors[i] for p in parts]) for i in range(len(parts[0].factors))]
+        factors = [
+            type(parts[0].factors[i]).cat([p.factors[i] for p in parts])
+            for i in range(len(parts[0].factors))
+        ]
         return _FactorsAt(
             self.probe, self.outputs, torch.cat([p.log_proba for p in parts]), factors
         )

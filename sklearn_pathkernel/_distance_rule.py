@@ -1,0 +1,516 @@
+"""Factored per-example gradients of a :class:`DistanceLayer` (kernels other than laplacian).
+
+Notation: layer input ``x_i`` (n, D), memories ``m_j`` (J, D), layer output
+``z_ij = k(x_i, m_j) + b_j`` and ``delta_ikj = d f_k / d z_ij`` for K outputs.
+A row may sit at its own point of a step, weights ``w + t_i dw``: its memories
+are then ``mu_ij = m_j + t_i dm_j`` (and its bias and widths move likewise).
+
+Per-example gradients, with ``e_ij = x_i - mu_ij``:
+
+- ``"sqeuclidean"``, ``"euclidean"``, ``"rbf"`` (functions of ``msd = |e|^2 / D``):
+  ``d f_k / d m_j = sigma_ikj e_ij`` with ``sigma = -2 delta / D``,
+  ``-delta / (sqrt(D) |e|)`` (0 at ``e = 0``, the layer's convention) and
+  ``2 delta gamma k / D``; rbf's ``d f_k / d log_gamma_j = -delta gamma msd k``.
+- ``"cosine"``: ``d f_k / d m_j = alpha_ikj x_i + beta_ikj mu_ij`` with
+  ``alpha = delta / (|x| |mu|)``, ``beta = -delta k / |mu|^2`` (norms clamped
+  at ``COSINE_EPS`` like the layer; no ``beta`` where the memory's norm is clamped).
+- bias: ``d f_k / d b_j = delta_ikj``.
+
+Inner products of two batches are then contractions over ``j`` of (n, K, J)
+coefficient tensors with a few (n, J) and (n, m) matrices: cost
+``O(n m (D + K J))`` instead of ``O(n m K J D)`` for materialised gradients.
+
+Accuracy. The memory term of the squared-distance kernels needs
+``e_ij . e_i'j``; expanding it as ``x.x' - x.m - m.x' + |m|^2`` loses every digit
+when ``x`` is near ``m`` (the gradient of ``"euclidean"`` is then a unit vector
+scaled by ``1 / |e|``). The rule uses the polarisation identity instead,
+
+    e_ij . e_i'j = (|e_ij|^2 + |e_i'j|^2 - |e_ij - e_i'j|^2) / 2,
+
+with ``e_ij - e_i'j = (x_i - x_i') - (t_i - t_i') dm_j``: it is translation
+invariant and its error is about ``eps max(|e|^2, |e'|^2, |x_i - x_i'|^2)`` times
+``|sigma sigma'|``, not ``eps |x|^2``. Squared distances (``|e_ij|^2``,
+``|x_i - x_i'|^2``) and directional products ``e_ij . v_j`` are expanded about a
+centre by matrix products and recomputed from explicit differences for the
+(few) pairs where the expansion cancels, so they keep ~1e-14 relative accuracy
+and exact zeros (:func:`_sq_distances`). Measured against materialised
+gradients: ~1e-15 relative in general; for ``"euclidean"`` with a memory at
+distance ``r`` from a point, about ``1e-16 R / r`` with ``R`` the other
+distances (5e-14 at ``r / R = 1e-4``), because its gradient ``e / |e|`` is
+a direction. Cosine's gradient is expanded: its terms are bounded by
+``|delta| / |mu|`` and cancel only to the size of the terms themselves.
+
+Per-row ``t``: :meth:`DistanceRule.output_at` evaluates the layer with every row
+at its own weights, so the probe evaluates a whole batch of quadrature nodes in
+one pass (instead of one pass per distinct ``t``). The laplacian kernel keeps
+``GenericRule``: its memory gradient ``sign(x - m)`` has no low-rank form (the
+best contraction, per-memory sign Grams, costs ``O(n m J D)``, only K times less
+than materialising), and networks with it keep one pass per distinct ``t``.
+"""
+
+import math
+
+import torch
+
+from ._distance import COSINE_EPS, DistanceLayer
+
+# Kernels with a factored rule ("laplacian" keeps the generic torch.func rule:
+# its memory gradient is a sign pattern per (example, memory), with no low-rank form).
+FACTORED_KERNELS = ("sqeuclidean", "euclidean", "rbf", "cosine")
+# Squared distances expanded about a centre c are recomputed from explicit
+# differences where they are below this fraction of their rounding bound, e.g.
+# (|x - c| + |m - c|)^2: elsewhere the expansion keeps a relative error ~1e-14.
+NEAR_PAIRS = 1.0 / 16
+_LOCAL_NAMES = ("memories", "bias", "log_gamma")
+
+
+def make_distance_rule(module, names):
+    """A :class:`DistanceRule` for ``module``, or None when it has no factored form.
+
+    ``names`` maps the module's local parameter names that are part of the path
+    to their names in the path.
+    """
+    if type(module) is not DistanceLayer or module.kernel not in FACTORED_KERNELS:
+        return None
+    local = {name for name, _ in module.named_parameters(recurse=False)}
+    if not local <= set(_LOCAL_NAMES):
+        return None
+    return DistanceRule(module, names)
+
+
+def _memories_at(m, dm, t):
+    """Per-row memories ``m + t_i dm``, shape (rows, J, D) (like ``w + t dw`` flat)."""
+    return m[None] + t[:, None, None] * dm[None]
+
+
+def _squared_norm(e):
+    return (e * e).sum(-1)
+
+
+def _sq_distances(x, m, dm=None, t=None, centre=None):
+    """``|x_i - mu_ij|^2`` with ``mu_ij = m_j + t_i dm_j``, and where it was summed exactly.
+
+    Expanded about ``centre`` (default: the mean memory) by matrix products; the
+    expansion's rounding error is a few ``eps (|x_i - c| + |m_j - c| + |t_i dm_j|)^2``,
+    so the pairs below ``NEAR_PAIRS`` times that bound (``x`` near ``mu``) are summed
+    from explicit differences instead: relative error ~1e-14 everywhere, and exact
+    zeros. Differentiable (the explicit pairs too). Returns (n, J) values and the
+    (n, J) boolean mask of the explicit pairs.
+    """
+    if centre is None:
+        centre = m.detach().mean(0)
+    xc, mc = x - centre, m - centre
+    cross = xc @ mc.T
+    memory_sq = _squared_norm(mc)[None]
+    norm = torch.linalg.vector_norm
+    bound = norm(xc.detach(), dim=1)[:, None] + norm(mc.detach(), dim=1)
+    if dm is not None:
+        t_col = t[:, None]
+        cross = cross + t_col * (xc @ dm.T)
+        memory_sq = (
+            memory_sq + t_col * (2.0 * (mc * dm).sum(1)) + t_col.square() * _squared_norm(dm)
+        )
+        # |t| without abs(), which the kink recorder would take for a switch.
+        bound = bound + t_col.detach().square().sqrt() * norm(dm, dim=1)
+    squared = _squared_norm(xc)[:, None] + memory_sq - 2.0 * cross
+    near = squared.detach() < NEAR_PAIRS * bound.square()
+    rows, cols = torch.nonzero(near, as_tuple=True)
+    if rows.numel():
+        mu = m[cols] if dm is None else m[cols] + t[rows, None] * dm[cols]
+        squared = squared.index_put((rows, cols), _squared_norm(x[rows] - mu))
+    return squared, near
+
+
+def _memory_dots(x, m, dm, t, vectors, near):
+    """``e_ij . v_j`` with ``e_ij = x_i - mu_ij`` (n, J), explicit on the ``near`` pairs."""
+    centre = m.mean(0)
+    dots = (x - centre) @ vectors.T - ((m - centre) * vectors).sum(1)
+    if dm is not None:
+        dots = dots - t[:, None] * (dm * vectors).sum(1)
+    rows, cols = torch.nonzero(near, as_tuple=True)
+    if rows.numel():
+        mu = m[cols] if dm is None else m[cols] + t[rows, None] * dm[cols]
+        dots[rows, cols] = ((x[rows] - mu) * vectors[cols]).sum(1)
+    return dots
+
+
+def _memory_norms(m, dm, t):
+    """``|m_j + t_i dm_j|``, shape (n, J)."""
+    origin = torch.zeros(t.shape[0], m.shape[1], dtype=m.dtype, device=m.device)
+    return torch.sqrt(_sq_distances(origin, m, dm, t, centre=torch.zeros_like(m[0]))[0])
+
+
+def _pair_sq_distances(x, y, centre):
+    """``|x_i - y_l|^2`` (n, m): expanded about ``centre``, exact where that cancels."""
+    xc, yc = x - centre, y - centre
+    x2, y2 = _squared_norm(xc), _squared_norm(yc)
+    scale = x2[:, None] + y2[None, :]
+    d2 = scale - 2.0 * (xc @ yc.T)
+    near = torch.nonzero(d2 < NEAR_PAIRS * scale, as_tuple=True)
+    if near[0].numel():
+        d2[near] = _squared_norm(x[near[0]] - y[near[1]])
+    return d2
+
+
+def _contract(left, right, mode):
+    """``sum_j left[i, k, j] right[l, k', j]``: (n, m), (n, m, K, K') or (n,) by ``mode``."""
+    if mode == "trace":
+        return left.reshape(left.shape[0], -1) @ right.reshape(right.shape[0], -1).T
+    if mode == "pairs":
+        n, k1, width = left.shape
+        m, k2 = right.shape[:2]
+        out = left.reshape(n * k1, width) @ right.reshape(m * k2, width).T
+        return out.view(n, k1, m, k2).permute(0, 2, 1, 3)
+    return (left * right).sum(dim=(1, 2))
+
+
+def _weighted(matrix, left, right, mode):
+    """``matrix[i, l] * sum_j left[i, k, j] right[l, k', j]`` (``matrix`` (n,) for diag)."""
+    inner = _contract(left, right, mode)
+    return matrix[:, :, None, None] * inner if mode == "pairs" else matrix * inner
+
+
+class DistanceFactors:
+    """Factors of a batch for :class:`DistanceRule`.
+
+    ``rows`` holds per-row tensors (leading axis n): ``x``, coefficient tensors
+    (n, K, J) and (n, J) matrices; ``shared`` the memories ``m`` and their step
+    ``dm`` (None when they do not move or the rows sit at the step's start).
+    """
+
+    __slots__ = ("rows", "shared", "_cache")
+
+    def __init__(self, rows, shared):
+        self.rows, self.shared, self._cache = rows, shared, {}
+
+    def take(self, index):
+        return DistanceFactors({k: v[index] for k, v in self.rows.items()}, self.shared)
+
+    @staticmethod
+    def cat(parts):
+        """Stack the rows of several factors of the same layer and step."""
+        moving = [p for p in parts if "t" in p.rows]
+        if moving and len(moving) < len(parts):  # rows at the step's start: t = 0
+            parts = [p if "t" in p.rows else p._at_zero(moving[0].shared) for p in parts]
+        shared = parts[0].shared
+        keys = parts[0].rows.keys()
+        return DistanceFactors({k: torch.cat([p.rows[k] for p in parts]) for k in keys}, shared)
+
+    def _at_zero(self, shared):
+        """These rows (at the step's start) as moving rows with ``t = 0``."""
+        x = self.rows["x"]
+        rows = dict(self.rows, t=torch.zeros(x.shape[0], dtype=x.dtype, device=x.device))
+        moved = DistanceFactors(rows, shared)
+        for key, dot in (("q", _centred_dot), ("Q", _plain_dot)):
+            if key in shared["row_keys"]:
+                rows[key] = dot(moved, shared["dm"])
+        return moved
+
+
+def _centred_dot(factors, dm):
+    """``(x_i - c) . dm_j`` with ``c`` the mean memory, cached per ``dm``; (n, J)."""
+    return _cached(factors, "q", dm, lambda: (factors.rows["x"] - factors.shared["c"]) @ dm.T)
+
+
+def _plain_dot(factors, dm):
+    """``x_i . dm_j``, cached per ``dm``; (n, J)."""
+    return _cached(factors, "Q", dm, lambda: factors.rows["x"] @ dm.T)
+
+
+def _cached(factors, key, dm, compute):
+    if key in factors.rows:
+        return factors.rows[key]
+    hit = factors._cache.get(key)
+    if hit is None or hit[0] is not dm:
+        hit = (dm, compute())
+        factors._cache[key] = hit
+    return hit[1]
+
+
+class DistanceRule:
+    """Factored rule for :class:`DistanceLayer` ("sqeuclidean", "euclidean", "rbf", "cosine").
+
+    Parameters
+    ----------
+    module : DistanceLayer
+    names : dict
+        The module's parameters that are in the path: local name -> path name.
+        Parameters not in the path are constants (the module's own values).
+    """
+
+    def __init__(self, module, names):
+        self.module = module
+        self.names = dict(names)
+        self.path_names = [self.names[name] for name in _LOCAL_NAMES if name in self.names]
+
+    # -- parameter values ---------------------------------------------------------
+
+    def _param(self, local, params, steps):
+        """(value at the step's start, its step or None); None value if the layer has none."""
+        full = self.names.get(local)
+        if full is None:
+            value = getattr(self.module, local)
+            return (None if value is None else value.detach()), None
+        step = None if steps is None else steps[full]
+        return params[full], step
+
+    # -- per-row evaluation ---------------------------------------------------------
+
+    def output_at(self, inputs, params, steps, t):
+        """The layer's output with row ``i`` at weights ``params + t_i steps``, (n, J).
+
+        Differentiable with respect to the input; the output requires grad
+        whenever the input or the parameters do (so that the probe can
+        back-propagate to it), but it is not differentiated with respect to
+        the parameters. Avoids the operations the kink recorder watches except
+        cosine's norm clamps, which are genuine kinks of the layer.
+        """
+        x = inputs[0]
+        layer = self.module
+        if x.ndim != 2 or x.shape[1] != layer.in_features:
+            raise ValueError(
+                f"DistanceLayer expects input of shape (n, {layer.in_features}), "
+                f"got {tuple(x.shape)}."
+            )
+        m, dm = self._param("memories", params, steps)
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in params.values())
+        )
+        t_col = t[:, None]
+        if layer.kernel == "cosine":
+            x_norm = torch.clamp(torch.linalg.vector_norm(x, dim=1, keepdim=True), min=COSINE_EPS)
+            dot = x @ m.T
+            if dm is None:  # per row, so that the kink recorder sees (n, J) values
+                m_norm = torch.linalg.vector_norm(m.detach(), dim=1).expand(x.shape[0], -1)
+            else:
+                dot = dot + t_col * (x @ dm.T)
+                with torch.no_grad():
+                    m_norm = _memory_norms(m.detach(), dm, t)
+            out = dot / (x_norm * torch.clamp(m_norm, min=COSINE_EPS))
+        else:
+            D = layer.in_features
+            msd = _sq_distances(x, m, dm, t)[0] / D
+            if layer.kernel == "euclidean":
+                positive = msd > 0
+                out = torch.where(positive, torch.sqrt(torch.where(positive, msd, 1.0)), 0.0)
+            elif layer.kernel == "sqeuclidean":
+                out = msd
+            else:
+                log_gamma, d_log_gamma = self._param("log_gamma", params, steps)
+                if d_log_gamma is not None:
+                    log_gamma = log_gamma + t_col * d_log_gamma
+                out = torch.exp(-torch.exp(log_gamma.detach()) * msd)
+        bias, d_bias = self._param("bias", params, steps)
+        if bias is not None:
+            out = out + (bias.detach() if d_bias is None else bias.detach() + t_col * d_bias)
+        if needs_grad and not out.requires_grad:
+            out = out.detach().requires_grad_(True)
+        return out
+
+    # -- factors --------------------------------------------------------------------
+
+    def factors(self, inputs, delta, params, steps=None, t=None):
+        """Factors of rows ``x`` with back-propagated ``delta`` (n, K, J).
+
+        ``params`` are the weights at the step's start; with ``steps`` and ``t``
+        (n,), row ``i`` is at ``params + t_i steps``.
+        """
+        with torch.no_grad():
+            return self._factors(inputs[0].detach(), delta.detach(), params, steps, t)
+
+    def _factors(self, x, delta, params, steps, t):
+        layer = self.module
+        if t is None:
+            steps = None
+        m, dm = self._param("memories", params, steps)
+        m = m.detach()
+        moving = dm is not None
+        rows = {"x": x}
+        shared = {"m": m, "dm": dm, "row_keys": (), "n_outputs": delta.shape[1]}
+        if moving:
+            rows["t"] = t
+        t_col = None if t is None else t[:, None]
+        mem_in_path = "memories" in self.names
+        if layer.kernel == "cosine":
+            x_norm = torch.clamp(torch.linalg.vector_norm(x, dim=1), min=COSINE_EPS)[:, None]
+            dot = x @ m.T
+            if moving:
+                rows["Q"] = x @ dm.T
+                shared["row_keys"] = ("Q",)
+                dot = dot + t_col * rows["Q"]
+                m_norm = _memory_norms(m, dm, t)
+            else:
+                m_norm = torch.linalg.vector_norm(m, dim=1).expand(x.shape[0], -1)
+            m_norm_c = torch.clamp(m_norm, min=COSINE_EPS)
+            kernel = dot / (x_norm * m_norm_c)
+            if mem_in_path:
+                rows["alpha"] = delta / (x_norm * m_norm_c)[:, None]
+                rows["beta"] = (
+                    delta * (-(kernel / m_norm_c.square()) * (m_norm >= COSINE_EPS))[:, None]
+                )
+                rows["P"] = x @ m.T if moving else dot
+        else:
+            D = layer.in_features
+            squared, rows["near"] = _sq_distances(x, m, dm, t)
+            distance = torch.sqrt(squared)
+            msd = squared / D
+            if layer.kernel == "sqeuclidean":
+                coefficient = torch.full_like(msd, -2.0 / D)
+            elif layer.kernel == "euclidean":
+                positive = distance > 0
+                coefficient = torch.where(
+                    positive, -1.0 / (math.sqrt(D) * torch.where(positive, distance, 1.0)), 0.0
+                )
+            else:
+                log_gamma, d_log_gamma = self._param("log_gamma", params, steps)
+                log_gamma = log_gamma.detach()
+                if d_log_gamma is not None:
+                    log_gamma = log_gamma + t_col * d_log_gamma
+                gamma = torch.exp(log_gamma).expand_as(msd)
+                kernel = torch.exp(-gamma * msd)
+                coefficient = 2.0 * gamma * kernel / D
+                if "log_gamma" in self.names:
+                    rows["c_lg"] = delta * (-gamma * msd * kernel)[:, None]
+            if mem_in_path:
+                shared["c"] = m.mean(0)
+                rows["sigma"] = delta * coefficient[:, None]
+                half = 0.5 * squared
+                if moving:
+                    factors = DistanceFactors(rows, shared)
+                    rows["q"] = _centred_dot(factors, dm)
+                    shared["row_keys"] = ("q",)
+                    half = half + t_col * rows["q"] - 0.5 * t_col.square() * _squared_norm(dm)
+                rows["h"] = half
+        if "bias" in self.names:
+            rows["c_b"] = delta
+        return DistanceFactors(rows, shared)
+
+    # -- inner products -----------------------------------------------------------------
+
+    def inner(self, left, right, mode):
+        """Inner products of per-example gradients: (n, m), (n, m, K, K') or (n,)."""
+        blocks_left, blocks_right, extra = [], [], 0.0
+        if "memories" in self.names:
+            if not self._compatible(left, right):
+                grads = self._materialise(left), self._materialise(right)
+                return _contract(*grads, mode)
+            dm = left.shared["dm"] if left.shared["dm"] is not None else right.shared["dm"]
+            kernel_blocks = self._cosine if self.module.kernel == "cosine" else self._msd
+            extra = kernel_blocks(left, right, dm, mode, blocks_left, blocks_right)
+        for key in ("c_b", "c_lg"):
+            if key in left.rows:
+                blocks_left.append(left.rows[key])
+                blocks_right.append(right.rows[key])
+        return extra + _contract(torch.cat(blocks_left, 2), torch.cat(blocks_right, 2), mode)
+
+    @staticmethod
+    def _compatible(left, right):
+        a, b = left.shared, right.shared
+        if not (a["m"] is b["m"] or torch.equal(a["m"], b["m"])):
+            return False
+        if a["dm"] is None or b["dm"] is None:
+            return True
+        return a["dm"] is b["dm"] or torch.equal(a["dm"], b["dm"])
+
+    @staticmethod
+    def _msd(left, right, dm, mode, blocks_left, blocks_right):
+        """Blocks of ``sum_j sigma sigma' e_ij . e_i'j`` by polarisation; returns the
+        ``-|x_i - x_i'|^2 / 2`` term."""
+        L, R = left.rows, right.rows
+        sigma, sigma_r = L["sigma"], R["sigma"]
+        blocks_left += [sigma * L["h"][:, None], sigma]
+        blocks_right += [sigma_r, sigma_r * R["h"][:, None]]
+        t_left, t_right = L.get("t"), R.get("t")
+        if t_left is not None:  # - t_i q_i'j
+            blocks_left.append(-t_left[:, None, None] * sigma)
+            blocks_right.append(sigma_r * _centred_dot(right, dm)[:, None])
+        if t_right is not None:  # - t_i' q_ij + t_i t_i' |dm_j|^2
+            coefficient = -_centred_dot(left, dm)
+            if t_left is not None:
+                coefficient = coefficient + t_left[:, None] * _squared_norm(dm)
+            blocks_left.append(sigma * coefficient[:, None])
+            blocks_right.append(t_right[:, None, None] * sigma_r)
+        centre = left.shared["c"]
+        if mode == "diag":
+            pairs = _squared_norm(L["x"] - R["x"])
+        else:
+            pairs = _pair_sq_distances(L["x"], R["x"], centre)
+        return _weighted(-0.5 * pairs, sigma, sigma_r, mode)
+
+    @staticmethod
+    def _cosine(left, right, dm, mode, blocks_left, blocks_right):
+        """Blocks of ``sum_j (alpha x + beta mu) . (alpha' x' + beta' mu')``; returns the
+        ``x . x'`` term."""
+        L, R = left.rows, right.rows
+        alpha, beta, alpha_r, beta_r = L["alpha"], L["beta"], R["alpha"], R["beta"]
+        m = left.shared["m"]
+        t_left, t_right = L.get("t"), R.get("t")
+        first = alpha * L["P"][:, None] + beta * _squared_norm(m)
+        third = alpha_r * R["P"][:, None]
+        if dm is not None:
+            m_dm = (m * dm).sum(1)
+        if t_left is not None:
+            first = first + t_left[:, None, None] * beta * m_dm
+        if t_right is not None:
+            third = third + t_right[:, None, None] * beta_r * m_dm
+        blocks_left += [first, beta]
+        blocks_right += [beta_r, third]
+        if t_right is not None:
+            second = alpha * _plain_dot(left, dm)[:, None]
+            if t_left is not None:
+                second = second + t_left[:, None, None] * beta * _squared_norm(dm)
+            blocks_left.append(second)
+            blocks_right.append(t_right[:, None, None] * beta_r)
+        if t_left is not None:
+            blocks_left.append(t_left[:, None, None] * beta)
+            blocks_right.append(alpha_r * _plain_dot(right, dm)[:, None])
+        x, x_r = L["x"], R["x"]
+        dots = (x * x_r).sum(1) if mode == "diag" else x @ x_r.T
+        return _weighted(dots, alpha, alpha_r, mode)
+
+    # -- directional derivatives ---------------------------------------------------------
+
+    def directional(self, factors, direction):
+        """``<g_k(x), direction>`` per row and output: (n, K)."""
+        rows, shared = factors.rows, factors.shared
+        x = rows["x"]
+        out = torch.zeros(x.shape[0], shared["n_outputs"], dtype=x.dtype, device=x.device)
+        if "memories" in self.names:
+            step = direction[self.names["memories"]]
+            m, dm, t = shared["m"], shared["dm"], rows.get("t")
+            if self.module.kernel == "cosine":
+                mu_dot = (m * step).sum(1)
+                if t is not None:
+                    mu_dot = mu_dot + t[:, None] * (dm * step).sum(1)
+                out = out + torch.einsum("nkj,nj->nk", rows["alpha"], x @ step.T)
+                out = out + torch.einsum("nkj,nj->nk", rows["beta"], mu_dot.expand(x.shape[0], -1))
+            else:
+                dots = _memory_dots(x, m, dm, t, step, rows["near"])
+                out = out + torch.einsum("nkj,nj->nk", rows["sigma"], dots)
+        for local, key in (("bias", "c_b"), ("log_gamma", "c_lg")):
+            if key in rows:
+                out = out + rows[key] @ direction[self.names[local]]
+        return out
+
+    # -- materialised gradients (factors at different memories) -----------------------------
+
+    def _materialise(self, factors):
+        """Per-example gradients (n, K, W) in the order memories, bias, log_gamma."""
+        rows, shared = factors.rows, factors.shared
+        x, m, dm, t = rows["x"], shared["m"], shared["dm"], rows.get("t")
+        n, D = x.shape
+        parts = []
+        if "memories" in self.names:
+            mu = m.expand(n, -1, -1) if t is None else _memories_at(m, dm, t)
+            if self.module.kernel == "cosine":
+                grads = (
+                    rows["alpha"][..., None] * x[:, None, None, :]
+                    + rows["beta"][..., None] * mu[:, None]
+                )
+            else:
+                grads = rows["sigma"][..., None] * (x[:, None, :] - mu)[:, None]
+            parts.append(grads.flatten(2))
+        for key in ("c_b", "c_lg"):
+            if key in rows:
+                parts.append(rows[key])
+        return torch.cat(parts, 2)
