@@ -15,6 +15,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
+from ._device import CPU, loadable_device, on_host, resolve_device
 from ._training import train_module
 
 DTYPE = torch.float64
@@ -22,9 +23,9 @@ DTYPE = torch.float64
 _VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
 
 
-def as_tensor(X):
-    """A float64 torch copy of a validated array (never a view of user memory)."""
-    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE)
+def as_tensor(X, device):
+    """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
+    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
 
 
 def check_module_output(module, X, n_classes):
@@ -58,6 +59,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         "n_points": [Interval(Integral, 1, None, closed="left")],
         "n_jobs": [Integral, None],
         "path_storage": [StrOptions({"memory", "disk"}), str, os.PathLike],
+        "device": [str, torch.device],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
     }
@@ -66,17 +68,19 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     def _build_module(self, X, n_classes):
         """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_classes).
 
-        ``X`` is the float64 training data as a tensor (for data-dependent
+        ``X`` is the float64 training data as a CPU tensor (for data-dependent
         initialisation). Torch's global generator is seeded from
         ``random_state`` while this runs.
         """
 
-    def _initial_module(self, X, n_classes, seed):
+    def _initial_module(self, X, n_classes, seed, device=CPU):
         # Seed torch's initialisers without touching the user's global RNG state.
+        # Built on the CPU (its generator, its data), then moved: w_0 is the same
+        # on every device.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = self._build_module(X, n_classes)
-        return module.to(DTYPE)
+        return module.to(device=device, dtype=DTYPE)
 
     @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, sample_weight=None):
@@ -109,6 +113,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             raise
 
     def _fit(self, X, y, sample_weight):
+        device = resolve_device(self.device)  # before any work: a clear error
         X, y = validate_data(self, X, y, dtype=np.float64)
         check_classification_targets(y)
         classes, y_encoded = np.unique(y, return_inverse=True)
@@ -124,14 +129,18 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError("The sample weights must not all be zero.")
 
         rng = check_random_state(self.random_state)
-        X_t, y_t = as_tensor(X), torch.as_tensor(y_encoded, dtype=torch.int64)
-        module = self._initial_module(X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max))
+        X_t = as_tensor(X, CPU)
+        module = self._initial_module(
+            X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max), device
+        )
+        X_t = X_t.to(device)
+        y_t = torch.as_tensor(y_encoded, dtype=torch.int64, device=device)
         check_module_output(module, X_t, classes.shape[0])
         result = train_module(
             module,
             X_t,
             y_t,
-            sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE),
+            sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
             solver=self.solver,
             learning_rate=self.learning_rate,
             momentum=self.momentum,
@@ -149,6 +158,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
 
         # Assign only once training succeeded: a failed fit leaves self as it was.
         self.classes_ = classes
+        self.device_ = device
         self.module_ = module
         self.n_iter_ = result.n_iter
         self.n_steps_ = result.n_steps
@@ -165,7 +175,8 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         with torch.no_grad():
-            return F.log_softmax(self.module_(as_tensor(X)), dim=1).numpy()
+            log_proba = F.log_softmax(self.module_(as_tensor(X, self.device_)), dim=1)
+        return log_proba.cpu().numpy()
 
     def predict_log_proba(self, X):
         """Log-probabilities of the classes, ``log_softmax(module(X))``.
@@ -269,7 +280,24 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         state = super().__getstate__()
         state = dict(state)
         state.pop("_kernel_cache", None)
+        # Host tensors only: the pickle loads on a machine without the device.
+        if "module_" in state:
+            state["module_"] = on_host(state["module_"])
+            for key in ("_fit_X", "_fit_y"):
+                if key in state:
+                    state[key] = state[key].cpu()
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "module_" in self.__dict__:
+            # Back on the device it was fitted on, or on the CPU (with a warning)
+            # when this machine does not have it.
+            device = loadable_device(self.__dict__.get("device_"), type(self).__name__)
+            self.device_ = device
+            self.module_ = self.module_.to(device)
+            self._fit_X = self._fit_X.to(device)
+            self._fit_y = self._fit_y.to(device)
 
     @property
     def kernel_(self):
@@ -307,7 +335,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         """
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        return self._engine().decompose(as_tensor(X))
+        return self._engine().decompose(as_tensor(X, self.device_))
 
 
 def copy_module(module):

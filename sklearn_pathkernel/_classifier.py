@@ -75,6 +75,17 @@ class ExactPathKernelClassifier(BasePathClassifier):
         free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
         Pickling writes the weights into the pickle; the unpickled estimator
         holds them in memory.
+    device : str or torch.device, default="cpu"
+        Where the network is trained and evaluated and the kernel computed:
+        ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a
+        ``torch.device``. Checked at :meth:`fit`: a ``ValueError`` names the
+        device and the available ones when it is unknown or absent. The initial
+        weights are drawn on the CPU, so they do not depend on the device.
+        ``module_`` and the training data live on the device (``device_``); the
+        weight path stays on the host (``path_storage``), one step at a time is
+        moved to the device; results are numpy arrays. A pickle holds CPU
+        tensors: it loads on a machine without the device (on the CPU, with a
+        warning) and back on the device where there is one.
     random_state : int, RandomState instance or None, default=None
         Seeds the initial weights and the mini-batch order.
     verbose : int, default=0
@@ -86,9 +97,13 @@ class ExactPathKernelClassifier(BasePathClassifier):
     classes_ : ndarray of shape (n_classes,)
         Class labels; output ``k`` of the network belongs to ``classes_[k]``.
     module_ : torch.nn.Module
-        The trained network (float64, weights ``w_S``).
+        The trained network (float64, weights ``w_S``), on ``device_``.
+    device_ : torch.device
+        Where ``module_`` and the training data live and the computations run:
+        ``device`` at fit (after unpickling, the CPU if this machine lacks it).
     path_ : WeightPath or None
-        The recorded weight path (None when the solver records none).
+        The recorded weight path (None when the solver records none), on the
+        host (RAM or a memory-mapped file, see ``path_storage``).
     n_iter_ : int
         Epochs run.
     n_steps_ : int
@@ -141,6 +156,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
         n_points=100,
         n_jobs=None,
         path_storage="memory",
+        device="cpu",
         random_state=None,
         verbose=0,
     ):
@@ -159,6 +175,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
         self.n_points = n_points
         self.n_jobs = n_jobs
         self.path_storage = path_storage
+        self.device = device
         self.random_state = random_state
         self.verbose = verbose
 

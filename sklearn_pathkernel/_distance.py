@@ -71,6 +71,8 @@ class DistanceLayer(nn.Module):
         Initial width of ``"rbf"`` and ``"laplacian"`` (ignored otherwise).
     dtype : torch.dtype or None, default=None
         Dtype of the parameters (torch's default when None).
+    device : torch.device, str or None, default=None
+        Device of the parameters (torch's default when None), as in ``nn.Linear``.
 
     Attributes
     ----------
@@ -97,7 +99,14 @@ class DistanceLayer(nn.Module):
     """
 
     def __init__(
-        self, in_features, n_memories, kernel="sqeuclidean", bias=True, gamma=1.0, dtype=None
+        self,
+        in_features,
+        n_memories,
+        kernel="sqeuclidean",
+        bias=True,
+        gamma=1.0,
+        dtype=None,
+        device=None,
     ):
         super().__init__()
         if kernel not in KERNELS:
@@ -109,10 +118,11 @@ class DistanceLayer(nn.Module):
         if not gamma > 0:
             raise ValueError(f"gamma must be positive, got {gamma!r}.")
         self.in_features, self.n_memories, self.kernel = in_features, n_memories, kernel
-        self.memories = nn.Parameter(torch.empty(n_memories, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(n_memories, dtype=dtype)) if bias else None
+        factory = {"dtype": dtype, "device": device}
+        self.memories = nn.Parameter(torch.empty(n_memories, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(n_memories, **factory)) if bias else None
         if kernel in ("rbf", "laplacian"):
-            self.log_gamma = nn.Parameter(torch.full((n_memories,), math.log(gamma), dtype=dtype))
+            self.log_gamma = nn.Parameter(torch.full((n_memories,), math.log(gamma), **factory))
         else:
             self.log_gamma = None
         self.reset_parameters()
@@ -205,16 +215,17 @@ class Negate(nn.Module):
 
 def _sample_rows(X, k):
     """``k`` distinct rows of ``X`` in random order (torch's global generator)."""
-    return X[torch.randperm(X.shape[0])[:k]]
+    # Drawn by the CPU generator (the same rows on every device).
+    return X[torch.randperm(X.shape[0], device="cpu")[:k].to(X.device)]
 
 
 def _kmeans_plusplus_rows(X, k):
     """k-means++ seeding (scikit-learn's greedy version) on ``k <= n`` rows of ``X``."""
     # scikit-learn draws from a numpy generator; seed it from torch's so that the
     # estimator's random_state (which seeds torch) makes it deterministic.
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    seed = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
     _, indices = kmeans_plusplus(X.detach().cpu().numpy(), k, random_state=seed)
-    return X[torch.as_tensor(indices)]
+    return X[torch.as_tensor(indices, device=X.device)]
 
 
 def init_memories(layer, X, method):

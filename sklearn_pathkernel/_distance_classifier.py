@@ -36,19 +36,19 @@ def make_distance_network(
     layers, width, H = [], X.shape[1], X
     for size in hidden_layer_sizes:
         layer = init_memories(
-            DistanceLayer(width, size, kernel, gamma=gamma, dtype=X.dtype), H, init
+            DistanceLayer(width, size, kernel, gamma=gamma, dtype=X.dtype, device=X.device), H, init
         )
         layers += [layer, Transform(transform)]
         with torch.no_grad():
             H = layers[-1](layer(H))
         width = size
     if head == "linear":
-        out = nn.Linear(width, n_classes, dtype=X.dtype)
+        out = nn.Linear(width, n_classes, dtype=X.dtype, device=X.device)
         nn.init.zeros_(out.weight)
         nn.init.zeros_(out.bias)
         layers.append(out)
     else:
-        out = DistanceLayer(width, n_classes, kernel, gamma=gamma, dtype=X.dtype)
+        out = DistanceLayer(width, n_classes, kernel, gamma=gamma, dtype=X.dtype, device=X.device)
         layers.append(out)  # uniform memories: _build_module does not see the labels
         if kernel in DISTANCE_KERNELS:
             layers.append(Negate())
@@ -134,6 +134,17 @@ class DistanceKernelClassifier(BasePathClassifier):
         free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
         Pickling writes the weights into the pickle; the unpickled estimator
         holds them in memory.
+    device : str or torch.device, default="cpu"
+        Where the network is trained and evaluated and the kernel computed:
+        ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a
+        ``torch.device``. Checked at :meth:`fit`: a ``ValueError`` names the
+        device and the available ones when it is unknown or absent. The initial
+        weights are drawn on the CPU, so they do not depend on the device.
+        ``module_`` and the training data live on the device (``device_``); the
+        weight path stays on the host (``path_storage``), one step at a time is
+        moved to the device; results are numpy arrays. A pickle holds CPU
+        tensors: it loads on a machine without the device (on the CPU, with a
+        warning) and back on the device where there is one.
     random_state : int, RandomState instance or None, default=None
         Seeds the initial memories and the mini-batch order.
     verbose : int, default=0
@@ -145,9 +156,13 @@ class DistanceKernelClassifier(BasePathClassifier):
     classes_ : ndarray of shape (n_classes,)
         Class labels; output ``k`` of the network belongs to ``classes_[k]``.
     module_ : torch.nn.Sequential
-        The trained network (float64, weights ``w_S``).
+        The trained network (float64, weights ``w_S``), on ``device_``.
+    device_ : torch.device
+        Where ``module_`` and the training data live and the computations run:
+        ``device`` at fit (after unpickling, the CPU if this machine lacks it).
     path_ : WeightPath or None
-        The recorded weight path (None when the solver records none).
+        The recorded weight path (None when the solver records none), on the
+        host (RAM or a memory-mapped file, see ``path_storage``).
     n_iter_ : int
         Epochs run.
     n_steps_ : int
@@ -214,6 +229,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         n_points=100,
         n_jobs=None,
         path_storage="memory",
+        device="cpu",
         random_state=None,
         verbose=0,
     ):
@@ -235,6 +251,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         self.n_points = n_points
         self.n_jobs = n_jobs
         self.path_storage = path_storage
+        self.device = device
         self.random_state = random_state
         self.verbose = verbose
 

@@ -22,6 +22,7 @@ import torch
 from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
+from ._device import loadable_device, on_host
 from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
 from ._quadrature import (
@@ -91,7 +92,11 @@ class PathKernelEngine:
     path : WeightPath
         The recorded training path.
     X_train : torch.Tensor of shape (M, ...)
-        Training inputs, indexed by ``path.batches``.
+        Training inputs, indexed by ``path.batches``. The engine computes on
+        their device (``module`` and ``y_train`` must be there too); the path
+        stays where it is (host memory or disk) and each step's weights are
+        moved to the device when they are evaluated. Inputs of the public
+        methods are moved to the device; results are numpy arrays.
     y_train : torch.Tensor of shape (M,)
         Training class codes.
     quadrature : {"exact", "riemann", "dpk"}, default="exact"
@@ -132,9 +137,10 @@ class PathKernelEngine:
         self.tile_size = tile_size
         self.n_jobs = n_jobs
         self.verbose = verbose
+        self.device = X_train.device
         self._probe = NetworkProbe(module, path)
         self.n_train = X_train.shape[0]
-        self.n_outputs = self._probe.log_proba(path.weights[0], X_train[:1]).shape[1]
+        self.n_outputs = self._probe.log_proba(self._at(0), X_train[:1]).shape[1]
 
     def __deepcopy__(self, memo):
         return self  # immutable: copies share it (sklearn's clone deep-copies params)
@@ -142,7 +148,34 @@ class PathKernelEngine:
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_thread_probes", None)
+        if self.device.type != "cpu":
+            # Host tensors only: the pickle loads on a machine without the device.
+            state["module"] = on_host(self.module)
+            state["X_train"], state["y_train"] = self.X_train.cpu(), self.y_train.cpu()
+            state.pop("_probe", None)
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        device = loadable_device(state.get("device"), "The path kernel engine")
+        if device != state.get("device") or "_probe" not in state:
+            self.device = device
+            self.module = self.module.to(device)
+            self.X_train, self.y_train = self.X_train.to(device), self.y_train.to(device)
+            self._probe = NetworkProbe(self.module, self.path)
+
+    def _at(self, index):
+        """Row ``index`` of the weight path (host memory or disk), on the device."""
+        return self.path.weights[index].to(self.device)
+
+    def _step(self, step):
+        """``w_s`` and ``w_{s+1} - w_s`` of ``step``, on the device."""
+        start = self._at(step)
+        return start, self._at(step + 1) - start
+
+    def _as_device_tensor(self, array):
+        """A numpy array (row indices, nodes, weights) as a tensor on the device."""
+        return torch.as_tensor(array, device=self.device)
 
     @property
     def probe(self):
@@ -163,16 +196,16 @@ class PathKernelEngine:
 
     def _evaluate_nodes(self, step, X, nodes):
         """Factors of every node in chunks: list of ``(rows, weights, factors)``."""
-        start, direction = self.path.weights[step], self.path.step_direction(step)
+        start, direction = self._step(step)
         chunk = max(1, self.tile_size)
         evaluated = []
         for begin in range(0, nodes.rows.size, chunk):
             part = nodes.take(slice(begin, begin + chunk))
-            rows = torch.as_tensor(part.rows)
+            rows = self._as_device_tensor(part.rows)
             factors = self.probe.factors(
-                start, X[rows], direction=direction, t=torch.as_tensor(part.t)
+                start, X[rows], direction=direction, t=self._as_device_tensor(part.t)
             )[1]
-            evaluated.append((rows, torch.as_tensor(part.weights), factors))
+            evaluated.append((rows, self._as_device_tensor(part.weights), factors))
         return evaluated
 
     def _certify(self, step, X, evaluated):
@@ -181,10 +214,10 @@ class PathKernelEngine:
         Returns the errors and, per row, the tolerance they are held to:
         ``CERTIFICATE_TOL``, or the rounding floor of ``f`` where that is larger.
         """
-        start = self.path.weights[step]
-        step_params = self.path.unflatten(self.path.step_direction(step))
+        start, direction = self._step(step)
+        step_params = self.path.unflatten(direction)
         f_start, scale_start = self.probe.log_proba(start, X, with_scale=True)
-        f_end, scale_end = self.probe.log_proba(self.path.weights[step + 1], X, with_scale=True)
+        f_end, scale_end = self.probe.log_proba(self._at(step + 1), X, with_scale=True)
         error = f_end - f_start
         for rows, weights, factors in evaluated:
             slope = sum(
@@ -193,7 +226,7 @@ class PathKernelEngine:
             )
             error.index_add_(0, rows, -weights[:, None] * slope)
         tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
-        return error.abs().amax(1).numpy(), tolerance.numpy()
+        return error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy()
 
     def _test_features(self, step, X, residual=None, n_nodes=None):
         """The test-copy features of ``step`` for every row of ``X``.
@@ -204,7 +237,7 @@ class PathKernelEngine:
         with ``"exact"``, rows above ``CERTIFICATE_TOL`` (kinks that cancel between
         detection points) are integrated again on a finer detection grid.
         """
-        start, direction = self.path.weights[step], self.path.step_direction(step)
+        start, direction = self._step(step)
         n_nodes = n_nodes or self.n_nodes
         all_rows = np.arange(X.shape[0])
         if self.quadrature != "exact":
@@ -254,7 +287,7 @@ class PathKernelEngine:
         ends, whichever is larger; a row stops splitting at ``MAX_PIECES_PER_ROW``
         (so a row that rounding keeps from passing cannot split without end).
         """
-        start, direction = self.path.weights[step], self.path.step_direction(step)
+        start, direction = self._step(step)
         step_params = self.path.unflatten(direction)
         base_nodes, base_weights = gauss_legendre(n_nodes)
         tolerance = CERTIFICATE_TOL / 64
@@ -278,31 +311,31 @@ class PathKernelEngine:
             if depth == MAX_BISECTIONS:
                 done.append(nodes)
                 break
-            estimate = torch.zeros(piece_rows.size, self.n_outputs, dtype=X.dtype)
-            pieces = torch.as_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
+            estimate = torch.zeros(piece_rows.size, self.n_outputs, dtype=X.dtype, device=X.device)
+            pieces = self._as_device_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
             for begin in range(0, nodes.rows.size, max(1, self.tile_size)):
                 part = slice(begin, begin + self.tile_size)
                 factors = self.probe.factors(
                     start,
-                    X[torch.as_tensor(nodes.rows[part])],
+                    X[self._as_device_tensor(nodes.rows[part])],
                     direction=direction,
-                    t=torch.as_tensor(nodes.t[part]),
+                    t=self._as_device_tensor(nodes.t[part]),
                 )[1]
                 slope = sum(
                     rule.directional(f, step_params)
                     for rule, f in zip(self.probe.rules, factors, strict=True)
                 )
-                weights = torch.as_tensor(nodes.weights[part])[:, None]
+                weights = self._as_device_tensor(nodes.weights[part])[:, None]
                 estimate.index_add_(0, pieces[part], weights * slope)
-            X_rows = X[torch.as_tensor(piece_rows)]
+            X_rows = X[self._as_device_tensor(piece_rows)]
             f_a, scale_a = self.probe.log_proba(
-                start, X_rows, direction, torch.as_tensor(a), with_scale=True
+                start, X_rows, direction, self._as_device_tensor(a), with_scale=True
             )
             f_b, scale_b = self.probe.log_proba(
-                start, X_rows, direction, torch.as_tensor(b), with_scale=True
+                start, X_rows, direction, self._as_device_tensor(b), with_scale=True
             )
             floor = torch.clamp(_rounding_floor(scale_a, scale_b), min=tolerance)
-            ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).numpy()
+            ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).cpu().numpy()
             # Rows that would split into more pieces than the cap keep the ones they have.
             n_failing = np.bincount(piece_rows[~ok], minlength=X.shape[0])[piece_rows]
             ok |= 2 * n_failing > MAX_PIECES_PER_ROW
@@ -362,6 +395,7 @@ class PathKernelEngine:
             ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
             ``residual`` (n,), as float64 numpy arrays.
         """
+        X = X.to(self.device)
         row_bytes = 8 * self.n_train * self.n_outputs
         check_fits(
             row_bytes * X.shape[0] * (1 + self._n_workers()),
@@ -379,32 +413,39 @@ class PathKernelEngine:
             residual[tile] += block_residual
         return Bunch(
             contributions=contributions,
-            bias=self.probe.log_proba(self.path.weights[0], X).numpy(),
-            output=self.probe.log_proba(self.path.weights[-1], X).numpy(),
+            bias=self.probe.log_proba(self._at(0), X).cpu().numpy(),
+            output=self.probe.log_proba(self._at(-1), X).cpu().numpy(),
             residual=residual,
         )
 
     def _decompose_block(self, X, steps):
-        contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
+        contributions = torch.zeros(
+            (X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype, device=X.device
+        )
         residual = np.zeros(X.shape[0])
         for step in range(steps.start, steps.stop):
-            start, _direction = self.path.weights[step], self.path.step_direction(step)
-            batch = torch.as_tensor(self.path.batches[step])
-            coefficients = self.path.coefficients[step]
+            start = self._at(step)
+            batch = self._as_device_tensor(self.path.batches[step])
+            coefficients = self.path.coefficients[step].to(self.device)
             _, train = self.probe.factors(start, self.X_train[batch], self.y_train[batch])
-            step_block = torch.zeros((X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype)
+            step_block = torch.zeros(
+                (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
+            )
             for rows, weights, test in self._test_features(step, X, residual):
                 pairs = _sum_layers(self.probe, test, train, "pairs")[..., 0]
                 step_block.index_add_(0, rows, weights[:, None, None] * pairs)
             step_block *= coefficients[None, :, None]
-            if batch.numel() == self.n_train and torch.equal(batch, torch.arange(self.n_train)):
+            if batch.numel() == self.n_train and torch.equal(
+                batch, torch.arange(self.n_train, device=batch.device)
+            ):
                 contributions += step_block
             else:
                 contributions.index_add_(1, batch, step_block)
-        return contributions.numpy(), residual
+        return contributions.cpu().numpy(), residual
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""
+        X = X.to(self.device)
         residual = np.zeros(X.shape[0])
         for step in range(self.path.n_steps):
             self._test_features(step, X, residual)
@@ -435,6 +476,8 @@ class PathKernelEngine:
             raise ValueError(f"output must be 'trace' or 'full', got {output!r}.")
         mode = "trace" if output == "trace" else "pairs"
         symmetric = B is None
+        A = A.to(self.device)
+        B = None if symmetric else B.to(self.device)
         a_mask = _as_mask(a_train, A.shape[0])
         B, b_mask = (A, a_mask) if symmetric else (B, _as_mask(b_train, B.shape[0]))
         a_tr, a_te = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
@@ -448,7 +491,7 @@ class PathKernelEngine:
         gram = np.zeros((A.shape[0], B.shape[0]) + n_outputs)
 
         def rows(X, index):
-            return X[torch.as_tensor(index)]
+            return X[self._as_device_tensor(index)]
 
         if a_tr.size and b_tr.size:
             gram[np.ix_(a_tr, b_tr)] = self._blocks(
@@ -499,11 +542,11 @@ class PathKernelEngine:
 
     def _block_rows(self, kind, P, Q, steps, mode):
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
-        block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype)
+        block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
         probe = self.probe
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
-            start = self.path.weights[step]
+            start = self._at(step)
             if kind == "discrete":
                 left = probe.factors(start, P)[1]
             elif kind == "mixed":
@@ -519,14 +562,14 @@ class PathKernelEngine:
                 for rows, weights, test in features:
                     values = _sum_layers(probe, test, right, mode)
                     block[:, tile].index_add_(0, rows, _scale_rows(weights, values))
-        return block.numpy()
+        return block.cpu().numpy()
 
     def _test_test(self, step, A, B, mode):
         """``sum_q nu_q <g(a; w_s(t_q)), g(b; w_s(t_q))>``, nodes shared by all rows."""
-        start, direction = self.path.weights[step], self.path.step_direction(step)
+        start, direction = self._step(step)
         t, nu = self._shared_nodes(step, torch.cat([A, B]))
         n_nodes = len(t)
-        times = torch.as_tensor(t)
+        times = self._as_device_tensor(t)
 
         def at_nodes(X):  # rows ordered node-major: entry q * n + i
             return self.probe.factors(
@@ -549,12 +592,13 @@ class PathKernelEngine:
     def _shared_nodes(self, step, X):
         if self.quadrature != "exact":
             return fixed_rule(self.quadrature, self.n_points)
-        start, direction = self.path.weights[step], self.path.step_direction(step)
+        start, direction = self._step(step)
         return shared_exact_nodes(self.probe, start, direction, X, TEST_TEST_NODES * self.n_nodes)
 
     def diag(self, A, *, a_train=False):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
         mask = _as_mask(a_train, A.shape[0])
+        A = A.to(self.device)
         keys = [(tile, steps) for tile in self._tiles(A.shape[0]) for steps in self._steps_chunks()]
         results = self._run(
             [(self._diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
@@ -565,14 +609,14 @@ class PathKernelEngine:
         return diag
 
     def _diag_block(self, A, mask, steps):
-        diag = torch.zeros(A.shape[0], dtype=A.dtype)
-        train, test = (torch.as_tensor(np.flatnonzero(m)) for m in (mask, ~mask))
+        diag = torch.zeros(A.shape[0], dtype=A.dtype, device=A.device)
+        train, test = (self._as_device_tensor(np.flatnonzero(m)) for m in (mask, ~mask))
         for step in range(steps.start, steps.stop):
             if train.numel():
-                factors = self.probe.factors(self.path.weights[step], A[train])[1]
+                factors = self.probe.factors(self._at(step), A[train])[1]
                 diag[train] += _sum_layers(self.probe, factors, factors, "diag")
             if test.numel():
-                part = torch.zeros(test.numel(), dtype=A.dtype)
+                part = torch.zeros(test.numel(), dtype=A.dtype, device=A.device)
                 # Same rule as the test x test Gram: products of two gradients
                 # need more nodes.
                 features = self._test_features(
@@ -583,4 +627,4 @@ class PathKernelEngine:
                         0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
                     )
                 diag[test] += part
-        return diag.numpy()
+        return diag.cpu().numpy()

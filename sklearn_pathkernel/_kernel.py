@@ -274,9 +274,11 @@ class ExactPathKernel(Kernel):
         return np.fromiter((row.tobytes() in train_rows for row in X), bool, X.shape[0])
 
     def _tensor(self, X):
-        # A copy shaped like the training inputs (a fresh tensor: user memory never shared).
-        shape = tuple(self.engine.X_train.shape[1:])
-        return torch.tensor(X, dtype=torch.float64).reshape((X.shape[0],) + shape)
+        # A copy shaped like the training inputs (a fresh tensor: user memory never
+        # shared), on the engine's device; results come back as numpy arrays.
+        X_train = self.engine.X_train
+        tensor = torch.tensor(X, dtype=torch.float64, device=X_train.device)
+        return tensor.reshape((X.shape[0],) + tuple(X_train.shape[1:]))
 
     def _gram(self, X, Y):
         engine = self.engine

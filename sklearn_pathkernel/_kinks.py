@@ -140,7 +140,7 @@ class SwitchState:
 
     def same_piece(self, other):
         """Boolean per row: are both states on the same linear piece?"""
-        same = torch.ones(self.t.shape[0], dtype=torch.bool)
+        same = torch.ones(self.t.shape[0], dtype=torch.bool, device=self.t.device)
         for a, b in zip(self.switches, other.switches, strict=True):
             same &= ((a > 0) == (b > 0)).all(1)
         for (_, ia), (_, ib) in zip(self.pools, other.pools, strict=True):
@@ -158,7 +158,11 @@ class _Switches:
         recorder = SwitchRecorder()
         with torch.no_grad(), recorder:
             self.probe._forward(start, X, direction, t)
-        t_rows = t if isinstance(t, torch.Tensor) else torch.full((X.shape[0],), float(t or 0.0))
+        t_rows = (
+            t
+            if isinstance(t, torch.Tensor)
+            else torch.full((X.shape[0],), float(t or 0.0), dtype=torch.float64, device=X.device)
+        )
         return SwitchState(t_rows.to(torch.float64), recorder.switches, recorder.pools)
 
     cat = staticmethod(SwitchState.cat)
@@ -167,7 +171,7 @@ class _Switches:
 def switch_state(probe, start, direction, X, t):
     """Switch states of the rows of ``X`` at ``start + t direction`` (t per row or scalar)."""
     if not isinstance(t, torch.Tensor):
-        t = torch.full((X.shape[0],), float(t), dtype=torch.float64)
+        t = torch.full((X.shape[0],), float(t), dtype=torch.float64, device=X.device)
     return probe.per_row(_Switches(probe), start, X, direction, t)
 
 

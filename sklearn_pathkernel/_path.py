@@ -171,7 +171,7 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
         in the free disk space (otherwise); the message names S, W, the bytes
         and the ways out.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
     nbytes = int(n_rows) * int(n_weights) * itemsize
     sizes = (
         f"The weight path of {n_rows - 1} steps x {n_weights} weights "
@@ -187,7 +187,8 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
                 "enough free space), or lower max_iter (steps = max_iter x batches "
                 "per epoch), use larger batches or a smaller network."
             )
-        return torch.empty((n_rows, n_weights), dtype=dtype), "memory"
+        # On the host whatever the training device (or torch's default device).
+        return torch.empty((n_rows, n_weights), dtype=dtype, device="cpu"), "memory"
 
     free = shutil.disk_usage(directory).free
     if nbytes > free:
@@ -202,7 +203,7 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
     try:
         array = np.memmap(
             filename,
-            dtype=torch.empty((), dtype=dtype).numpy().dtype,
+            dtype=torch.empty((), dtype=dtype, device="cpu").numpy().dtype,
             mode="w+",
             shape=(n_rows, n_weights),
         )

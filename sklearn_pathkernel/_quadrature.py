@@ -83,7 +83,7 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     breakpoints too (harmless: a finer partition of a smooth piece).
     """
     rows = np.asarray(rows)
-    X_rows = X[torch.as_tensor(rows)]
+    X_rows = X[torch.as_tensor(rows, device=X.device)]
     kinks = [list(grid[1:-1]) for _ in rows]
 
     def evaluate(subset, t):

@@ -91,6 +91,8 @@ def train_module(
         Maps ``X`` of shape (n_samples, ...) to logits (n_samples, n_classes).
         It is run in eval mode (no dropout, frozen normalisation statistics) so
         that training and prediction evaluate one and the same function.
+        Training runs on the device of ``X``, where the module, ``y`` and
+        ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)
     y : torch.Tensor of shape (n_samples,), int64 class codes.
     sample_weight : torch.Tensor of shape (n_samples,), default=None
@@ -114,6 +116,8 @@ def train_module(
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
         live: RAM, or a memory-mapped file (see
         :func:`~sklearn_pathkernel._path.allocate_weights`). The values are the same.
+        The path is on the host whatever the device: each step's weights and
+        coefficients are copied from the device after the step.
 
     Returns
     -------
@@ -130,7 +134,7 @@ def train_module(
     rng = check_random_state(random_state)
     n_samples = X.shape[0]
     if sample_weight is None:
-        sample_weight = torch.ones(n_samples, dtype=X.dtype)
+        sample_weight = torch.ones(n_samples, dtype=X.dtype, device=X.device)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = _make_optimizer(params, solver, learning_rate_at(learning_rate, 0), momentum)
     module.eval()
@@ -145,7 +149,7 @@ def train_module(
         weights, storage = allocate_weights(
             max_iter * n_batches + 1, flat0.numel(), path_storage, dtype=flat0.dtype
         )
-        weights[0] = flat0
+        weights[0] = flat0.to(weights.device)
         path = WeightPath(weights, [], [], None, names, shapes, storage)
 
     loss_curve, learning_rates = [], []
@@ -157,7 +161,7 @@ def train_module(
             lr = learning_rate_at(learning_rate, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            index = torch.as_tensor(batch)
+            index = torch.as_tensor(batch, device=X.device)
             batch_weight = sample_weight[index].sum()
             # A batch whose points all weigh 0 has zero loss: a step that moves nothing.
             share = (
@@ -181,7 +185,8 @@ def train_module(
 
             if record:
                 with torch.no_grad():
-                    weights[step + 1] = torch.nn.utils.parameters_to_vector(module.parameters())
+                    flat = torch.nn.utils.parameters_to_vector(module.parameters())
+                    weights[step + 1] = flat.to(weights.device)  # the path stays on the host
                 finite = bool(torch.isfinite(weights[step + 1]).all())
             else:  # no path to look at (adam, momentum): check the parameters themselves
                 finite = all(bool(torch.isfinite(p).all()) for p in params)
@@ -192,7 +197,7 @@ def train_module(
                 )
             if record:
                 path.batches.append(batch)
-                path.coefficients.append((lr * share).detach().clone())
+                path.coefficients.append((lr * share).detach().to("cpu", copy=True))
                 learning_rates.append(lr)
             epoch_loss += loss.item() * float(sample_weight[index].sum())
             step += 1
