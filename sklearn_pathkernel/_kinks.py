@@ -81,14 +81,22 @@ def _bounds(name, args, kwargs):
 
 
 class SwitchState:
-    """Switching values of a batch of rows, row ``i`` at its own point ``t[i]``."""
+    """Switching values of a batch of rows, row ``i`` at its own point ``t[i]``.
 
-    def __init__(self, t, switches, pools):
+    ``outputs``, when recorded, is ``(log_proba, scale)`` of the same forward pass
+    (``scale``: each row's largest absolute logit), which the certificate reuses.
+    """
+
+    def __init__(self, t, switches, pools, outputs=None):
         self.t, self.switches, self.pools = t, switches, pools
+        self.outputs = outputs
 
     def _map(self, fn):
         return SwitchState(
-            fn(self.t), [fn(s) for s in self.switches], [(fn(a), fn(i)) for a, i in self.pools]
+            fn(self.t),
+            [fn(s) for s in self.switches],
+            [(fn(a), fn(i)) for a, i in self.pools],
+            None if self.outputs is None else tuple(fn(v) for v in self.outputs),
         )
 
     def take(self, rows):
@@ -97,6 +105,9 @@ class SwitchState:
     @staticmethod
     def cat(parts):
         first = parts[0]
+        outputs = None
+        if all(p.outputs is not None for p in parts):
+            outputs = tuple(torch.cat([p.outputs[c] for p in parts]) for c in (0, 1))
         return SwitchState(
             torch.cat([p.t for p in parts]),
             [torch.cat([p.switches[j] for p in parts]) for j in range(len(first.switches))],
@@ -104,6 +115,7 @@ class SwitchState:
                 tuple(torch.cat([p.pools[j][c] for p in parts]) for c in (0, 1))
                 for j in range(len(first.pools))
             ],
+            outputs,
         )
 
     def where(self, mask, other):
@@ -157,13 +169,15 @@ class _Switches:
     def __call__(self, start, X, direction, t, rows=None):
         recorder = SwitchRecorder()
         with torch.no_grad(), recorder:
-            self.probe._forward(start, X, direction, t)
+            logits = self.probe._forward(start, X, direction, t, logits=True)
+        with torch.no_grad():
+            outputs = (F.log_softmax(logits, dim=1), logits.abs().amax(1))
         t_rows = (
             t
             if isinstance(t, torch.Tensor)
             else torch.full((X.shape[0],), float(t or 0.0), dtype=torch.float64, device=X.device)
         )
-        return SwitchState(t_rows.to(torch.float64), recorder.switches, recorder.pools)
+        return SwitchState(t_rows.to(torch.float64), recorder.switches, recorder.pools, outputs)
 
     cat = staticmethod(SwitchState.cat)
 

@@ -95,7 +95,10 @@ class WeightPath:
 
     def unflatten(self, flat):
         """Split a flat weight vector into a ``{name: tensor}`` parameter dict (views)."""
-        sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.param_shapes]
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:  # called for every evaluation: computed once
+            sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.param_shapes]
+            self.__dict__["_sizes"] = sizes
         return {
             name: chunk.view(shape)
             for name, shape, chunk in zip(

@@ -74,7 +74,7 @@ def same_nodes(rows, nodes, weights):
     )
 
 
-def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
+def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     """Kinks of each row in ``rows`` along ``w(t) = start + t * direction``.
 
     The pieces are first compared at the points of ``grid``; kinks are located
@@ -90,6 +90,8 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
         return switch_state(probe, start, direction, X_rows[subset], t)
 
     states = [switch_state(probe, start, direction, X_rows, t) for t in grid]
+    if ends is not None:  # the rows' (log_proba, scale) at both ends of the step
+        ends.extend([states[0].outputs, states[-1].outputs])
     for left, right in zip(states[:-1], states[1:], strict=True):
         linear = _linear_switches(evaluate, left, right, kinks)
 
@@ -140,13 +142,17 @@ def _without(state, masks):
     )
 
 
-def exact_nodes(probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0), kinks=None):
+def exact_nodes(
+    probe, start, direction, X, n_nodes, *, rows=None, grid=(0.0, 1.0), kinks=None, ends=None
+):
     """Per-row nodes of the kink-splitting Gauss-Legendre rule.
 
-    ``kinks`` (a list, optional) receives each row's breakpoints.
+    ``kinks`` (a list, optional) receives each row's breakpoints; ``ends`` (a list,
+    optional) the rows' ``(log_proba, scale)`` at ``t = 0`` and ``t = 1``, recorded
+    by the kink search's own forward passes.
     """
     rows = np.arange(X.shape[0]) if rows is None else np.asarray(rows)
-    found = row_kinks(probe, start, direction, X, rows, tuple(grid))
+    found = row_kinks(probe, start, direction, X, rows, tuple(grid), ends=ends)
     if kinks is not None:
         kinks.extend(found)
     kinks = found
