@@ -70,7 +70,7 @@ panels = [
 ]
 cmap = ListedColormap(["#9ecae1", "#fdae6b", "#a1d99b"])
 point_colors = np.array(["tab:blue", "tab:orange", "tab:green"])
-fig, axes = plt.subplots(1, 3, figsize=(13, 4.3), sharey=True)
+fig, axes = plt.subplots(1, 3, figsize=(13, 4.8), sharey=True, layout="constrained")
 for ax, (title, labels) in zip(axes, panels, strict=True):
     ax.pcolormesh(xx, yy, labels.reshape(xx.shape), cmap=cmap, vmin=0, vmax=2, shading="nearest")
     ax.scatter(X[:, 0], X[:, 1], c=point_colors[y], s=14, edgecolors="k", linewidths=0.4)
@@ -81,7 +81,6 @@ for ax, (title, labels) in zip(axes, panels, strict=True):
         ax.legend(loc="lower right", fontsize=8)
     ax.set(title=title, xlabel="$x_1$", aspect="equal")
 axes[0].set_ylabel("$x_2$")
-fig.tight_layout()
 if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
     fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")
 plt.show()
