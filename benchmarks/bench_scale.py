@@ -298,6 +298,7 @@ def plot(configs, settings, out):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plots.")
         return []
@@ -313,23 +314,33 @@ def plot(configs, settings, out):
         if not chosen:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for arch in sorted({c["arch"] for c in chosen}):
-            subset = [c for c in chosen if c["arch"] == arch]
+
+        # One colour per architecture, one line style per phase; the W sweep's
+        # networks (mlp-32, mlp-128, ...) are one family.
+        def family(c, name=name):
+            return "one-hidden-layer MLP" if name == "W" else c["arch"]
+
+        for index, arch in enumerate(sorted({family(c) for c in chosen})):
+            subset = [c for c in chosen if family(c) == arch]
+            color = f"C{index}"
             for phase, style in zip(PHASES, ("-", "--", "-.", ":"), strict=True):
                 for key, ax in (("time", axes[0]), ("memory", axes[1])):
                     points = sorted((select(c), v) for c, v in _values(subset, phase, key, "fast"))
                     if points:
                         xs, ys = zip(*points, strict=True)
-                        ax.plot(xs, ys, style, marker="o", label=f"{arch} {phase}")
+                        ax.plot(xs, ys, style, marker="o", color=color, label=f"{arch} {phase}")
                     naive = sorted((select(c), v) for c, v in _values(subset, phase, key, "naive"))
                     if naive:
                         xs, ys = zip(*naive, strict=True)
                         ax.plot(
                             xs, ys, style, marker="x", color="grey", label=f"{arch} {phase} (naive)"
                         )
+        ticks = sorted({select(c) for c in chosen})
         for ax, ylabel in zip(axes, ("wall time (s)", "peak RSS (MiB)"), strict=True):
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.set_xticks(ticks, [str(tick) for tick in ticks])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
