@@ -91,6 +91,22 @@ def test_default_estimator(data):
     assert transformer.estimator is None
 
 
+def test_random_state_seeds_the_default_estimator(data):
+    X, y, _ = data
+    first = PathKernelTransformer(random_state=0).fit_transform(X[:12], y[:12])
+    second = PathKernelTransformer(random_state=0).fit_transform(X[:12], y[:12])
+    np.testing.assert_array_equal(first, second)
+    transformer = PathKernelTransformer(random_state=0).fit(X[:12], y[:12])
+    assert transformer.estimator_.random_state == 0
+    other = PathKernelTransformer(random_state=1).fit_transform(X[:12], y[:12])
+    assert not np.array_equal(first, other)
+    # A given estimator keeps its own random_state.
+    net = ExactPathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=5)
+    assert (
+        PathKernelTransformer(net, random_state=0).fit(X[:12], y[:12]).estimator_.random_state == 5
+    )
+
+
 def test_feature_names_out_name_the_training_rows(fitted):
     transformer, _ = fitted
     names = transformer.get_feature_names_out()
