@@ -39,8 +39,8 @@ from ._quadrature import (
 # this (absolute, in log-probability) is re-integrated on a finer detection grid.
 CERTIFICATE_TOL = 1e-11
 # ... unless rounding alone explains the miss: f(w_{s+1}) - f(w_s) is known only to
-# about eps * |f|, so with large log-probabilities (a saturated softmax on unscaled
-# inputs: |f| ~ 1e3) no quadrature can get below this many eps times |f|.
+# about eps * |logits|, so with large logits (a saturated softmax on unscaled inputs:
+# |logits| ~ 1e3) no quadrature can get below this many eps times the largest logit.
 ROUNDING_ULPS = 64
 # The test x test integrand is a product of two gradients (twice the polynomial
 # degree of one) and carries no certificate: it gets three times the nodes.
@@ -212,8 +212,8 @@ class PathKernelEngine:
         """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``.
 
         Returns the errors and, per row, the tolerance they are held to:
-        ``CERTIFICATE_TOL``, or the rounding floor of ``f`` where that is larger.
-        ``ends``, ``[(f_start, scale_start), (f_end, scale_end)]`` of ``X`` from the
+        ``CERTIFICATE_TOL``, or the rounding floor of the logits where that is
+        larger. ``ends``, ``[(f_start, scale_start), (f_end, scale_end)]`` of ``X`` from the
         kink search's passes at ``t = 0`` and ``t = 1``, saves two forward passes.
         """
         start, direction = self._step(step)

@@ -155,13 +155,12 @@ def exact_nodes(
     found = row_kinks(probe, start, direction, X, rows, tuple(grid), ends=ends)
     if kinks is not None:
         kinks.extend(found)
-    kinks = found
     parts = [
         same_nodes([row], *piecewise_gauss(k, n_nodes))
-        for row, k in zip(rows, kinks, strict=True)
+        for row, k in zip(rows, found, strict=True)
         if k.size
     ]
-    smooth = [row for row, k in zip(rows, kinks, strict=True) if not k.size]
+    smooth = [row for row, k in zip(rows, found, strict=True) if not k.size]
     if smooth:
         parts.append(same_nodes(smooth, *gauss_legendre(n_nodes)))
     return Nodes.cat(parts) if parts else Nodes(np.zeros(0, int), np.zeros(0), np.zeros(0))
