@@ -52,6 +52,7 @@ import math
 
 import torch
 
+from ._contract import contract as _contract
 from ._distance import COSINE_EPS, DistanceLayer
 
 # Kernels with a factored rule ("laplacian" keeps the generic torch.func rule:
@@ -150,18 +151,6 @@ def _pair_sq_distances(x, y, centre):
     if near[0].numel():
         d2[near] = _squared_norm(x[near[0]] - y[near[1]])
     return d2
-
-
-def _contract(left, right, mode):
-    """``sum_j left[i, k, j] right[l, k', j]``: (n, m), (n, m, K, K') or (n,) by ``mode``."""
-    if mode == "trace":
-        return left.reshape(left.shape[0], -1) @ right.reshape(right.shape[0], -1).T
-    if mode == "pairs":
-        n, k1, width = left.shape
-        m, k2 = right.shape[:2]
-        out = left.reshape(n * k1, width) @ right.reshape(m * k2, width).T
-        return out.view(n, k1, m, k2).permute(0, 2, 1, 3)
-    return (left * right).sum(dim=(1, 2))
 
 
 def _weighted(matrix, left, right, mode):

@@ -23,14 +23,15 @@ from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
 from ._device import loadable_device, on_host
+from ._features import StepFeatures
 from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
 from ._quadrature import (
     Nodes,
     exact_nodes,
     fixed_rule,
-    gauss_legendre,
-    piece_edges,
+    gauss_on_pieces,
+    pieces,
     same_nodes,
     shared_exact_nodes,
 )
@@ -60,10 +61,6 @@ def _as_mask(flag, n):
     return mask.copy()
 
 
-def _scale_rows(weights, values):
-    return weights.view(-1, *([1] * (values.ndim - 1))) * values
-
-
 def _swap(block, mode):
     """The transposed block: (n, m) -> (m, n), (n, m, K, K') -> (m, n, K', K)."""
     axes = (1, 0) if mode == "trace" else (1, 0, 3, 2)
@@ -76,6 +73,18 @@ def _rounding_floor(*scales):
     ``scales`` are the rows' largest absolute logits at the points compared.
     """
     return ROUNDING_ULPS * torch.finfo(scales[0].dtype).eps * sum(scales)
+
+
+def _without_rows(evaluated, rows):
+    """The evaluated node chunks without the nodes of ``rows``."""
+    kept = []
+    for node_rows, weights, factors in evaluated:
+        keep = ~torch.isin(node_rows, rows)
+        if keep.all():
+            kept.append((node_rows, weights, factors))
+        elif keep.any():
+            kept.append((node_rows[keep], weights[keep], [f.take(keep) for f in factors]))
+    return kept
 
 
 def _sum_layers(probe, left, right, mode):
@@ -148,6 +157,7 @@ class PathKernelEngine:
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_thread_probes", None)
+        state.pop("_thread_steps", None)
         if self.device.type != "cpu":
             # Host tensors only: the pickle loads on a machine without the device.
             state["module"] = on_host(self.module)
@@ -169,9 +179,18 @@ class PathKernelEngine:
         return self.path.weights[index].to(self.device)
 
     def _step(self, step):
-        """``w_s`` and ``w_{s+1} - w_s`` of ``step``, on the device."""
-        start = self._at(step)
-        return start, self._at(step + 1) - start
+        """``w_s`` and ``w_{s+1} - w_s`` of ``step``, on the device.
+
+        Remembered per thread for the last step asked: a step is evaluated many
+        times in a row (kinks, nodes, certificate), and the same tensors let the
+        probe reuse their unflattened parameters.
+        """
+        cache = self.__dict__.setdefault("_thread_steps", {})
+        ident = threading.get_ident()
+        if ident not in cache or cache[ident][0] != step:
+            start = self._at(step)
+            cache[ident] = (step, start, self._at(step + 1) - start)
+        return cache[ident][1:]
 
     def _as_device_tensor(self, array):
         """A numpy array (row indices, nodes, weights) as a tensor on the device."""
@@ -208,7 +227,7 @@ class PathKernelEngine:
             evaluated.append((rows, self._as_device_tensor(part.weights), factors))
         return evaluated
 
-    def _certify(self, step, X, evaluated, ends=None):
+    def _certify(self, step, X, features, ends=None):
         """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``.
 
         Returns the errors and, per row, the tolerance they are held to:
@@ -217,68 +236,58 @@ class PathKernelEngine:
         kink search's passes at ``t = 0`` and ``t = 1``, saves two forward passes.
         """
         start, direction = self._step(step)
-        step_params = self.path.unflatten(direction)
         if ends:
             (f_start, scale_start), (f_end, scale_end) = ends
         else:
             f_start, scale_start = self.probe.log_proba(start, X, with_scale=True)
             f_end, scale_end = self.probe.log_proba(self._at(step + 1), X, with_scale=True)
-        error = f_end - f_start
-        for rows, weights, factors in evaluated:
-            slope = sum(
-                rule.directional(f, step_params)
-                for rule, f in zip(self.probe.rules, factors, strict=True)
-            )
-            error.index_add_(0, rows, -weights[:, None] * slope)
+        error = f_end - f_start - features.directional(self.probe.params(direction))
         tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
         return error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy()
 
     def _test_features(self, step, X, residual=None, n_nodes=None):
-        """The test-copy features of ``step`` for every row of ``X``.
+        """The test-copy features ``phi_s`` of ``step`` for every row of ``X``.
 
-        Returns a list of ``(rows, weights, factors)``: row ``r``'s ``phi_s`` is
-        the sum over entries with ``rows == r`` of ``weights * g(factors)``. The
-        certificate is checked from the same factors and added to ``residual``;
-        with ``"exact"``, rows above ``CERTIFICATE_TOL`` (kinks that cancel between
-        detection points) are integrated again on a finer detection grid.
+        Returns a :class:`StepFeatures`. The certificate is checked from the same
+        factors and added to ``residual``; with ``"exact"``, rows above
+        ``CERTIFICATE_TOL`` (kinks that cancel between detection points) are
+        integrated again on a finer detection grid, then by bisection.
         """
         start, direction = self._step(step)
         n_nodes = n_nodes or self.n_nodes
-        all_rows = np.arange(X.shape[0])
+        n_rows = X.shape[0]
         if self.quadrature != "exact":
-            nodes = same_nodes(all_rows, *fixed_rule(self.quadrature, self.n_points))
-            evaluated = self._evaluate_nodes(step, X, nodes)
+            nodes = same_nodes(np.arange(n_rows), *fixed_rule(self.quadrature, self.n_points))
+            features = StepFeatures(self.probe.rules, self._evaluate_nodes(step, X, nodes), n_rows)
             if residual is not None:
-                residual += self._certify(step, X, evaluated)[0]
-            return evaluated
-        kinks, ends = [], []
+                residual += self._certify(step, X, features)[0]
+            return features
+        kinks, ends = [], []  # kinks: one array per row
         nodes = exact_nodes(self.probe, start, direction, X, n_nodes, kinks=kinks, ends=ends)
-        kinks = dict(zip(all_rows, kinks, strict=True))
         evaluated = self._evaluate_nodes(step, X, nodes)
-        errors, tolerance = self._certify(step, X, evaluated, ends)
-        for grid in REFINEMENT_GRIDS:
+        features = StepFeatures(self.probe.rules, evaluated, n_rows)
+        errors, tolerance = self._certify(step, X, features, ends)
+        for grid in (*REFINEMENT_GRIDS, None):  # None: bisection, the last resort
             failed = np.flatnonzero(errors > tolerance)
             if failed.size == 0:
                 break
-            keep = ~np.isin(nodes.rows, failed)
-            found = []
-            refined = exact_nodes(
-                self.probe, start, direction, X, n_nodes, rows=failed, grid=grid, kinks=found
-            )
-            kinks.update(zip(failed, found, strict=True))
-            nodes = type(nodes).cat([nodes.take(keep), refined])
-            evaluated = self._evaluate_nodes(step, X, nodes)
-            errors, tolerance = self._certify(step, X, evaluated, ends)
-        failed = np.flatnonzero(errors > tolerance)
-        if failed.size:
-            keep = ~np.isin(nodes.rows, failed)
-            refined = self._bisected_nodes(step, X, failed, [kinks[r] for r in failed], n_nodes)
-            nodes = type(nodes).cat([nodes.take(keep), refined])
-            evaluated = self._evaluate_nodes(step, X, nodes)
-            errors, _ = self._certify(step, X, evaluated, ends)
+            if grid is None:
+                refined = self._bisected_nodes(step, X, failed, [kinks[r] for r in failed], n_nodes)
+            else:
+                found = []
+                refined = exact_nodes(
+                    self.probe, start, direction, X, n_nodes, rows=failed, grid=grid, kinks=found
+                )
+                for row, row_kinks in zip(failed, found, strict=True):
+                    kinks[row] = row_kinks
+            # Only the failed rows are evaluated again.
+            kept = _without_rows(evaluated, self._as_device_tensor(failed))
+            evaluated = kept + self._evaluate_nodes(step, X, refined)
+            features = StepFeatures(self.probe.rules, evaluated, n_rows)
+            errors, tolerance = self._certify(step, X, features, ends)
         if residual is not None:
             residual += errors
-        return evaluated
+        return features
 
     def _bisected_nodes(self, step, X, rows, kinks, n_nodes):
         """Adaptive nodes: halve every piece whose own certificate fails.
@@ -293,31 +302,20 @@ class PathKernelEngine:
         (so a row that rounding keeps from passing cannot split without end).
         """
         start, direction = self._step(step)
-        step_params = self.path.unflatten(direction)
-        base_nodes, base_weights = gauss_legendre(n_nodes)
+        step_params = self.probe.params(direction)
         tolerance = CERTIFICATE_TOL / 64
-        edges = [piece_edges(row_kinks) for row_kinks in kinks]
-        pending = (
-            np.concatenate([np.full(e.size - 1, row) for row, e in zip(rows, edges, strict=True)]),
-            np.concatenate([e[:-1] for e in edges]),
-            np.concatenate([e[1:] for e in edges]),
-        )
+        pending = pieces(rows, kinks)
         done = []
         for depth in range(MAX_BISECTIONS + 1):
             piece_rows, a, b = pending
             if piece_rows.size == 0:
                 break
-            width = (b - a)[:, None]
-            nodes = Nodes(
-                np.repeat(piece_rows, n_nodes),
-                (a[:, None] + width * base_nodes).ravel(),
-                (width * base_weights).ravel(),
-            )
+            nodes = gauss_on_pieces(piece_rows, a, b, n_nodes)
             if depth == MAX_BISECTIONS:
                 done.append(nodes)
                 break
             estimate = torch.zeros(piece_rows.size, self.n_outputs, dtype=X.dtype, device=X.device)
-            pieces = self._as_device_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
+            piece_of_node = self._as_device_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
             for begin in range(0, nodes.rows.size, max(1, self.tile_size)):
                 part = slice(begin, begin + self.tile_size)
                 factors = self.probe.factors(
@@ -331,14 +329,17 @@ class PathKernelEngine:
                     for rule, f in zip(self.probe.rules, factors, strict=True)
                 )
                 weights = self._as_device_tensor(nodes.weights[part])[:, None]
-                estimate.index_add_(0, pieces[part], weights * slope)
-            X_rows = X[self._as_device_tensor(piece_rows)]
-            f_a, scale_a = self.probe.log_proba(
-                start, X_rows, direction, self._as_device_tensor(a), with_scale=True
+                estimate.index_add_(0, piece_of_node[part], weights * slope)
+            # f at both ends of every piece, in one pass
+            X_rows = X[self._as_device_tensor(np.concatenate([piece_rows, piece_rows]))]
+            f_ab, scale_ab = self.probe.log_proba(
+                start,
+                X_rows,
+                direction,
+                self._as_device_tensor(np.concatenate([a, b])),
+                with_scale=True,
             )
-            f_b, scale_b = self.probe.log_proba(
-                start, X_rows, direction, self._as_device_tensor(b), with_scale=True
-            )
+            (f_a, f_b), (scale_a, scale_b) = f_ab.chunk(2), scale_ab.chunk(2)
             floor = torch.clamp(_rounding_floor(scale_a, scale_b), min=tolerance)
             ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).cpu().numpy()
             # Rows that would split into more pieces than the cap keep the ones they have.
@@ -436,9 +437,9 @@ class PathKernelEngine:
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
-            for rows, weights, test in self._test_features(step, X, residual):
-                pairs = _sum_layers(self.probe, test, train, "pairs")[..., 0]
-                step_block.index_add_(0, rows, weights[:, None, None] * pairs)
+            features = self._test_features(step, X, residual)
+            # (n, batch, K, 1): the training rows keep their label's output only
+            features.add_inner(train, "pairs", step_block.unsqueeze(-1))
             step_block *= coefficients[None, :, None]
             if batch.numel() == self.n_train and torch.equal(
                 batch, torch.arange(self.n_train, device=batch.device)
@@ -554,8 +555,8 @@ class PathKernelEngine:
             start = self._at(step)
             if kind == "discrete":
                 left = probe.factors(start, P)[1]
-            elif kind == "mixed":
-                features = self._test_features(step, P)  # once per step, for all of Q
+            elif kind == "mixed":  # once per step, for all of Q
+                features = self._test_features(step, P)
             for tile in q_tiles:
                 if kind == "test":
                     block[:, tile] += self._test_test(step, P, Q[tile], mode)
@@ -564,9 +565,7 @@ class PathKernelEngine:
                 if kind == "discrete":
                     block[:, tile] += _sum_layers(probe, left, right, mode)
                     continue
-                for rows, weights, test in features:
-                    values = _sum_layers(probe, test, right, mode)
-                    block[:, tile].index_add_(0, rows, _scale_rows(weights, values))
+                features.add_inner(right, mode, block[:, tile])
         return block.cpu().numpy()
 
     def _test_test(self, step, A, B, mode):
@@ -627,7 +626,7 @@ class PathKernelEngine:
                 features = self._test_features(
                     step, A[test], n_nodes=TEST_TEST_NODES * self.n_nodes
                 )
-                for rows, weights, factors in features:
+                for rows, weights, factors in features.nodes:
                     part.index_add_(
                         0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
                     )

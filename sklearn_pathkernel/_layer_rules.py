@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from ._contract import contract as _contract
 from ._distance_rule import make_distance_rule
 
 
@@ -44,22 +45,22 @@ class Factors:
         )
 
 
+def row_sums(rows, weights, values, n_rows):
+    """``out[r] = sum of weights[e] * values[e] over the e with rows[e] == r``."""
+    scaled = weights.view(-1, *([1] * (values.ndim - 1))) * values
+    return values.new_zeros((n_rows, *values.shape[1:])).index_add_(0, rows, scaled)
+
+
+def first_of_rows(rows, n_rows):
+    """Per row, the position of its first entry in ``rows`` (rows without entries:
+    the last position, so that indexing stays valid)."""
+    positions = torch.arange(rows.numel(), device=rows.device)
+    first = torch.full((n_rows,), rows.numel() - 1, dtype=positions.dtype, device=rows.device)
+    return first.scatter_reduce_(0, rows, positions, "amin")
+
+
 def _flat_direction(direction, names):
     return torch.cat([direction[name].reshape(-1) for name in names if name is not None])
-
-
-def _contract(left, right, mode):
-    """Inner products over the last axis of (n, K1, W) and (m, K2, W) tensors.
-
-    ``mode="trace"`` sums matching outputs (K1 == K2) -> (n, m); ``"pairs"`` keeps
-    every output pair -> (n, m, K1, K2); ``"diag"`` pairs row i with row i of the
-    same batch and sums outputs -> (n,).
-    """
-    if mode == "trace":
-        return left.reshape(left.shape[0], -1) @ right.reshape(right.shape[0], -1).T
-    if mode == "pairs":
-        return torch.einsum("nkw,mjw->nmkj", left, right)
-    return (left * right).sum(dim=(1, 2))
 
 
 class LinearRule:
@@ -85,16 +86,46 @@ class LinearRule:
         if a.ndim == 2:
             return Factors(inputs=a, deltas=delta)
         # Applied along extra axes (sequence, pixels): sum the outer products.
+        return Factors(grads=self._gradients(a, delta))
+
+    def _gradients(self, a, delta):
+        """Materialised per-example gradients (n, K, W_layer), weight then bias,
+        summed over any axes between the batch and the features."""
         parts = []
         if self.weight_name is not None:
             parts.append(torch.einsum("nk...o,n...i->nkoi", delta, a).flatten(2))
         if self.bias_name is not None:
-            parts.append(delta.flatten(2, -2).sum(2))
-        return Factors(grads=torch.cat(parts, dim=2))
+            parts.append(delta.reshape(*delta.shape[:2], -1, delta.shape[-1]).sum(2))
+        return torch.cat(parts, dim=2)
+
+    def _materialised(self, factors):
+        if factors.grads is not None:
+            return factors.grads
+        return self._gradients(factors.inputs, factors.deltas)
+
+    def integrate(self, rows, weights, factors, n_rows):
+        """Factors of each row's weighted sum of gradients over its nodes, or None.
+
+        Node ``e`` belongs to row ``rows[e]`` with weight ``weights[e]``. The sum
+        keeps the factored form when the layer's input is the same at all of a
+        row's nodes (a first layer: its input is ``x``): only the deltas are
+        summed. Otherwise it is materialised when one row's gradient is smaller
+        than its nodes' factors, and None (keep the nodes) when it is not.
+        """
+        if factors.grads is not None:
+            return Factors(grads=row_sums(rows, weights, factors.grads, n_rows))
+        a, deltas = factors.inputs, factors.deltas
+        first = first_of_rows(rows, n_rows)
+        if torch.equal(a[first[rows]], a):
+            return Factors(inputs=a[first], deltas=row_sums(rows, weights, deltas, n_rows))
+        n_outputs, d_out, d_in = deltas.shape[1], deltas.shape[2], a.shape[1] + 1
+        if n_outputs * d_out * d_in <= rows.numel() / n_rows * (d_in + n_outputs * d_out):
+            return Factors(grads=row_sums(rows, weights, self._materialised(factors), n_rows))
+        return None
 
     def inner(self, left, right, mode):
-        if left.grads is not None:
-            return _contract(left.grads, right.grads, mode)
+        if left.grads is not None or right.grads is not None:
+            return _contract(self._materialised(left), self._materialised(right), mode)
         if mode == "diag":
             input_gram = (left.inputs * right.inputs).sum(1)
         else:
@@ -178,6 +209,13 @@ class Conv2dRule:
         if self.factored_is_cheaper(delta.shape[-1], columns.shape[1], delta.shape[2]):
             return Factors(inputs=columns, deltas=delta)
         return Factors(grads=_conv_grads(columns, delta))
+
+    def integrate(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of materialised gradients over its nodes (None
+        for the factored form: its columns change from node to node)."""
+        if factors.grads is None:
+            return None
+        return Factors(grads=row_sums(rows, weights, factors.grads, n_rows))
 
     def inner(self, left, right, mode):
         if left.grads is not None or right.grads is not None:
@@ -277,6 +315,10 @@ class GenericRule:
         per_pair = vmap(grad(output_dot), in_dims=(None, 0, 0))
         grads = per_pair(theta, pairs, delta.reshape(n * k, *delta.shape[2:]))
         return Factors(grads=torch.cat([grads[name].reshape(n, k, -1) for name in names], 2))
+
+    def integrate(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of gradients over its nodes."""
+        return Factors(grads=row_sums(rows, weights, factors.grads, n_rows))
 
     def inner(self, left, right, mode):
         return _contract(left.grads, right.grads, mode)

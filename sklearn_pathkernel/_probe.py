@@ -35,9 +35,26 @@ class NetworkProbe:
                 self.layers.append(submodule)
                 self.rules.append(rule)
         self._n_outputs = None
+        self._unflattened = []  # the last few (flat, version, params)
+        # functional_call unties tied weights on every call unless told there are none
+        self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
+            list(module.named_parameters())
+        )
         self.per_row_t = all(
             hasattr(rule, "moved_output") or hasattr(rule, "output_at") for rule in self.rules
         )
+
+    def params(self, flat):
+        """``path.unflatten(flat)``, remembered for the last few vectors: a step's
+        start and direction are unflattened at every evaluation."""
+        if flat.requires_grad:  # a new leaf for every backward pass: nothing to reuse
+            return self.path.unflatten(flat)
+        for cached, version, params in self._unflattened:
+            if cached is flat and version == flat._version:
+                return params
+        params = self.path.unflatten(flat)
+        self._unflattened = [(flat, flat._version, params), *self._unflattened[:3]]
+        return params
 
     def _forward(self, start, X, direction=None, t=None, hook=None, logits=False):
         """``log_softmax(module(X))`` with row ``i`` at weights ``start + t_i direction``.
@@ -53,8 +70,8 @@ class NetworkProbe:
         """
         if t is not None and not isinstance(t, torch.Tensor):
             start, t = start + t * direction, None
-        params = self.path.unflatten(start)
-        steps = None if t is None else self.path.unflatten(direction)
+        params = self.params(start)
+        steps = None if t is None else self.params(direction)
 
         def layer_hook(index):
             def run(layer, inputs, output):
@@ -78,7 +95,7 @@ class NetworkProbe:
                     layer.forward = _forward_at(rule, params, steps, t)
                     replaced.append(layer)
         try:
-            out = functional_call(self.module, params, (X,))
+            out = functional_call(self.module, params, (X,), tie_weights=self._tied)
             return out if logits else F.log_softmax(out, dim=1)
         finally:
             for handle in handles:
@@ -143,24 +160,14 @@ class NetworkProbe:
         # Rules of layers not linear in their weights (``output_at``) get the
         # step's start, its direction and t per row, also when all rows share one
         # t: every factor of a step then refers to the same weights.
-        base, base_direction = start.detach(), direction
+        base, base_direction = _no_grad(start), direction
         row_t = None
         if t is not None:
             row_t = torch.as_tensor(t, dtype=start.dtype, device=start.device).expand(X.shape[0])
         if t is not None and not torch.is_tensor(t):
             start, t = start + t * direction, None  # one point for all rows
-        n = X.shape[0]
-        if outputs is None:
-            # Every output of every row in one backward pass: stack K copies of
-            # the batch, copy k back-propagating output k.
-            n_outputs = self.n_outputs(start, X)
-            X = X.repeat(n_outputs, *([1] * (X.ndim - 1)))
-            if isinstance(t, torch.Tensor):
-                t = t.repeat(n_outputs)
-            chosen = torch.arange(n_outputs, device=X.device).repeat_interleave(n)
-        else:
-            chosen = outputs
-        start = start.detach().requires_grad_(True)  # puts the layer outputs in the graph
+        point = _no_grad(start)
+        start = point.detach().requires_grad_(True)  # puts the layer outputs in the graph
         captured = [None] * len(self.layers)
 
         def capture(index, inputs, output):
@@ -178,32 +185,44 @@ class NetworkProbe:
         with torch.enable_grad():
             log_proba = self._forward(start, X, direction, t, hook=capture)
         outs = [out for _, out in captured]
-        cotangent = F.one_hot(chosen, log_proba.shape[1]).to(log_proba.dtype)
-        grads = torch.autograd.grad(log_proba, outs, cotangent, allow_unused=True)
-        params = self.path.unflatten(start.detach())
+        if outputs is None:
+            # Every output of every row from one forward pass: a batched backward
+            # pass, cotangent k back-propagating output k.
+            n_outputs = log_proba.shape[1]
+            eye = torch.eye(n_outputs, dtype=log_proba.dtype, device=log_proba.device)
+            cotangent = eye[:, None, :].expand(n_outputs, *log_proba.shape)
+        else:
+            cotangent = F.one_hot(outputs, log_proba.shape[1]).to(log_proba.dtype)
+        grads = torch.autograd.grad(
+            log_proba, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
+        )
+        params = self.params(point)
         row_params = row_steps = None
         factors = []
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
-            delta = grad if grad is not None else torch.zeros_like(out)
-            if outputs is None:
-                delta = delta.view(-1, n, *delta.shape[1:]).transpose(0, 1)
-                inputs = tuple(x[:n] for x in inputs)
+            if outputs is None:  # (K, n, ...) -> (n, K, ...)
+                delta = out.new_zeros((n_outputs, *out.shape)) if grad is None else grad
+                delta = delta.transpose(0, 1)
             else:
-                delta = delta.unsqueeze(1)
+                delta = (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
             if hasattr(rule, "output_at"):
                 if row_params is None:
-                    row_params = self.path.unflatten(base)
-                    row_steps = None if row_t is None else self.path.unflatten(base_direction)
+                    row_params = self.params(base)
+                    row_steps = None if row_t is None else self.params(base_direction)
                 factors.append(rule.factors(inputs, delta, row_params, steps=row_steps, t=row_t))
             else:
                 factors.append(rule.factors(inputs, delta, params))
-        return log_proba[:n].detach(), factors
+        return log_proba.detach(), factors
 
     def n_outputs(self, flat, X):
         """Number of outputs K of the network (evaluated once)."""
         if self._n_outputs is None:
             self._n_outputs = self.log_proba(flat, X[:1]).shape[1]
         return self._n_outputs
+
+
+def _no_grad(tensor):
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _forward_at(rule, params, steps, t):

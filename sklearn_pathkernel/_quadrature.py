@@ -41,20 +41,42 @@ def gauss_legendre(n_nodes):
     return 0.5 * (nodes + 1.0), 0.5 * weights
 
 
-def piece_edges(breakpoints):
-    """The pieces of ``[0, 1]`` split at ``breakpoints``: sorted unique edges."""
-    return np.unique(np.concatenate([[0.0], np.asarray(breakpoints, float), [1.0]]))
-
-
 def piecewise_gauss(breakpoints, n_nodes):
     """Gauss-Legendre nodes on each piece of ``[0, 1]`` split at ``breakpoints``."""
-    edges = piece_edges(breakpoints)
+    nodes = piecewise_nodes(np.zeros(1, int), [np.asarray(breakpoints, float)], n_nodes)
+    return nodes.t, nodes.weights
+
+
+def pieces(rows, kinks):
+    """The pieces of ``[0, 1]`` that each row's kinks split it into.
+
+    ``kinks[i]`` are the breakpoints of ``rows[i]``. Returns ``(rows, a, b)``:
+    one entry per piece ``[a, b]`` of positive width, by row, then increasing.
+    """
+    rows = np.asarray(rows)
+    counts = np.fromiter((k.size for k in kinks), int, len(kinks))
+    edge_rows = np.concatenate([rows, np.repeat(rows, counts), rows])
+    edge_t = np.concatenate([np.zeros(rows.size), *kinks, np.ones(rows.size)])
+    order = np.lexsort((edge_t, edge_rows))
+    edge_rows, edge_t = edge_rows[order], edge_t[order]
+    piece = (edge_rows[1:] == edge_rows[:-1]) & (edge_t[1:] > edge_t[:-1])
+    return edge_rows[:-1][piece], edge_t[:-1][piece], edge_t[1:][piece]
+
+
+def gauss_on_pieces(piece_rows, a, b, n_nodes):
+    """``n_nodes`` Gauss-Legendre nodes on every piece ``[a, b]`` of ``piece_rows``."""
     base_nodes, base_weights = gauss_legendre(n_nodes)
-    widths = np.diff(edges)
-    keep = widths > 0
-    nodes = (edges[:-1, None] + widths[:, None] * base_nodes)[keep].ravel()
-    weights = (widths[:, None] * base_weights)[keep].ravel()
-    return nodes, weights
+    width = (b - a)[:, None]
+    return Nodes(
+        np.repeat(piece_rows, n_nodes),
+        (a[:, None] + width * base_nodes).ravel(),
+        (width * base_weights).ravel(),
+    )
+
+
+def piecewise_nodes(rows, kinks, n_nodes):
+    """Gauss-Legendre nodes on every piece of every row split at its kinks."""
+    return gauss_on_pieces(*pieces(rows, kinks), n_nodes)
 
 
 def fixed_rule(quadrature, n_points):
@@ -81,55 +103,68 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     between grid points whose pieces differ. A finer grid finds pairs of kinks
     that cancel between two coarse points. Grid points are returned as
     breakpoints too (harmless: a finer partition of a smooth piece).
+    Returns one sorted array of kinks per row.
     """
     rows = np.asarray(rows)
+    n = rows.size
     X_rows = X[torch.as_tensor(rows, device=X.device)]
-    kinks = [list(grid[1:-1]) for _ in rows]
 
     def evaluate(subset, t):
         return switch_state(probe, start, direction, X_rows[subset], t)
 
-    states = [switch_state(probe, start, direction, X_rows, t) for t in grid]
+    # The grid points and the midpoints between them (which tell which switching
+    # values are linear in t), all rows in one forward pass.
+    grid = np.asarray(grid, dtype=float)
+    points = np.empty(2 * grid.size - 1)
+    points[0::2], points[1::2] = grid, 0.5 * (grid[:-1] + grid[1:])
+    t = torch.as_tensor(np.repeat(points, n), dtype=torch.float64, device=X.device)
+    repeated = X_rows.repeat(points.size, *([1] * (X_rows.ndim - 1)))
+    everything = switch_state(probe, start, direction, repeated, t)
+    states = [everything.take(slice(j * n, (j + 1) * n)) for j in range(points.size)]
     if ends is not None:  # the rows' (log_proba, scale) at both ends of the step
         ends.extend([states[0].outputs, states[-1].outputs])
-    for left, right in zip(states[:-1], states[1:], strict=True):
-        linear = _linear_switches(evaluate, left, right, kinks)
+
+    # Kinks as flat (row position, t) pairs, the inner grid points first.
+    kink_rows = [np.repeat(np.arange(n), grid.size - 2)]
+    kink_t = [np.tile(grid[1:-1], n)]
+    for left, middle, right in zip(states[:-2:2], states[1::2], states[2::2], strict=True):
+        linear = _linear_switches(left, middle, right, kink_rows, kink_t)
 
         def evaluate_rest(subset, t, linear=linear):
             return _without(evaluate(subset, t), [mask[subset] for mask in linear])
 
         found = locate_kinks(evaluate_rest, _without(left, linear), _without(right, linear))
-        for row_kinks_, row_found in zip(kinks, found, strict=True):
-            row_kinks_.extend(row_found)
-    return [np.sort(np.asarray(k, dtype=float)) for k in kinks]
+        kink_rows.append(np.repeat(np.arange(n), [len(row) for row in found]))
+        kink_t.append(np.fromiter((t for row in found for t in row), float))
+    if n == 0:
+        return []
+    kink_rows, kink_t = np.concatenate(kink_rows), np.concatenate(kink_t)
+    order = np.lexsort((kink_t, kink_rows))
+    bounds = np.searchsorted(kink_rows[order], np.arange(n + 1)).tolist()
+    kink_t = kink_t[order]
+    return [kink_t[begin:end] for begin, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _linear_switches(evaluate, left, right, kinks):
+def _linear_switches(left, middle, right, kink_rows, kink_t):
     """Roots of the switching values that are linear in ``t`` between two states.
 
     A first layer's pre-activations are linear in ``t`` along a step, so all of
     their kinks follow from the two end values at once (no search); they are
-    added to ``kinks``. Returns, per switch tensor, the mask of those units, to be
-    ignored by the search. Linearity is checked at the midpoint.
+    appended to ``kink_rows`` (row positions) and ``kink_t``. Returns, per
+    switch tensor, the mask of those units, to be ignored by the search.
+    Linearity is checked at the ``middle`` state.
     """
-    changed_rows = torch.nonzero(~left.same_piece(right)).squeeze(1)
-    masks = [torch.zeros_like(z, dtype=torch.bool) for z in left.switches]
-    if changed_rows.numel() == 0 or not masks:
-        return masks
-    lo, hi = left.t[changed_rows], right.t[changed_rows]
-    middle = evaluate(changed_rows, 0.5 * (lo + hi))
-    for mask, z_lo, z_hi, z_mid in zip(
-        masks, left.switches, right.switches, middle.switches, strict=True
-    ):
-        z_lo, z_hi = z_lo[changed_rows], z_hi[changed_rows]
-        scale = z_lo.abs() + z_hi.abs()
-        linear = (z_mid - 0.5 * (z_lo + z_hi)).abs() <= 1e-12 * scale
-        mask[changed_rows] = linear
+    masks = []
+    lo, hi = left.t[:, None], right.t[:, None]
+    for z_lo, z_hi, z_mid in zip(left.switches, right.switches, middle.switches, strict=True):
+        linear = (z_mid - 0.5 * (z_lo + z_hi)).abs() <= 1e-12 * (z_lo.abs() + z_hi.abs())
+        masks.append(linear)
         crossing = linear & ((z_lo > 0) != (z_hi > 0))
         if crossing.any():
-            roots = lo[:, None] + (hi - lo)[:, None] * z_lo / (z_lo - z_hi)
-            for position, root in zip(*torch.nonzero(crossing, as_tuple=True), strict=True):
-                kinks[int(changed_rows[position])].append(float(roots[position, root]))
+            row, unit = torch.nonzero(crossing, as_tuple=True)
+            roots = (lo + (hi - lo) * z_lo / (z_lo - z_hi))[row, unit]
+            kink_rows.append(row.cpu().numpy())
+            kink_t.append(roots.cpu().numpy())
     return masks
 
 
@@ -155,15 +190,7 @@ def exact_nodes(
     found = row_kinks(probe, start, direction, X, rows, tuple(grid), ends=ends)
     if kinks is not None:
         kinks.extend(found)
-    parts = [
-        same_nodes([row], *piecewise_gauss(k, n_nodes))
-        for row, k in zip(rows, found, strict=True)
-        if k.size
-    ]
-    smooth = [row for row, k in zip(rows, found, strict=True) if not k.size]
-    if smooth:
-        parts.append(same_nodes(smooth, *gauss_legendre(n_nodes)))
-    return Nodes.cat(parts) if parts else Nodes(np.zeros(0, int), np.zeros(0), np.zeros(0))
+    return piecewise_nodes(rows, found, n_nodes)
 
 
 def shared_exact_nodes(probe, start, direction, X, n_nodes):

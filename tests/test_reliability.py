@@ -364,7 +364,8 @@ def test_fault_leaves_unfitted_estimator_unfitted(data, fault):
 def test_fit_does_not_modify_user_data(data):
     X, y = data
     # float64 C-contiguous: the layout validation passes through without a copy.
-    X, y = np.ascontiguousarray(X), y.astype(np.int64)
+    # (Our own copy: the fixture is shared by the module and zeroed below.)
+    X, y = X.copy(order="C"), y.astype(np.int64)
     weights = np.linspace(0.5, 1.5, X.shape[0])
     copies = X.copy(), y.copy(), weights.copy()
     clf = make_clf(batch_size=5).fit(X, y, sample_weight=weights)

@@ -1,0 +1,80 @@
+"""The test copy of one step, ``phi_s(x)``, held as the layer rules' factors.
+
+The quadrature gives row ``r``'s feature as a weighted sum over its nodes,
+``phi_s(x_r) = sum_e weights_e g(x_r; w_s(t_e))``. Its inner product with a
+training row is then one inner product per node. Where a layer's rule can sum
+its factors over each row's nodes first (``rule.integrate``: a first layer, whose
+input does not move along the step, or a small layer whose gradient is cheap to
+materialise), the integral is taken once, before the inner products with every
+training row, instead of after.
+"""
+
+import torch
+
+from ._layer_rules import row_sums
+
+
+class StepFeatures:
+    """``phi_s`` of ``n_rows`` rows, layer by layer.
+
+    Parameters
+    ----------
+    rules : list
+        The network probe's layer rules.
+    evaluated : list of (rows, weights, factors)
+        The quadrature's nodes, in chunks: node ``e`` of a chunk belongs to row
+        ``rows[e]`` with weight ``weights[e]``; ``factors`` has one entry per rule.
+    n_rows : int
+    """
+
+    def __init__(self, rules, evaluated, n_rows):
+        self.rules, self.nodes, self.n_rows = rules, evaluated, n_rows
+        self.layers = []  # per rule: chunks (rows, weights, factors); rows None = one per row
+        for index, rule in enumerate(rules):
+            chunks = [(rows, weights, factors[index]) for rows, weights, factors in evaluated]
+            integral = _integrate(rule, chunks, n_rows)
+            self.layers.append(chunks if integral is None else [(None, None, integral)])
+
+    def add_inner(self, right, mode, out):
+        """Add ``<phi_s(row), g(right row)>`` per pair to ``out`` and return it.
+
+        ``right`` holds the factors of the other rows (one entry per rule);
+        ``out`` has shape (n_rows, m) for ``mode="trace"``, (n_rows, m, K, K')
+        for ``"pairs"``.
+        """
+        for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
+            for rows, weights, factors in chunks:
+                values = rule.inner(factors, right_factors, mode)
+                if rows is None:
+                    out += values
+                else:  # (index_add_ is several times faster from a contiguous source)
+                    values = (weights.view(-1, *([1] * (values.ndim - 1))) * values).contiguous()
+                    out.index_add_(0, rows, values)
+        return out
+
+    def directional(self, direction):
+        """``<phi_s(row), direction>`` per row and output: (n_rows, K).
+
+        ``direction`` holds one tensor per parameter name (a weight change).
+        """
+        total = 0.0
+        for rule, chunks in zip(self.rules, self.layers, strict=True):
+            for rows, weights, factors in chunks:
+                slope = rule.directional(factors, direction)
+                total = total + (
+                    slope if rows is None else row_sums(rows, weights, slope, self.n_rows)
+                )
+        return total
+
+
+def _integrate(rule, chunks, n_rows):
+    integrate = getattr(rule, "integrate", None)
+    if integrate is None or not chunks:
+        return None
+    rows = torch.cat([chunk[0] for chunk in chunks])
+    if rows.numel() == 0:
+        return None
+    weights = torch.cat([chunk[1] for chunk in chunks])
+    factors = [chunk[2] for chunk in chunks]
+    factors = factors[0] if len(factors) == 1 else type(factors[0]).cat(factors)
+    return integrate(rows, weights, factors, n_rows)
