@@ -23,9 +23,7 @@ from sklearn_pathkernel import ExactPathKernelClassifier
 
 start = time.perf_counter()
 X, y = load_iris(return_X_y=True)
-X_train, X_test, y_train, y_test = train_test_split(
-    X, y, test_size=0.3, stratify=y, random_state=0
-)
+X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.3, stratify=y, random_state=0)
 scaler = StandardScaler().fit(X_train)
 X_train, X_test = scaler.transform(X_train), scaler.transform(X_test)
 
@@ -51,8 +49,9 @@ svc = SVC(kernel="precomputed", C=10.0).fit(K_train, y_train)
 print(f"SVC on the learned kernel: test accuracy {svc.score(K_test, y_test):.3f}")
 
 Y_train = np.eye(3)[y_train]
-gp = GaussianProcessRegressor(kernel=clf.kernel_, alpha=1e-2 * K_train.diagonal().mean(),
-                              optimizer=None, normalize_y=False).fit(X_train, Y_train)
+gp = GaussianProcessRegressor(
+    kernel=clf.kernel_, alpha=1e-2 * K_train.diagonal().mean(), optimizer=None, normalize_y=False
+).fit(X_train, Y_train)
 mean, std = gp.predict(X_test, return_std=True)  # std: (n, 3), equal columns
 prior_std = np.sqrt(clf.kernel_.diag(X_test))
 print(
@@ -65,16 +64,21 @@ order = np.argsort(y_train, kind="stable")
 fig, (ax_gram, ax_fit) = plt.subplots(1, 2, figsize=(10, 4.3))
 image = ax_gram.imshow(K_train[np.ix_(order, order)], cmap="viridis")
 fig.colorbar(image, ax=ax_gram, shrink=0.85)
-ax_gram.set(title="EPK training Gram (sorted by class)", xlabel="training point",
-            ylabel="training point")
+ax_gram.set(
+    title="EPK training Gram (sorted by class)", xlabel="training point", ylabel="training point"
+)
 network = clf.predict_log_proba(X_test)
 for k, color in enumerate(["tab:blue", "tab:orange", "tab:green"]):
     ax_fit.scatter(network[:, k], kernel_machine[:, k], s=14, color=color, label=f"class {k}")
 lims = [network.min() - 0.3, 0.2]
 ax_fit.plot(lims, lims, "k--", lw=0.8)
-ax_fit.set(xlim=lims, ylim=lims, xlabel="network log-probability",
-           ylabel="kernel machine log-probability",
-           title=f"Kernel machine vs network (max diff {error:.0e})")
+ax_fit.set(
+    xlim=lims,
+    ylim=lims,
+    xlabel="network log-probability",
+    ylabel="kernel machine log-probability",
+    title=f"Kernel machine vs network (max diff {error:.0e})",
+)
 ax_fit.legend()
 fig.tight_layout()
 path = Path(__file__).with_name("demo.png")

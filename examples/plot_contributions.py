@@ -41,8 +41,10 @@ identity = parts.bias + parts.contributions.sum(axis=1)
 print(f"max |bias + sum of contributions - network| = {np.abs(identity - parts.output).max():.1e}")
 for q in range(3):
     top = np.argsort(-parts.contributions[q, :, q])[:3]
-    print(f"query {q}: largest contributions to its own class from training points {top}, "
-          f"values {np.round(parts.contributions[q, top, q], 3)}")
+    print(
+        f"query {q}: largest contributions to its own class from training points {top}, "
+        f"values {np.round(parts.contributions[q, top, q], 3)}"
+    )
 
 # %%
 # Contributions on the input plane
@@ -63,9 +65,16 @@ for q in range(3):
     for k in range(3):
         ax = axes[q, k]
         ax.pcolormesh(xx, yy, regions, cmap=background, vmin=0, vmax=2, shading="nearest")
-        sc = ax.scatter(X[:, 0], X[:, 1], c=values[:, k], cmap="RdBu_r",
-                        norm=TwoSlopeNorm(0.0, -bound, bound), s=22, edgecolors="k",
-                        linewidths=0.3)
+        sc = ax.scatter(
+            X[:, 0],
+            X[:, 1],
+            c=values[:, k],
+            cmap="RdBu_r",
+            norm=TwoSlopeNorm(0.0, -bound, bound),
+            s=22,
+            edgecolors="k",
+            linewidths=0.3,
+        )
         ax.plot(*means[q], marker="*", color="k", ms=16, mec="w")
         ax.set_title(f"query {q}, output {k}", fontsize=10)
         ax.set_aspect("equal")

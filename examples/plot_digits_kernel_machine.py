@@ -52,9 +52,11 @@ for quadrature in ["exact", "dpk"]:
     results[quadrature] = machine
     same = (machine.argmax(axis=1) == network.argmax(axis=1)).mean()
     accuracy = (clf.classes_[machine.argmax(axis=1)] == y_test).mean()
-    print(f"{quadrature:>5}: max |kernel machine - network| = "
-          f"{np.abs(machine - network).max():.1e} (log-probability), "
-          f"same class {same:.0%}, accuracy {accuracy:.3f}, {seconds:.1f} s")
+    print(
+        f"{quadrature:>5}: max |kernel machine - network| = "
+        f"{np.abs(machine - network).max():.1e} (log-probability), "
+        f"same class {same:.0%}, accuracy {accuracy:.3f}, {seconds:.1f} s"
+    )
 
 # %%
 # Confidence of the kernel machine against the network's
@@ -69,8 +71,13 @@ for ax, quadrature in zip(axes, ["exact", "dpk"], strict=True):
     ax.scatter(p_network, p_machine, s=14)
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
     error = np.abs(results[quadrature] - network).max()
-    ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="network probability of its predicted class",
-           title=f"{quadrature}: max log-prob. difference {error:.1e}", aspect="equal")
+    ax.set(
+        xlim=(0, 1.02),
+        ylim=(0, 1.02),
+        xlabel="network probability of its predicted class",
+        title=f"{quadrature}: max log-prob. difference {error:.1e}",
+        aspect="equal",
+    )
 axes[0].set_ylabel("kernel machine probability of that class")
 if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy
     fig.savefig(Path(__file__).with_suffix(".png"), dpi=100, bbox_inches="tight")

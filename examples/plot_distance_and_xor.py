@@ -55,8 +55,10 @@ for name, labels in problems.items():
         hidden_layer_sizes=(4,), learning_rate=0.5, max_iter=60, random_state=0
     ).fit(X, y)
     fits[name] = (clf, y, accuracy_per_epoch(clf, X, y))
-    print(f"{name}: training accuracy {clf.score(X, y):.3f} after {clf.n_iter_} epochs "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(
+        f"{name}: training accuracy {clf.score(X, y):.3f} after {clf.n_iter_} epochs "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
 
 # %%
 # Learning curves and memories
@@ -70,21 +72,36 @@ for row, (name, (clf, y, accuracy)) in enumerate(fits.items()):
     ax.plot(epochs, accuracy, color="tab:blue", label="accuracy")
     ax.set(xlabel="epoch", ylabel="training accuracy", ylim=(0, 1.05), title=f"{name}")
     ax_loss = ax.twinx()
-    ax_loss.plot(np.arange(1, len(clf.loss_curve_) + 1), clf.loss_curve_, color="tab:red",
-                 label="loss")
+    ax_loss.plot(
+        np.arange(1, len(clf.loss_curve_) + 1), clf.loss_curve_, color="tab:red", label="loss"
+    )
     ax_loss.set_ylabel("cross-entropy", color="tab:red")
     ax.legend(handles=ax.lines + ax_loss.lines, loc="center right")
 
     ax = axes[row, 1]
     regions = clf.predict(grid).reshape(xx.shape)
-    ax.contourf(xx, yy, regions, levels=[-0.5, 0.5, 1.5],
-                cmap=ListedColormap(["#deebf7", "#fee6ce"]))
+    ax.contourf(
+        xx, yy, regions, levels=[-0.5, 0.5, 1.5], cmap=ListedColormap(["#deebf7", "#fee6ce"])
+    )
     ax.scatter(X[:, 0], X[:, 1], c=np.array(["tab:blue", "tab:orange"])[y], s=10)
     memories = clf.module_[0].memories.detach().numpy()
-    ax.scatter(memories[:, 0], memories[:, 1], marker="X", s=160, c="k", edgecolors="w",
-               label="learned memories")
-    ax.set(xlim=(-0.5, 1.5), ylim=(-0.5, 1.5), aspect="equal", xlabel="$x_1$",
-           ylabel="$x_2$", title=f"{name}: decision regions and memories")
+    ax.scatter(
+        memories[:, 0],
+        memories[:, 1],
+        marker="X",
+        s=160,
+        c="k",
+        edgecolors="w",
+        label="learned memories",
+    )
+    ax.set(
+        xlim=(-0.5, 1.5),
+        ylim=(-0.5, 1.5),
+        aspect="equal",
+        xlabel="$x_1$",
+        ylabel="$x_2$",
+        title=f"{name}: decision regions and memories",
+    )
     ax.legend(loc="upper center", fontsize=8)
 fig.tight_layout()
 if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy

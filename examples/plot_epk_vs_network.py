@@ -74,17 +74,31 @@ for k in range(3):
     ax.scatter(network[:, k], kernel_machine[:, k], s=14, color=colors[k], label=f"class {k}")
 lims = [network.min() - 0.5, 0.3]
 ax.plot(lims, lims, color="k", lw=0.8, ls="--", label="y = x")
-ax.set(xlim=lims, ylim=lims, xlabel="network log-probability",
-       ylabel="kernel machine log-probability", title="Kernel machine vs network")
+ax.set(
+    xlim=lims,
+    ylim=lims,
+    xlabel="network log-probability",
+    ylabel="kernel machine log-probability",
+    title="Kernel machine vs network",
+)
 ax.legend(loc="upper left")
 
 for k in range(3):
-    ax_err.semilogy(np.arange(len(X_test)), np.maximum(difference[:, k], 1e-17), "o", ms=4,
-                    color=colors[k], label=f"class {k}")
+    ax_err.semilogy(
+        np.arange(len(X_test)),
+        np.maximum(difference[:, k], 1e-17),
+        "o",
+        ms=4,
+        color=colors[k],
+        label=f"class {k}",
+    )
 ax_err.axhline(np.finfo(np.float64).eps, color="k", lw=0.8, ls=":", label="float64 eps")
-ax_err.set(xlabel="test point", ylabel="|kernel machine - network|  (0 drawn at 1e-17)",
-           ylim=(5e-18, 1e-10),
-           title=f"Difference (max {difference.max():.1e})")
+ax_err.set(
+    xlabel="test point",
+    ylabel="|kernel machine - network|  (0 drawn at 1e-17)",
+    ylim=(5e-18, 1e-10),
+    title=f"Difference (max {difference.max():.1e})",
+)
 ax_err.legend(loc="upper right", fontsize=8)
 fig.tight_layout()
 if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy

@@ -73,8 +73,10 @@ samples = mean[None] + std[None, :, None] * rng.standard_normal((n_samples, *mea
 proba = softmax(samples, axis=2)
 predicted = mean.argmax(axis=1)
 proba_std = proba[:, np.arange(len(grid)), predicted].std(axis=0)
-print(f"MC std of the predicted class probability: median {np.median(proba_std):.3f}, "
-      f"max {proba_std.max():.3f}")
+print(
+    f"MC std of the predicted class probability: median {np.median(proba_std):.3f}, "
+    f"max {proba_std.max():.3f}"
+)
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
 for ax, values, title in [
@@ -83,8 +85,14 @@ for ax, values, title in [
 ]:
     mesh = ax.pcolormesh(xx, yy, values.reshape(xx.shape), cmap="viridis", shading="auto")
     fig.colorbar(mesh, ax=ax, shrink=0.85)
-    ax.scatter(X[:, 0], X[:, 1], c=np.array(["tab:blue", "tab:orange", "tab:red"])[y], s=12,
-               edgecolors="w", linewidths=0.4)
+    ax.scatter(
+        X[:, 0],
+        X[:, 1],
+        c=np.array(["tab:blue", "tab:orange", "tab:red"])[y],
+        s=12,
+        edgecolors="w",
+        linewidths=0.4,
+    )
     ax.set(title=title, xlabel="$x_1$", aspect="equal")
 axes[0].set_ylabel("$x_2$")
 if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own copy

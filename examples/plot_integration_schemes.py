@@ -74,8 +74,10 @@ for name, params in schemes:
     seconds.append(time.perf_counter() - start)
     machines.append(parts.bias + parts.contributions.sum(axis=1))
     errors.append(np.abs(machines[-1] - network).max())
-    print(f"{name.replace(chr(10), ' '):>16}: max |kernel machine - network| = {errors[-1]:.1e}, "
-          f"certificate {parts.residual.max():.1e}, {seconds[-1]:.1f} s")
+    print(
+        f"{name.replace(chr(10), ' '):>16}: max |kernel machine - network| = {errors[-1]:.1e}, "
+        f"certificate {parts.residual.max():.1e}, {seconds[-1]:.1f} s"
+    )
 
 # %%
 # Error and cost side by side
@@ -83,8 +85,11 @@ for name, params in schemes:
 names = [name for name, _ in schemes]
 fig, (ax_err, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
 ax_err.bar(names, errors, color=["tab:red", "tab:orange", "tab:olive", "tab:green"])
-ax_err.set(yscale="log", ylabel="max |kernel machine - network|",
-           title="Error of the kernel machine (log-probability)")
+ax_err.set(
+    yscale="log",
+    ylabel="max |kernel machine - network|",
+    title="Error of the kernel machine (log-probability)",
+)
 ax_err.axhline(np.finfo(np.float64).eps, color="k", lw=0.8, ls=":")
 ax_time.bar(names, seconds, color=["tab:red", "tab:orange", "tab:olive", "tab:green"])
 ax_time.set(ylabel="seconds", title=f"Cost of decompose ({len(X_test)} queries)")

@@ -76,8 +76,15 @@ for ax, (title, labels) in zip(axes, panels, strict=True):
     ax.scatter(X[:, 0], X[:, 1], c=point_colors[y], s=14, edgecolors="k", linewidths=0.4)
     if title.startswith("SVC on the network"):
         sv = svc.support_
-        ax.scatter(X[sv, 0], X[sv, 1], s=60, facecolors="none", edgecolors="k",
-                   linewidths=0.8, label="support vectors")
+        ax.scatter(
+            X[sv, 0],
+            X[sv, 1],
+            s=60,
+            facecolors="none",
+            edgecolors="k",
+            linewidths=0.8,
+            label="support vectors",
+        )
         ax.legend(loc="lower right", fontsize=8)
     ax.set(title=title, xlabel="$x_1$", aspect="equal")
 axes[0].set_ylabel("$x_2$")

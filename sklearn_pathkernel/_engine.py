@@ -245,27 +245,32 @@ class PathKernelEngine:
         tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
         return error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy()
 
-    def _test_features(self, step, X, residual=None, n_nodes=None):
+    def _test_features(self, step, X, residual=None, n_nodes=None, outputs_per_pair=1):
         """The test-copy features ``phi_s`` of ``step`` for every row of ``X``.
 
-        Returns a :class:`StepFeatures`. The certificate is checked from the same
-        factors and added to ``residual``; with ``"exact"``, rows above
-        ``CERTIFICATE_TOL`` (kinks that cancel between detection points) are
-        integrated again on a finer detection grid, then by bisection.
+        Returns a :class:`StepFeatures` (``outputs_per_pair``: see there). The
+        certificate is checked from the same factors and added to ``residual``;
+        with ``"exact"``, rows above ``CERTIFICATE_TOL`` (kinks that cancel between
+        detection points) are integrated again on a finer detection grid, then by
+        bisection.
         """
         start, direction = self._step(step)
         n_nodes = n_nodes or self.n_nodes
         n_rows = X.shape[0]
+
+        def features_of(evaluated):
+            return StepFeatures(self.probe.rules, evaluated, n_rows, outputs_per_pair)
+
         if self.quadrature != "exact":
             nodes = same_nodes(np.arange(n_rows), *fixed_rule(self.quadrature, self.n_points))
-            features = StepFeatures(self.probe.rules, self._evaluate_nodes(step, X, nodes), n_rows)
+            features = features_of(self._evaluate_nodes(step, X, nodes))
             if residual is not None:
                 residual += self._certify(step, X, features)[0]
             return features
         kinks, ends = [], []  # kinks: one array per row
         nodes = exact_nodes(self.probe, start, direction, X, n_nodes, kinks=kinks, ends=ends)
         evaluated = self._evaluate_nodes(step, X, nodes)
-        features = StepFeatures(self.probe.rules, evaluated, n_rows)
+        features = features_of(evaluated)
         errors, tolerance = self._certify(step, X, features, ends)
         for grid in (*REFINEMENT_GRIDS, None):  # None: bisection, the last resort
             failed = np.flatnonzero(errors > tolerance)
@@ -283,7 +288,7 @@ class PathKernelEngine:
             # Only the failed rows are evaluated again.
             kept = _without_rows(evaluated, self._as_device_tensor(failed))
             evaluated = kept + self._evaluate_nodes(step, X, refined)
-            features = StepFeatures(self.probe.rules, evaluated, n_rows)
+            features = features_of(evaluated)
             errors, tolerance = self._certify(step, X, features, ends)
         if residual is not None:
             residual += errors
@@ -437,7 +442,7 @@ class PathKernelEngine:
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
-            features = self._test_features(step, X, residual)
+            features = self._test_features(step, X, residual, outputs_per_pair=self.n_outputs)
             # (n, batch, K, 1): the training rows keep their label's output only
             features.add_inner(train, "pairs", step_block.unsqueeze(-1))
             step_block *= coefficients[None, :, None]
@@ -556,7 +561,8 @@ class PathKernelEngine:
             if kind == "discrete":
                 left = probe.factors(start, P)[1]
             elif kind == "mixed":  # once per step, for all of Q
-                features = self._test_features(step, P)
+                pairs = 1 if mode == "trace" else self.n_outputs**2
+                features = self._test_features(step, P, outputs_per_pair=pairs)
             for tile in q_tiles:
                 if kind == "test":
                     block[:, tile] += self._test_test(step, P, Q[tile], mode)

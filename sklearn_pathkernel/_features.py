@@ -25,14 +25,26 @@ class StepFeatures:
         The quadrature's nodes, in chunks: node ``e`` of a chunk belongs to row
         ``rows[e]`` with weight ``weights[e]``; ``factors`` has one entry per rule.
     n_rows : int
+    outputs_per_pair : int, default=1
+        Values per pair of rows of the inner products these features are for
+        (1 for a trace, K K' for every output pair): rules weigh the cost of
+        materialising a layer's sums against it.
+
+    Attributes
+    ----------
+    nodes : list of (rows, weights, factors)
+        ``evaluated``, per node (for the same-``t`` products of the test x test kernel).
+    layers : list
+        Per rule, chunks ``(rows, weights, factors)``; ``rows`` None when the
+        factors hold one integral per row.
     """
 
-    def __init__(self, rules, evaluated, n_rows):
+    def __init__(self, rules, evaluated, n_rows, outputs_per_pair=1):
         self.rules, self.nodes, self.n_rows = rules, evaluated, n_rows
-        self.layers = []  # per rule: chunks (rows, weights, factors); rows None = one per row
+        self.layers = []
         for index, rule in enumerate(rules):
             chunks = [(rows, weights, factors[index]) for rows, weights, factors in evaluated]
-            integral = _integrate(rule, chunks, n_rows)
+            integral = _integrate(rule, chunks, n_rows, outputs_per_pair)
             self.layers.append(chunks if integral is None else [(None, None, integral)])
 
     def add_inner(self, right, mode, out):
@@ -67,7 +79,7 @@ class StepFeatures:
         return total
 
 
-def _integrate(rule, chunks, n_rows):
+def _integrate(rule, chunks, n_rows, outputs_per_pair):
     integrate = getattr(rule, "integrate", None)
     if integrate is None or not chunks:
         return None
@@ -77,4 +89,4 @@ def _integrate(rule, chunks, n_rows):
     weights = torch.cat([chunk[1] for chunk in chunks])
     factors = [chunk[2] for chunk in chunks]
     factors = factors[0] if len(factors) == 1 else type(factors[0]).cat(factors)
-    return integrate(rows, weights, factors, n_rows)
+    return integrate(rows, weights, factors, n_rows, outputs_per_pair)

@@ -129,11 +129,14 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     kink_t = [np.tile(grid[1:-1], n)]
     for left, middle, right in zip(states[:-2:2], states[1::2], states[2::2], strict=True):
         linear = _linear_switches(left, middle, right, kink_rows, kink_t)
+        left, right = _without(left, linear), _without(right, linear)
+        if left.same_piece(right).all():  # every kink was linear: nothing to search
+            continue
 
         def evaluate_rest(subset, t, linear=linear):
             return _without(evaluate(subset, t), [mask[subset] for mask in linear])
 
-        found = locate_kinks(evaluate_rest, _without(left, linear), _without(right, linear))
+        found = locate_kinks(evaluate_rest, left, right)
         kink_rows.append(np.repeat(np.arange(n), [len(row) for row in found]))
         kink_t.append(np.fromiter((t for row in found for t in row), float))
     if n == 0:

@@ -12,8 +12,14 @@ import torch
 from torch import nn
 
 from sklearn_pathkernel._features import StepFeatures
-from sklearn_pathkernel._layer_rules import Factors, LinearRule, first_of_rows, row_sums
-from sklearn_pathkernel._quadrature import piecewise_nodes, pieces
+from sklearn_pathkernel._layer_rules import (
+    Factors,
+    LinearRule,
+    first_of_rows,
+    row_outer_sums,
+    row_sums,
+)
+from sklearn_pathkernel._quadrature import pieces, piecewise_nodes
 
 DTYPE = torch.float64
 
@@ -67,9 +73,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_linear_integrate_takes_the_expected_form(case):
     nodes_per_row = [6, 5, 7] if case == "materialised" else [2, 1, 3]
-    layer, rows, weights, factors, n_rows = linear_case(
-        **CASES[case], nodes_per_row=nodes_per_row
-    )
+    layer, rows, weights, factors, n_rows = linear_case(**CASES[case], nodes_per_row=nodes_per_row)
     rule = LinearRule(layer, "weight", "bias")
     integral = rule.integrate(rows, weights, factors, n_rows)
     if case == "per-node":
@@ -84,9 +88,7 @@ def test_linear_integrate_takes_the_expected_form(case):
 @pytest.mark.parametrize("mode", ["trace", "pairs"])
 def test_step_features_inner_and_directional_match_autograd(case, mode):
     nodes_per_row = [6, 5, 7] if case == "materialised" else [2, 1, 3]
-    layer, rows, weights, factors, n_rows = linear_case(
-        **CASES[case], nodes_per_row=nodes_per_row
-    )
+    layer, rows, weights, factors, n_rows = linear_case(**CASES[case], nodes_per_row=nodes_per_row)
     rule = LinearRule(layer, "weight", "bias")
     # split the nodes in two chunks, as the engine evaluates them tile by tile
     half = rows.numel() // 2
@@ -117,9 +119,7 @@ def test_step_features_inner_and_directional_match_autograd(case, mode):
 
     step = {"weight": torch.randn_like(layer.weight), "bias": torch.randn_like(layer.bias)}
     flat_step = torch.cat([step["weight"].reshape(-1), step["bias"]])
-    torch.testing.assert_close(
-        features.directional(step), phi @ flat_step, rtol=1e-12, atol=1e-12
-    )
+    torch.testing.assert_close(features.directional(step), phi @ flat_step, rtol=1e-12, atol=1e-12)
 
 
 def test_row_helpers():
@@ -128,6 +128,17 @@ def test_row_helpers():
     values = torch.arange(5, dtype=DTYPE)[:, None]
     sums = row_sums(rows, torch.full((5,), 2.0, dtype=DTYPE), values, 4)
     assert sums[:, 0].tolist() == [2 * (1 + 4), 2 * 3, 2 * (0 + 2), 0]
+
+
+def test_row_outer_sums_match_a_loop():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.tensor([3, 0, 3, 1, 0, 3, 0])
+    left = torch.randn(7, 4, generator=gen, dtype=DTYPE)
+    right = torch.randn(7, 2, generator=gen, dtype=DTYPE)
+    expected = torch.zeros(5, 4, 2, dtype=DTYPE)  # row 2 and row 4 have no entries
+    for e, r in enumerate(rows.tolist()):
+        expected[r] += torch.outer(left[e], right[e])
+    torch.testing.assert_close(row_outer_sums(rows, left, right, 5), expected)
 
 
 def reference_pieces(rows, kinks):
