@@ -47,8 +47,6 @@ class NetworkProbe:
     def params(self, flat):
         """``path.unflatten(flat)``, remembered for the last few vectors: a step's
         start and direction are unflattened at every evaluation."""
-        if flat.requires_grad:  # a new leaf for every backward pass: nothing to reuse
-            return self.path.unflatten(flat)
         for cached, version, params in self._unflattened:
             if cached is flat and version == flat._version:
                 return params
@@ -166,8 +164,7 @@ class NetworkProbe:
             row_t = torch.as_tensor(t, dtype=start.dtype, device=start.device).expand(X.shape[0])
         if t is not None and not torch.is_tensor(t):
             start, t = start + t * direction, None  # one point for all rows
-        point = _no_grad(start)
-        start = point.detach().requires_grad_(True)  # puts the layer outputs in the graph
+        start = _no_grad(start)
         captured = [None] * len(self.layers)
 
         def capture(index, inputs, output):
@@ -177,6 +174,10 @@ class NetworkProbe:
                     "once per forward pass (shared weights); the path kernel engine "
                     "supports layers applied once per sample."
                 )
+            if not output.requires_grad:
+                # Weights enter as constants: the first layer's output starts the
+                # graph of everything downstream (no graph through the weights).
+                output = output.detach().requires_grad_(True)
             captured[index] = (tuple(x.detach() for x in inputs if torch.is_tensor(x)), output)
             # Hand a copy downstream, so that an in-place activation cannot
             # overwrite the tensor whose gradient we take.
@@ -196,7 +197,7 @@ class NetworkProbe:
         grads = torch.autograd.grad(
             log_proba, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
         )
-        params = self.params(point)
+        params = self.params(start)
         row_params = row_steps = None
         factors = []
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
