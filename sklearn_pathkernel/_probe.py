@@ -34,7 +34,6 @@ class NetworkProbe:
             if rule is not None:
                 self.layers.append(submodule)
                 self.rules.append(rule)
-        self._n_outputs = None
         self._unflattened = []  # the last few (flat, version, params)
         # functional_call unties tied weights on every call unless told there are none
         self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
@@ -158,13 +157,15 @@ class NetworkProbe:
         # Rules of layers not linear in their weights (``output_at``) get the
         # step's start, its direction and t per row, also when all rows share one
         # t: every factor of a step then refers to the same weights.
-        base, base_direction = _no_grad(start), direction
+        # (_no_grad keeps the caller's tensor, so that its unflattened parameters
+        # are reused across the evaluations of a step.)
+        start = _no_grad(start)
+        base, base_direction = start, direction
         row_t = None
         if t is not None:
             row_t = torch.as_tensor(t, dtype=start.dtype, device=start.device).expand(X.shape[0])
         if t is not None and not torch.is_tensor(t):
             start, t = start + t * direction, None  # one point for all rows
-        start = _no_grad(start)
         captured = [None] * len(self.layers)
 
         def capture(index, inputs, output):
@@ -214,12 +215,6 @@ class NetworkProbe:
             else:
                 factors.append(rule.factors(inputs, delta, params))
         return log_proba.detach(), factors
-
-    def n_outputs(self, flat, X):
-        """Number of outputs K of the network (evaluated once)."""
-        if self._n_outputs is None:
-            self._n_outputs = self.log_proba(flat, X[:1]).shape[1]
-        return self._n_outputs
 
 
 def _no_grad(tensor):

@@ -15,6 +15,11 @@ import torch
 
 from ._kinks import SwitchState, locate_kinks, switch_state
 
+# Points of the kink search evaluated in one forward pass (for all rows): the
+# default grid's ends and midpoint; finer grids take several passes, which bounds
+# a pass's memory to that of three evaluations of the rows.
+POINTS_PER_PASS = 3
+
 
 @dataclass
 class Nodes:
@@ -113,14 +118,17 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
         return switch_state(probe, start, direction, X_rows[subset], t)
 
     # The grid points and the midpoints between them (which tell which switching
-    # values are linear in t), all rows in one forward pass.
+    # values are linear in t), all rows at up to POINTS_PER_PASS points per pass.
     grid = np.asarray(grid, dtype=float)
     points = np.empty(2 * grid.size - 1)
     points[0::2], points[1::2] = grid, 0.5 * (grid[:-1] + grid[1:])
-    t = torch.as_tensor(np.repeat(points, n), dtype=torch.float64, device=X.device)
-    repeated = X_rows.repeat(points.size, *([1] * (X_rows.ndim - 1)))
-    everything = switch_state(probe, start, direction, repeated, t)
-    states = [everything.take(slice(j * n, (j + 1) * n)) for j in range(points.size)]
+    states = []
+    for begin in range(0, points.size, POINTS_PER_PASS):
+        part = points[begin : begin + POINTS_PER_PASS]
+        t = torch.as_tensor(np.repeat(part, n), dtype=torch.float64, device=X.device)
+        repeated = X_rows.repeat(part.size, *([1] * (X_rows.ndim - 1)))
+        evaluated = switch_state(probe, start, direction, repeated, t)
+        states += [evaluated.take(slice(j * n, (j + 1) * n)) for j in range(part.size)]
     if ends is not None:  # the rows' (log_proba, scale) at both ends of the step
         ends.extend([states[0].outputs, states[-1].outputs])
 
