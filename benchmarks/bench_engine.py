@@ -23,8 +23,13 @@ time / training time). Then a scale row: the training Gram of M=4000 points,
 
 Every measurement runs in its own subprocess (same data, same seeded training),
 so that its peak resident memory is its own: peak RSS is sampled every 2 ms
-during the timed call, and "extra" is that peak minus the RSS just before it.
-Each engine is warmed up on two rows, and training on a tiny fit, before timing.
+during the first timed call, and "extra" is that peak minus the RSS just before
+it. Each engine is warmed up on two rows, and training on a tiny fit, before
+timing. The time is the median of up to ``--repeats`` calls (default 5), as
+many as fit in ``--repeat-budget`` seconds (default 20; at least one): the same
+rule for both engines, so that a short measurement is not one sample of the
+machine's noise (a 0.3 s call varies by 30% from minute to minute on a shared
+2-core machine) while a long one is not run five times.
 The naive engine at scale needs hours (one step of the M=4000 Gram contracts
 M x M x K*W = 4000 x 4000 x 261220 numbers), so it runs only on the first
 ``--naive-scale-steps`` steps there (default: 1 with ``--quick``, none
@@ -167,10 +172,15 @@ def measure(spec):
     with PeakRSS() as memory:
         start = time.perf_counter()
         result = run_task(engine, spec["task"], X_train, queries)
-        elapsed = time.perf_counter() - start
+        times = [time.perf_counter() - start]
+    while len(times) < spec.get("repeats", 1) and sum(times) < spec.get("budget", 0.0):
+        start = time.perf_counter()
+        run_task(engine, spec["task"], X_train, queries)
+        times.append(time.perf_counter() - start)
 
     report = {
-        "time": elapsed,
+        "time": float(np.median(times)),
+        "times": times,
         "fit_time": fit_time,
         "n_steps": engine.path.n_steps,
         "n_weights": engine.path.n_weights,
@@ -219,7 +229,7 @@ def fmt_time(seconds):
     return "-" if seconds is None else f"{seconds:8.3f} s"
 
 
-def toy_table(sizes, engines, timeout, workdir):
+def toy_table(sizes, engines, timeout, workdir, repeats, budget):
     print(
         f"Paper toy: M={sizes['n_train']}, {sizes['n_queries']} queries, ReLU 100-64-3, "
         f"{sizes['max_iter']} full-batch steps, lr 0.05; naive = Algorithm 1, Riemann "
@@ -229,11 +239,20 @@ def toy_table(sizes, engines, timeout, workdir):
     for task in TASKS:
         for name in engines:
             save = os.path.join(workdir, f"{name}_{task}.npy")
-            spec = {"problem": "toy", "sizes": sizes, "engine": name, "task": task, "save": save}
+            spec = {
+                "problem": "toy",
+                "sizes": sizes,
+                "engine": name,
+                "task": task,
+                "save": save,
+                "repeats": repeats,
+                "budget": budget,
+            }
             results[name, task] = run_child(spec, timeout)
 
     header = (
-        f"{'task':<12}{'engine':<7}{'time':>11}{'naive/fast':>11}{'overhead':>10}"
+        f"{'task':<12}{'engine':<7}{'time':>11}{'runs':>5}{'spread':>8}{'naive/fast':>11}"
+        f"{'overhead':>10}"
         f"{'peak RSS':>11}{'extra':>10}{'load':>6}{'sum error':>11}{'rel. fast-naive':>17}"
     )
     print(header)
@@ -253,9 +272,10 @@ def toy_table(sizes, engines, timeout, workdir):
             ratio = f"{naive['time'] / fast['time']:10.1f}x" if fast and naive else "-".rjust(11)
             error = f"{row['sum_error']:11.1e}" if "sum_error" in row else "".rjust(11)
             diff = f"{difference:17.1e}" if difference is not None and name == "fast" else ""
+            spread = max(row["times"]) / min(row["times"])
             print(
-                f"{task:<12}{name:<7}{fmt_time(row['time']):>11}"
-                f"{ratio if name == 'fast' else '':>11}"
+                f"{task:<12}{name:<7}{fmt_time(row['time']):>11}{len(row['times']):>5}"
+                f"{spread:>7.2f}x{ratio if name == 'fast' else '':>11}"
                 f"{row['time'] / row['fit_time']:9.0f}x"
                 f"{row['peak_rss_mb']:8.0f} MB{row['extra_mb']:7.0f} MB"
                 f"{row['load']:6.1f}{error}{diff}"
@@ -265,7 +285,8 @@ def toy_table(sizes, engines, timeout, workdir):
         print(
             f"training (fit) time: {any_row['fit_time']:.3f} s ({any_row['n_steps']} steps, "
             f"W={any_row['n_weights']}); overhead = kernel time / training time; load = "
-            "1-min load average at the end (other jobs share the cores); rel. fast-naive = "
+            "1-min load average at the end (other jobs share the cores); time = median of "
+            "'runs' calls, spread = slowest / fastest of them; rel. fast-naive = "
             "max |fast - naive| / max |naive| (Gram or contributions)."
         )
     print()
@@ -326,6 +347,15 @@ def main():
         "--quick, else 0: at M=4000 one naive step takes over ten minutes)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per toy measurement (median)"
+    )
+    parser.add_argument(
+        "--repeat-budget",
+        type=float,
+        default=20.0,
+        help="seconds after which a toy measurement stops repeating",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -338,7 +368,14 @@ def main():
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
     )
     with tempfile.TemporaryDirectory() as workdir:
-        toy_table(TOY_QUICK if args.quick else TOY, engines, args.timeout, workdir)
+        toy_table(
+            TOY_QUICK if args.quick else TOY,
+            engines,
+            args.timeout,
+            workdir,
+            args.repeats,
+            args.repeat_budget,
+        )
     if not args.skip_scale:
         sizes = SCALE_QUICK if args.quick else SCALE
         naive_steps = args.naive_scale_steps
