@@ -213,19 +213,46 @@ class PathKernelEngine:
 
     # -- quadrature ------------------------------------------------------------
 
-    def _evaluate_nodes(self, step, X, nodes):
-        """Factors of every node in chunks: list of ``(rows, weights, factors)``."""
+    def _evaluate_nodes(self, step, X, nodes, with_rows=None):
+        """Factors of every node in chunks: list of ``(rows, weights, factors)``.
+
+        ``with_rows=(X_start, outputs)`` also returns the factors of those rows at
+        the step's start (as ``probe.factors(start, X_start, outputs)``), from the
+        first chunk's passes when that costs less than passes of their own.
+        """
         start, direction = self._step(step)
         chunk = max(1, self.tile_size)
-        evaluated = []
+        evaluated, start_factors = [], None
         for begin in range(0, nodes.rows.size, chunk):
             part = nodes.take(slice(begin, begin + chunk))
             rows = self._as_device_tensor(part.rows)
-            factors = self.probe.factors(
-                start, X[rows], direction=direction, t=self._as_device_tensor(part.t)
-            )[1]
+            t = self._as_device_tensor(part.t)
+            if (
+                with_rows is not None
+                and start_factors is None
+                and self._share_pass(part.rows.size, *with_rows)
+            ):
+                _, factors, start_factors = self.probe.factors_with(
+                    start, X[rows], *with_rows, direction=direction, t=t
+                )
+            else:
+                factors = self.probe.factors(start, X[rows], direction=direction, t=t)[1]
             evaluated.append((rows, self._as_device_tensor(part.weights), factors))
-        return evaluated
+        if with_rows is not None and start_factors is None:
+            start_factors = self.probe.factors(start, *with_rows)[1]
+        return evaluated if with_rows is None else (evaluated, start_factors)
+
+    def _share_pass(self, n_nodes, X_start, outputs):
+        """Whether rows at the step's start join the nodes' passes.
+
+        A pass's fixed cost is that of many small rows; sharing it back-propagates
+        every output for the joining rows too, so they join when they need every
+        output, or when that extra work is at most the nodes' own backward pass.
+        """
+        if not self.probe.per_row_t:
+            return False
+        extra = 0 if outputs is None else (self.n_outputs - 1) * X_start.shape[0]
+        return extra <= self.n_outputs * n_nodes
 
     def _certify(self, step, X, features, ends=None):
         """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``.
@@ -245,14 +272,17 @@ class PathKernelEngine:
         tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
         return error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy()
 
-    def _test_features(self, step, X, residual=None, n_nodes=None, outputs_per_pair=1):
+    def _test_features(
+        self, step, X, residual=None, n_nodes=None, outputs_per_pair=1, with_rows=None
+    ):
         """The test-copy features ``phi_s`` of ``step`` for every row of ``X``.
 
-        Returns a :class:`StepFeatures` (``outputs_per_pair``: see there). The
-        certificate is checked from the same factors and added to ``residual``;
-        with ``"exact"``, rows above ``CERTIFICATE_TOL`` (kinks that cancel between
-        detection points) are integrated again on a finer detection grid, then by
-        bisection.
+        Returns a :class:`StepFeatures` (``outputs_per_pair``: see there), and
+        with ``with_rows=(X_start, outputs)`` also those rows' factors at the
+        step's start (see ``_evaluate_nodes``). The certificate is checked from
+        the same factors and added to ``residual``; with ``"exact"``, rows above
+        ``CERTIFICATE_TOL`` (kinks that cancel between detection points) are
+        integrated again on a finer detection grid, then by bisection.
         """
         start, direction = self._step(step)
         n_nodes = n_nodes or self.n_nodes
@@ -261,16 +291,22 @@ class PathKernelEngine:
         def features_of(evaluated):
             return StepFeatures(self.probe.rules, evaluated, n_rows, outputs_per_pair)
 
-        if self.quadrature != "exact":
+        def result(features):
+            return features if with_rows is None else (features, start_factors)
+
+        if self.quadrature == "exact":
+            kinks, ends = [], []  # kinks: one array per row
+            nodes = exact_nodes(self.probe, start, direction, X, n_nodes, kinks=kinks, ends=ends)
+        else:
             nodes = same_nodes(np.arange(n_rows), *fixed_rule(self.quadrature, self.n_points))
-            features = features_of(self._evaluate_nodes(step, X, nodes))
+        evaluated = self._evaluate_nodes(step, X, nodes, with_rows)
+        if with_rows is not None:
+            evaluated, start_factors = evaluated
+        features = features_of(evaluated)
+        if self.quadrature != "exact":
             if residual is not None:
                 residual += self._certify(step, X, features)[0]
-            return features
-        kinks, ends = [], []  # kinks: one array per row
-        nodes = exact_nodes(self.probe, start, direction, X, n_nodes, kinks=kinks, ends=ends)
-        evaluated = self._evaluate_nodes(step, X, nodes)
-        features = features_of(evaluated)
+            return result(features)
         errors, tolerance = self._certify(step, X, features, ends)
         for grid in (*REFINEMENT_GRIDS, None):  # None: bisection, the last resort
             failed = np.flatnonzero(errors > tolerance)
@@ -292,7 +328,7 @@ class PathKernelEngine:
             errors, tolerance = self._certify(step, X, features, ends)
         if residual is not None:
             residual += errors
-        return features
+        return result(features)
 
     def _bisected_nodes(self, step, X, rows, kinks, n_nodes):
         """Adaptive nodes: halve every piece whose own certificate fails.
@@ -435,14 +471,18 @@ class PathKernelEngine:
         )
         residual = np.zeros(X.shape[0])
         for step in range(steps.start, steps.stop):
-            start = self._at(step)
             batch = self._as_device_tensor(self.path.batches[step])
             coefficients = self.path.coefficients[step].to(self.device)
-            _, train = self.probe.factors(start, self.X_train[batch], self.y_train[batch])
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
-            features = self._test_features(step, X, residual, outputs_per_pair=self.n_outputs)
+            features, train = self._test_features(
+                step,
+                X,
+                residual,
+                outputs_per_pair=self.n_outputs,
+                with_rows=(self.X_train[batch], self.y_train[batch]),
+            )
             # (n, batch, K, 1): the training rows keep their label's output only
             features.add_inner(train, "pairs", step_block.unsqueeze(-1))
             step_block *= coefficients[None, :, None]
@@ -558,16 +598,20 @@ class PathKernelEngine:
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start = self._at(step)
+            right = None
             if kind == "discrete":
                 left = probe.factors(start, P)[1]
-            elif kind == "mixed":  # once per step, for all of Q
+            elif kind == "mixed":  # once per step, for all of Q; Q's first tile shares its passes
                 pairs = 1 if mode == "trace" else self.n_outputs**2
-                features = self._test_features(step, P, outputs_per_pair=pairs)
+                features, right = self._test_features(
+                    step, P, outputs_per_pair=pairs, with_rows=(Q[q_tiles[0]], None)
+                )
             for tile in q_tiles:
                 if kind == "test":
                     block[:, tile] += self._test_test(step, P, Q[tile], mode)
                     continue
-                right = probe.factors(start, Q[tile])[1]
+                if right is None or tile is not q_tiles[0]:
+                    right = probe.factors(start, Q[tile])[1]
                 if kind == "discrete":
                     block[:, tile] += _sum_layers(probe, left, right, mode)
                     continue

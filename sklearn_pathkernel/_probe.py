@@ -100,9 +100,6 @@ class NetworkProbe:
             for layer in replaced:
                 del layer.forward
 
-    def _call(self, flat, X):
-        return self._forward(flat, X)
-
     def per_row(self, fn, start, X, direction, t):
         """Apply ``fn(start, X, direction, t)`` with per-row ``t``, falling back to one
         call per distinct ``t`` when some layer is not linear in its parameters.
@@ -153,7 +150,34 @@ class NetworkProbe:
         result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
         return result.log_proba, result.factors
 
-    def _factors(self, start, X, outputs, direction, t):
+    def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t):
+        """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
+        X_start, outputs_start)`` from one forward and one backward pass.
+
+        The rows of ``X_start`` sit at the step's start (``t = 0``). Every output
+        is back-propagated for all rows (``outputs_start`` then keeps one per row),
+        so one pass instead of two pays when ``X_start`` is small next to ``X`` or
+        needs every output anyway. Needs ``per_row_t``.
+
+        Returns
+        -------
+        log_proba : torch.Tensor of shape (n, K)
+            Of the rows of ``X``.
+        factors, start_factors : lists of factors, one per layer rule.
+        """
+        if not self.per_row_t:
+            raise ValueError("factors_with needs every layer to take a per-row t.")
+        n = X.shape[0]
+        X_all = torch.cat([X, X_start])
+        t_all = torch.cat([t, t.new_zeros(X_start.shape[0])])
+        log_proba, (factors, start_factors) = self._factors(
+            start, X_all, None, direction, t_all, split=(n, outputs_start)
+        )
+        return log_proba, factors, start_factors
+
+    def _factors(self, start, X, outputs, direction, t, split=None):
+        # ``split=(n, picked)``: rows from n on get their own factors, with every
+        # output or, per row, the output ``picked`` (see ``factors_with``).
         # Rules of layers not linear in their weights (``output_at``) get the
         # step's start, its direction and t per row, also when all rows share one
         # t: every factor of a step then refers to the same weights.
@@ -200,21 +224,34 @@ class NetworkProbe:
         )
         params = self.params(start)
         row_params = row_steps = None
-        factors = []
+        if split is None:
+            parts = [(slice(None), None)]
+        else:
+            parts = [(slice(0, split[0]), None), (slice(split[0], None), split[1])]
+        factors = [[] for _ in parts]
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
             if outputs is None:  # (K, n, ...) -> (n, K, ...)
                 delta = out.new_zeros((n_outputs, *out.shape)) if grad is None else grad
                 delta = delta.transpose(0, 1)
             else:
                 delta = (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
-            if hasattr(rule, "output_at"):
-                if row_params is None:
-                    row_params = self.params(base)
-                    row_steps = None if row_t is None else self.params(base_direction)
-                factors.append(rule.factors(inputs, delta, row_params, steps=row_steps, t=row_t))
-            else:
-                factors.append(rule.factors(inputs, delta, params))
-        return log_proba.detach(), factors
+            if hasattr(rule, "output_at") and row_params is None:
+                row_params = self.params(base)
+                row_steps = None if row_t is None else self.params(base_direction)
+            for part_factors, (rows, picked) in zip(factors, parts, strict=True):
+                part_inputs, part_delta = tuple(x[rows] for x in inputs), delta[rows]
+                if picked is not None:
+                    rows_picked = torch.arange(len(picked), device=picked.device)
+                    part_delta = part_delta[rows_picked, picked].unsqueeze(1)
+                if hasattr(rule, "output_at"):
+                    part_t = None if row_t is None else row_t[rows]
+                    part = rule.factors(part_inputs, part_delta, row_params, row_steps, part_t)
+                else:
+                    part = rule.factors(part_inputs, part_delta, params)
+                part_factors.append(part)
+        if split is None:
+            return log_proba.detach(), factors[0]
+        return log_proba[: split[0]].detach(), factors
 
 
 def _no_grad(tensor):

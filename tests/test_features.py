@@ -167,3 +167,68 @@ def test_pieces_match_a_per_row_construction():
         np.testing.assert_allclose(nodes.weights[nodes.rows == row].sum(), 1.0, rtol=1e-14)
         t = nodes.t[nodes.rows == row]
         assert np.all((t > 0) & (t < 1))
+
+
+# -- one pass for the nodes and the training rows ---------------------------------------
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.head = nn.Linear(2 * 2 * 2, 3)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(torch.relu(self.conv(x.view(-1, 1, 4, 4))), 2)
+        return self.head(x.flatten(1))
+
+
+def distance_network():
+    from sklearn_pathkernel._distance import DistanceLayer
+
+    return nn.Sequential(DistanceLayer(16, 5), nn.Linear(5, 3))
+
+
+NETWORKS = {
+    "mlp": lambda: nn.Sequential(nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, 3)),
+    "cnn": SmallCNN,
+    "distance": distance_network,
+}
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("labels", [False, True])
+def test_factors_with_matches_separate_passes(network, labels):
+    """The training rows' factors from the nodes' passes equal their own pass."""
+    from sklearn_pathkernel._probe import NetworkProbe
+    from sklearn_pathkernel._training import train_module
+
+    torch.manual_seed(0)
+    module = NETWORKS[network]().to(DTYPE)
+    X = torch.randn(12, 16, dtype=DTYPE)
+    y = torch.arange(12) % 3
+    path = train_module(module, X, y, learning_rate=0.3, max_iter=2, random_state=0).path
+    probe = NetworkProbe(module, path)
+    start, direction = path.weights[1], path.step_direction(1)
+    t = torch.rand(5, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    outputs = y[5:] if labels else None
+
+    log_proba, factors = probe.factors(start, X[:5], direction=direction, t=t)
+    _, start_factors = probe.factors(start, X[5:], outputs)
+    shared_log_proba, shared, shared_start = probe.factors_with(
+        start, X[:5], X[5:], outputs, direction=direction, t=t
+    )
+    torch.testing.assert_close(shared_log_proba, log_proba, rtol=1e-13, atol=1e-14)
+    for rule, a, b, a_start, b_start in zip(
+        probe.rules, shared, factors, shared_start, start_factors, strict=True
+    ):
+        # compared through the inner products they define
+        torch.testing.assert_close(
+            rule.inner(a, b, "pairs"), rule.inner(b, b, "pairs"), rtol=1e-12, atol=1e-13
+        )
+        torch.testing.assert_close(
+            rule.inner(a_start, b_start, "pairs"),
+            rule.inner(b_start, b_start, "pairs"),
+            rtol=1e-12,
+            atol=1e-13,
+        )
