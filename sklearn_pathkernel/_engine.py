@@ -355,22 +355,16 @@ class PathKernelEngine:
             if depth == MAX_BISECTIONS:
                 done.append(nodes)
                 break
-            estimate = torch.zeros(piece_rows.size, self.n_outputs, dtype=X.dtype, device=X.device)
+            # <integral over each piece, w_{s+1} - w_s>: the nodes' factors, summed per piece
             piece_of_node = self._as_device_tensor(np.repeat(np.arange(piece_rows.size), n_nodes))
-            for begin in range(0, nodes.rows.size, max(1, self.tile_size)):
-                part = slice(begin, begin + self.tile_size)
-                factors = self.probe.factors(
-                    start,
-                    X[self._as_device_tensor(nodes.rows[part])],
-                    direction=direction,
-                    t=self._as_device_tensor(nodes.t[part]),
-                )[1]
-                slope = sum(
-                    rule.directional(f, step_params)
-                    for rule, f in zip(self.probe.rules, factors, strict=True)
+            by_piece, offset = [], 0
+            for _, weights, factors in self._evaluate_nodes(step, X, nodes):
+                by_piece.append(
+                    (piece_of_node[offset : offset + weights.numel()], weights, factors)
                 )
-                weights = self._as_device_tensor(nodes.weights[part])[:, None]
-                estimate.index_add_(0, piece_of_node[part], weights * slope)
+                offset += weights.numel()
+            features = StepFeatures(self.probe.rules, by_piece, piece_rows.size)
+            estimate = features.directional(step_params)
             # f at both ends of every piece, in one pass
             X_rows = X[self._as_device_tensor(np.concatenate([piece_rows, piece_rows]))]
             f_ab, scale_ab = self.probe.log_proba(
