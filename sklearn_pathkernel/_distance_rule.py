@@ -54,6 +54,7 @@ import torch
 
 from ._contract import contract as _contract
 from ._distance import COSINE_EPS, DistanceLayer
+from ._rule_protocol import LayerRule
 
 # Kernels with a factored rule ("laplacian" keeps the generic torch.func rule:
 # its memory gradient is a sign pattern per (example, memory), with no low-rank form).
@@ -216,7 +217,7 @@ def _cached(factors, key, dm, compute):
     return hit[1]
 
 
-class DistanceRule:
+class DistanceRule(LayerRule):
     """Factored rule for :class:`DistanceLayer` ("sqeuclidean", "euclidean", "rbf", "cosine").
 
     Parameters
@@ -482,6 +483,12 @@ class DistanceRule:
         return out
 
     # -- materialised gradients (factors at different memories) -----------------------------
+
+    def flatten(self, weights):
+        return torch.cat([weights[name].reshape(-1) for name in self.path_names])
+
+    def materialise(self, factors):
+        return self._materialise(factors)
 
     def _materialise(self, factors):
         """Per-example gradients (n, K, W) in the order memories, bias, log_gamma."""

@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 from ._contract import contract as _contract
 from ._distance_rule import make_distance_rule
+from ._rule_protocol import LayerRule
 
 
 class Factors:
@@ -91,12 +92,19 @@ def _flat_direction(direction, names):
 PER_NODE_OUTPUT_COST = 32
 
 
-class LinearRule:
+class LinearRule(LayerRule):
     """``nn.Linear`` on 2-D input: factored form, cost O(n m (d_in + K d_out))."""
 
     def __init__(self, module, weight_name, bias_name):
         self.module = module
         self.weight_name, self.bias_name = weight_name, bias_name
+        self.path_names = [name for name in (weight_name, bias_name) if name is not None]
+
+    def materialise(self, factors):
+        return self._materialised(factors)
+
+    def flatten(self, weights):
+        return _flat_direction(weights, self.path_names)
 
     def zero_weight(self):
         return torch.zeros_like(self.module.weight)
@@ -209,7 +217,7 @@ class LinearRule:
         return torch.einsum("nko,no->nk", factors.deltas, moved)
 
 
-class Conv2dRule:
+class Conv2dRule(LayerRule):
     """``nn.Conv2d``: per-example gradients from the unfolded input (im2col).
 
     With columns ``u_p`` (the unfolded input at output position ``p``, plus a
@@ -227,6 +235,14 @@ class Conv2dRule:
     def __init__(self, module, weight_name, bias_name):
         self.module = module
         self.weight_name, self.bias_name = weight_name, bias_name
+        self.path_names = [name for name in (weight_name, bias_name) if name is not None]
+
+    def materialise(self, factors):
+        return _materialised(factors)
+
+    def flatten(self, weights):
+        """Per output channel: its kernel's weights, then its bias (the column layout)."""
+        return self._step_matrix(weights).reshape(-1)
 
     def moved_output(self, inputs, steps):
         """The convolution applied with the weight change ``steps`` (it is linear in them)."""
@@ -336,7 +352,7 @@ def _factored_conv_inner(u, du, v, dv, mode):
     return torch.cat(parts)
 
 
-class GenericRule:
+class GenericRule(LayerRule):
     """Any module with parameters: per-example gradients via ``torch.func``.
 
     Only the module's own (direct) parameters are differentiated; the forward
@@ -379,8 +395,14 @@ class GenericRule:
     def inner(self, left, right, mode):
         return _contract(left.grads, right.grads, mode)
 
+    def materialise(self, factors):
+        return factors.grads
+
+    def flatten(self, weights):
+        return _flat_direction(weights, self.path_names)
+
     def directional(self, factors, direction):
-        return factors.grads @ _flat_direction(direction, self.path_names)
+        return factors.grads @ self.flatten(direction)
 
 
 def make_rule(module, prefix, path_names):

@@ -1,0 +1,47 @@
+"""The layer rule protocol: what the engine needs of one parameterised layer."""
+
+from abc import ABC, abstractmethod
+
+
+class LayerRule(ABC):
+    """What the engine needs of one parameterised layer (the rule protocol).
+
+    A rule knows its layer's parameters in the weight path (``path_names``) and
+    turns the layer's captured input and back-propagated gradient into
+    *factors*, from which it computes inner products of per-example gradients
+    without forming them. Every rule can also form them (:meth:`materialise`),
+    in its own layout of the layer's weights (:meth:`flatten` gives any
+    weight-space vector, e.g. a preconditioner, in that layout): elementwise
+    weightings of the gradients (Adam's preconditioner) work on that form.
+
+    New layer types get a rule by subclassing this and being returned by
+    :func:`~sklearn_pathkernel._layer_rules.make_rule`, the one place rules are chosen.
+    """
+
+    path_names: list
+
+    @abstractmethod
+    def inner(self, left, right, mode):
+        """Inner products of the per-example gradients of two factor batches.
+
+        ``mode``: ``"trace"`` (n, m), ``"pairs"`` (n, m, K, K') or ``"diag"`` (n,).
+        """
+
+    @abstractmethod
+    def directional(self, factors, direction):
+        """``<g_k(x), direction>`` per row and output, (n, K); ``direction`` is a
+        ``{path name: tensor}`` weight change."""
+
+    @abstractmethod
+    def materialise(self, factors):
+        """The per-example gradients themselves, (n, K, W_layer), in this rule's layout."""
+
+    @abstractmethod
+    def flatten(self, weights):
+        """The layer's part of a ``{path name: tensor}`` weight-space vector, (W_layer,),
+        in the layout of :meth:`materialise`."""
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Factors of each row's weighted sum over its quadrature nodes, or None
+        (keep one inner product per node). See ``StepFeatures``."""
+        return None
