@@ -6,9 +6,11 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from torch import nn
 
 from ._base import BasePathClassifier, copy_module
+from ._docstrings import SOLVER_PARAMETERS, fill_doc
 from ._mlp import ACTIVATIONS, make_mlp
 
 
+@fill_doc(solver_parameters=SOLVER_PARAMETERS)
 class ExactPathKernelClassifier(BasePathClassifier):
     """Neural network classifier that is exactly a kernel machine.
 
@@ -42,12 +44,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
         gradient descent step: the training path of the EPK paper.
     batch_size : int or None, default=None
         Mini-batch size; ``None`` uses the whole training set at every step.
-    solver : {"sgd", "adam"}, default="sgd"
-        ``"sgd"`` is gradient descent (with optional ``momentum``). The path
-        kernel is implemented for ``"sgd"`` without momentum; other settings
-        train normally but ``kernel_`` and ``decompose`` raise.
-    momentum : float, default=0.0
-        Momentum of ``"sgd"``.
+    {solver_parameters}
     shuffle : bool, default=True
         Reshuffle mini-batches each epoch.
     tol : float or None, default=None
@@ -101,8 +98,8 @@ class ExactPathKernelClassifier(BasePathClassifier):
     device_ : torch.device
         Where ``module_`` and the training data live and the computations run:
         ``device`` at fit (after unpickling, the CPU if this machine lacks it).
-    path_ : WeightPath or None
-        The recorded weight path (None when the solver records none), on the
+    path_ : WeightPath
+        The recorded weight path, on the
         host (RAM or a memory-mapped file, see ``path_storage``).
     n_iter_ : int
         Epochs run.
@@ -149,6 +146,11 @@ class ExactPathKernelClassifier(BasePathClassifier):
         batch_size=None,
         solver="sgd",
         momentum=0.0,
+        nesterovs_momentum=False,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-8,
+        weight_decay=0.0,
         shuffle=True,
         tol=None,
         n_iter_no_change=10,
@@ -168,6 +170,11 @@ class ExactPathKernelClassifier(BasePathClassifier):
         self.batch_size = batch_size
         self.solver = solver
         self.momentum = momentum
+        self.nesterovs_momentum = nesterovs_momentum
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.weight_decay = weight_decay
         self.shuffle = shuffle
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change

@@ -17,6 +17,7 @@ from ._distance import (
     Transform,
     init_memories,
 )
+from ._docstrings import SOLVER_PARAMETERS, fill_doc
 
 HEADS = ("linear", "distance")
 
@@ -55,6 +56,7 @@ def make_distance_network(
     return nn.Sequential(*layers)
 
 
+@fill_doc(solver_parameters=SOLVER_PARAMETERS)
 class DistanceKernelClassifier(BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
 
@@ -104,12 +106,7 @@ class DistanceKernelClassifier(BasePathClassifier):
         gradient descent step: the training path of the EPK paper.
     batch_size : int or None, default=None
         Mini-batch size; ``None`` uses the whole training set at every step.
-    solver : {"sgd", "adam"}, default="sgd"
-        ``"sgd"`` is gradient descent (with optional ``momentum``). The path
-        kernel is implemented for ``"sgd"`` without momentum; other settings
-        train normally but ``kernel_`` and ``decompose`` raise.
-    momentum : float, default=0.0
-        Momentum of ``"sgd"``.
+    {solver_parameters}
     shuffle : bool, default=True
         Reshuffle mini-batches each epoch.
     tol : float or None, default=None
@@ -160,8 +157,8 @@ class DistanceKernelClassifier(BasePathClassifier):
     device_ : torch.device
         Where ``module_`` and the training data live and the computations run:
         ``device`` at fit (after unpickling, the CPU if this machine lacks it).
-    path_ : WeightPath or None
-        The recorded weight path (None when the solver records none), on the
+    path_ : WeightPath
+        The recorded weight path, on the
         host (RAM or a memory-mapped file, see ``path_storage``).
     n_iter_ : int
         Epochs run.
@@ -222,6 +219,11 @@ class DistanceKernelClassifier(BasePathClassifier):
         batch_size=None,
         solver="sgd",
         momentum=0.0,
+        nesterovs_momentum=False,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-8,
+        weight_decay=0.0,
         shuffle=True,
         tol=None,
         n_iter_no_change=10,
@@ -244,6 +246,11 @@ class DistanceKernelClassifier(BasePathClassifier):
         self.batch_size = batch_size
         self.solver = solver
         self.momentum = momentum
+        self.nesterovs_momentum = nesterovs_momentum
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.weight_decay = weight_decay
         self.shuffle = shuffle
         self.tol = tol
         self.n_iter_no_change = n_iter_no_change

@@ -22,6 +22,7 @@ import torch
 from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
+from ._contract import contract as _contract
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
 from ._memory import check_fits, rows_per_tile
@@ -425,6 +426,17 @@ class PathKernelEngine:
     def decompose(self, X):
         """Contributions of every training point to the network's output on ``X``.
 
+        The update of step ``s`` is linear in the gradients of its own and earlier
+        steps (see ``_optimizers``). When each step moves along its own gradient,
+        unpreconditioned (plain SGD, with or without weight decay), step ``s``'s
+        training gradients meet ``phi_s`` alone and every layer keeps its factored
+        rule. Otherwise (momentum, Adam, AdamW) they meet
+        ``psi_s = gamma B_s + zeta_s P_s phi_s`` with the buffer's test side
+        ``B_s = alpha_s P_s phi_s + beta B_{s+1}``, accumulated backward over
+        the steps: one pass over the path, materialised per-layer features
+        (n x K x W per row tile), one matrix product per step against the
+        batch's per-example gradients (``_decompose_accumulated``).
+
         Parameters
         ----------
         X : torch.Tensor of shape (n, ...)
@@ -433,40 +445,57 @@ class PathKernelEngine:
         Returns
         -------
         Bunch
-            ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
-            ``residual`` (n,), as float64 numpy arrays.
+            ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
+            ``output`` (n, K) (``f`` at the path's last weights) and ``residual``
+            (n,) (the quadrature's certificate, summed over steps), as float64
+            numpy arrays.
         """
         X = X.to(self.device)
+        accumulated = not self.path.update.per_step
         row_bytes = 8 * self.n_train * self.n_outputs
+        # The features, buffer and psi of a row, materialised over the weights.
+        feature_bytes = 4 * 8 * self.n_outputs * self.path.n_weights if accumulated else 0
         check_fits(
-            row_bytes * X.shape[0] * (1 + self._n_workers()),
+            (row_bytes * (1 + self._n_workers()) + feature_bytes) * X.shape[0],
             f"decompose on {X.shape[0]} rows ({self.n_train} training points, "
             f"{self.n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
-        tiles = self._tiles(X.shape[0], 2 * row_bytes)
-        keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
-        results = self._run([(self._decompose_block, X[tile], steps) for tile, steps in keys])
+        tiles = self._tiles(X.shape[0], 2 * row_bytes + feature_bytes)
+        if accumulated:  # the steps run backward, in order: tiles of rows only
+            keys = [(tile, None) for tile in tiles]
+            tasks = [(self._decompose_accumulated, X[tile]) for tile in tiles]
+        else:
+            keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
+            tasks = [(self._decompose_block, X[tile], steps) for tile, steps in keys]
+        results = self._run(tasks)
         contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
+        decay = np.zeros((X.shape[0], self.n_outputs))
         residual = np.zeros(X.shape[0])
-        for (tile, _), (block, block_residual) in zip(keys, results, strict=True):
+        for (tile, _), (block, block_decay, block_residual) in zip(keys, results, strict=True):
             contributions[tile] += block
+            decay[tile] += block_decay
             residual[tile] += block_residual
         return Bunch(
             contributions=contributions,
             bias=self.probe.log_proba(self._at(0), X).cpu().numpy(),
+            decay=decay,
             output=self.probe.log_proba(self._at(-1), X).cpu().numpy(),
             residual=residual,
         )
 
     def _decompose_block(self, X, steps):
+        """Steps whose training gradients meet ``step_scale(s) * phi_s`` alone."""
+        update = self.path.update
         contributions = torch.zeros(
             (X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype, device=X.device
         )
+        decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
         residual = np.zeros(X.shape[0])
         for step in range(steps.start, steps.stop):
             batch = self._as_device_tensor(self.path.batches[step])
-            coefficients = self.path.coefficients[step].to(self.device)
+            scale = update.step_scale(step)
+            coefficients = scale * self.path.loss_weights[step].to(self.device)
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
@@ -486,7 +515,75 @@ class PathKernelEngine:
                 contributions += step_block
             else:
                 contributions.index_add_(1, batch, step_block)
-        return contributions.cpu().numpy(), residual
+            # Weight decay: d_s <phi_s, w_s> - lambda_c <psi_s, w_s>, psi_s = scale phi_s
+            decay_rate = update.decoupled_decays[step] - update.coupled_decay * scale
+            if decay_rate:
+                decay += decay_rate * features.directional(self.probe.params(self._step(step)[0]))
+        return contributions.cpu().numpy(), decay.cpu().numpy(), residual
+
+    def _decompose_accumulated(self, X):
+        """All steps, backward, for updates that mix steps or are preconditioned.
+
+        With ``u_s = P_s * phi_s`` (materialised per layer), the buffer's test side
+        ``B_s = alpha_s u_s + beta B_{s+1}`` and ``psi_s = gamma B_s + zeta_s u_s``,
+
+            f(x; w_S) - f(x; w_0) = sum_s sum_{i in B_s} a_{s,i} <psi_s, g_{y_i}(x_i; w_s)>
+                                    - lambda_c sum_s <psi_s, w_s> + sum_s d_s <phi_s, w_s>
+
+        (the first sum: the contributions; the rest: ``decay``). Cost per step: the
+        test features (as for SGD), their materialisation (n K W), and one matrix
+        product of (n K, W) with the batch's per-example gradients (W, |B_s|).
+        """
+        update, rules = self.path.update, self.probe.rules
+        n, n_outputs = X.shape[0], self.n_outputs
+        contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
+        decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
+        residual = np.zeros(n)
+        buffer = None
+        for step in reversed(range(self.path.n_steps)):
+            start, _ = self._step(step)
+            features = self._test_features(step, X, residual, outputs_per_pair=n_outputs)
+            weights = self.probe.params(start)
+            if update.decoupled_decays[step]:
+                decay += update.decoupled_decays[step] * features.directional(weights)
+            u = features.materialised()
+            if update.preconditioners is not None:
+                scales = self.path.unflatten(update.preconditioners[step].to(self.device))
+                u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
+            alpha, zeta = update.gradient_rates[step], update.direct_rates[step]
+            if buffer is None:
+                buffer = [alpha * layer for layer in u]
+            else:
+                buffer = [
+                    alpha * layer + update.buffer_decay * old
+                    for layer, old in zip(u, buffer, strict=True)
+                ]
+            psi = [
+                update.gradient_scale * b + zeta * layer for b, layer in zip(buffer, u, strict=True)
+            ]
+            if update.coupled_decay:
+                decay -= update.coupled_decay * sum(
+                    p @ rule.flatten(weights) for p, rule in zip(psi, rules, strict=True)
+                )
+            self._add_batch_inner(step, psi, contributions)
+        return contributions.cpu().numpy(), decay.cpu().numpy(), residual
+
+    def _add_batch_inner(self, step, psi, contributions):
+        """``contributions[:, i] += a_{s,i} <psi, g_{y_i}(x_i; w_s)>`` over step ``s``'s batch,
+        in tiles of training rows whose per-example gradients are materialised."""
+        start, _ = self._step(step)
+        batch = self.path.batches[step]
+        loss_weights = self.path.loss_weights[step].to(self.device)
+        for part in self._tiles(len(batch), 8 * self.path.n_weights):
+            rows = self._as_device_tensor(batch[part])
+            train = self.probe.factors(start, self.X_train[rows], self.y_train[rows])[1]
+            block = sum(
+                _contract(p, rule.materialise(f), "pairs")
+                for p, rule, f in zip(psi, self.probe.rules, train, strict=True)
+            )  # (n, rows, K, 1)
+            contributions.index_add_(
+                1, rows, (block[..., 0] * loss_weights[part][None, :, None]).contiguous()
+            )
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""

@@ -64,6 +64,24 @@ class StepFeatures:
                     out.index_add_(0, rows, values)
         return out
 
+    def materialised(self):
+        """``phi_s`` itself, per rule: (n_rows, K, W_layer) in the rule's layout.
+
+        Needed where the features meet an elementwise weighting of weight space
+        (Adam's preconditioner) or are accumulated over steps (momentum).
+        Costs n_rows x K x W numbers.
+        """
+        out = []
+        for rule, chunks in zip(self.rules, self.layers, strict=True):
+            total = 0.0
+            for rows, weights, factors in chunks:
+                grads = rule.materialise(factors)
+                total = total + (
+                    grads if rows is None else row_sums(rows, weights, grads, self.n_rows)
+                )
+            out.append(total)
+        return out
+
     def directional(self, direction):
         """``<phi_s(row), direction>`` per row and output: (n_rows, K).
 

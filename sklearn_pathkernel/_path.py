@@ -1,13 +1,16 @@
-"""The recorded weight path of a gradient-descent run.
+"""The recorded weight path of a training run.
 
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
-as one contiguous float64 array, and for every step the batch it used and the
-coefficient with which each batch point moved the weights, so that
+as one contiguous float64 array, for every step the batch it used and each batch
+point's weight in the batch loss, and the optimiser's update in its linear form
+(:class:`~sklearn_pathkernel._optimizers.UpdateRecord`). The gradient of step
+``s``'s loss is
 
-    w_{s+1} - w_s = sum_{i in B_s} coef_{s,i} * grad_w f_{y_i}(x_i; w_s)
+    G_s = - sum_{i in B_s} a_{s,i} grad_w f_{y_i}(x_i; w_s)
 
-with ``f = log_softmax(module(x))``. For the mean cross-entropy,
-``coef_{s,i} = lr_s * sample_weight_i / sum_{j in B_s} sample_weight_j``.
+with ``f = log_softmax(module(x))`` and, for the mean cross-entropy,
+``a_{s,i} = sample_weight_i / sum_{j in B_s} sample_weight_j``. For plain gradient
+descent ``w_{s+1} - w_s = -lr_s G_s``.
 """
 
 import os
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from ._memory import available_memory
+from ._optimizers import UpdateRecord
 
 PATH_STORAGES = ("memory", "disk")
 
@@ -36,11 +40,13 @@ class WeightPath:
     batches : list of ndarray of int
         ``batches[s]`` holds the training indices of step ``s``. Full-batch steps
         share one array, so a full-batch path stores the indices once.
-    coefficients : list of torch.Tensor
-        ``coefficients[s][j]`` is the weight of training point ``batches[s][j]``
-        in step ``s`` (learning rate times its share of the batch loss).
+    loss_weights : list of torch.Tensor
+        ``loss_weights[s][j]`` is the weight ``a_{s,j}`` of training point
+        ``batches[s][j]`` in step ``s``'s loss (its share of the batch loss).
     learning_rates : ndarray of shape (n_steps,)
         The learning rate used at each step.
+    update : UpdateRecord
+        How the optimiser turned each step's gradient into the weight change.
     param_names, param_shapes : list
         How a flat weight vector splits into the module's parameters.
     storage : str
@@ -56,11 +62,12 @@ class WeightPath:
 
     weights: torch.Tensor
     batches: list = field(default_factory=list)
-    coefficients: list = field(default_factory=list)
+    loss_weights: list = field(default_factory=list)
     learning_rates: np.ndarray = None
     param_names: list = field(default_factory=list)
     param_shapes: list = field(default_factory=list)
     storage: str = "memory"
+    update: UpdateRecord = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -84,9 +91,12 @@ class WeightPath:
 
     @property
     def nbytes(self):
-        """Bytes held by the path (weights, batches and coefficients)."""
+        """Bytes held by the path (weights, preconditioners, batches, loss weights)."""
         seen, total = set(), self.weights.element_size() * self.weights.nelement()
-        for batch, coef in zip(self.batches, self.coefficients, strict=False):
+        preconditioners = None if self.update is None else self.update.preconditioners
+        if preconditioners is not None:
+            total += preconditioners.element_size() * preconditioners.nelement()
+        for batch, coef in zip(self.batches, self.loss_weights, strict=False):
             if id(batch) not in seen:
                 seen.add(id(batch))
                 total += batch.nbytes
@@ -112,9 +122,15 @@ class WeightPath:
 
 
 def flatten_parameters(module):
-    """Flat float64 copy of a module's parameters, with their names and shapes."""
+    """Flat copy of a module's trainable parameters, with their names and shapes.
+
+    Frozen parameters (``requires_grad=False``) are not part of the path: they
+    are constants, the module's own values.
+    """
     names, shapes, tensors = [], [], []
     for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
         names.append(name)
         shapes.append(tuple(param.shape))
         tensors.append(param.detach().reshape(-1))

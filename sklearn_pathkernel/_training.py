@@ -1,13 +1,15 @@
 """Training core shared by the estimators: gradient descent that records its path.
 
 The loss is the (sample-weighted) mean cross-entropy of ``log_softmax(module(X))``
-over each batch. With ``solver="sgd"`` and ``momentum=0`` every step is
+over each batch. Every step is taken by a torch.optim optimiser (plain SGD,
+momentum, Nesterov, Adam, AdamW, weight decay) and recorded as a
+:class:`~sklearn_pathkernel._path.WeightPath`: the weights of every step, each
+step's batch and loss weights, and the update's linear form
+(:class:`~sklearn_pathkernel._optimizers.UpdateRecord`, with Adam's preconditioner
+taken from the run), which is all the exact path kernel needs.
 
-    w_{s+1} = w_s - lr_s * grad L_s(w_s),
-
-and the run is recorded as a :class:`~sklearn_pathkernel._path.WeightPath`, which
-is all the exact path kernel needs. Other solvers train the same way but record
-no path, because the path kernel of their updates is not implemented.
+Only trainable parameters (``requires_grad=True``) are recorded: frozen ones are
+constants of the path, taken from the module itself.
 """
 
 import time
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.utils import check_random_state
 
+from ._optimizers import SolverSettings, UpdateRecord
 from ._path import WeightPath, allocate_weights, flatten_parameters
 
 
@@ -30,11 +33,6 @@ class TrainingResult:
     n_steps: int
     path: WeightPath | None
     fit_time: float
-
-
-def records_path(solver, momentum):
-    """Whether a run with these settings can be written as an exact path kernel."""
-    return solver == "sgd" and momentum == 0
 
 
 def learning_rate_at(learning_rate, step):
@@ -57,23 +55,14 @@ def _batches(n_samples, batch_size, shuffle, rng):
     return [order[i : i + batch_size] for i in range(0, n_samples, batch_size)]
 
 
-def _make_optimizer(params, solver, learning_rate, momentum):
-    if solver == "sgd":
-        return torch.optim.SGD(params, lr=learning_rate, momentum=momentum)
-    if solver == "adam":
-        return torch.optim.Adam(params, lr=learning_rate)
-    raise ValueError(f"Unknown solver {solver!r}; expected 'sgd' or 'adam'.")
-
-
 def train_module(
     module,
     X,
     y,
     *,
     sample_weight=None,
-    solver="sgd",
+    solver=None,
     learning_rate=0.1,
-    momentum=0.0,
     max_iter=200,
     batch_size=None,
     shuffle=True,
@@ -96,11 +85,10 @@ def train_module(
     X : torch.Tensor of shape (n_samples, ...)
     y : torch.Tensor of shape (n_samples,), int64 class codes.
     sample_weight : torch.Tensor of shape (n_samples,), default=None
-    solver : {"sgd", "adam"}
+    solver : SolverSettings or None
+        The optimiser and its settings; None is plain gradient descent.
     learning_rate : float or callable
         A constant, or ``learning_rate(step) -> float`` (a schedule over steps).
-    momentum : float
-        Momentum of ``"sgd"``; 0 is plain gradient descent.
     max_iter : int
         Number of epochs. With ``batch_size=None`` an epoch is one full-batch step.
     batch_size : int or None
@@ -114,7 +102,7 @@ def train_module(
     verbose : int
     path_storage : "memory", "disk" or path-like
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
-        live: RAM, or a memory-mapped file (see
+        (and Adam's preconditioners, as many numbers again) live: RAM, or a memory-mapped file (see
         :func:`~sklearn_pathkernel._path.allocate_weights`). The values are the same.
         The path is on the host whatever the device: each step's weights and
         coefficients are copied from the device after the step.
@@ -136,21 +124,27 @@ def train_module(
     if sample_weight is None:
         sample_weight = torch.ones(n_samples, dtype=X.dtype, device=X.device)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = _make_optimizer(params, solver, learning_rate_at(learning_rate, 0), momentum)
+    if not params:
+        raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
+    rule = (solver or SolverSettings()).update_rule()
+    optimizer = rule.optimizer(params, learning_rate_at(learning_rate, 0))
     module.eval()
 
-    record = records_path(solver, momentum)
     full_batch = np.arange(n_samples)
     n_batches = (
         1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
     )
-    if record:
-        flat0, names, shapes = flatten_parameters(module)
-        weights, storage = allocate_weights(
-            max_iter * n_batches + 1, flat0.numel(), path_storage, dtype=flat0.dtype
-        )
-        weights[0] = flat0.to(weights.device)
-        path = WeightPath(weights, [], [], None, names, shapes, storage)
+    n_rows = max_iter * n_batches + 1
+    flat0, names, shapes = flatten_parameters(module)
+    weights, storage = allocate_weights(n_rows, flat0.numel(), path_storage, dtype=flat0.dtype)
+    weights[0] = flat0.to(weights.device)
+    preconditioners = None
+    if rule.preconditioned:
+        preconditioners = allocate_weights(
+            n_rows - 1, flat0.numel(), path_storage, dtype=flat0.dtype
+        )[0]
+    path = WeightPath(weights, [], [], None, names, shapes, storage)
+    rates = []
 
     loss_curve, learning_rates = [], []
     best_loss, no_improvement, step = np.inf, 0, 0
@@ -163,14 +157,15 @@ def train_module(
                 group["lr"] = lr
             index = torch.as_tensor(batch, device=X.device)
             batch_weight = sample_weight[index].sum()
-            # A batch whose points all weigh 0 has zero loss: a step that moves nothing.
+            # A batch whose points all weigh 0 has zero loss: its gradient is 0
+            # (the step may still move the weights: momentum, weight decay).
             share = (
                 sample_weight[index] / batch_weight
                 if batch_weight > 0
                 else torch.zeros_like(sample_weight[index])
             )
 
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=False)
             log_proba = F.log_softmax(module(X[index]), dim=1)
             per_sample = -log_proba.gather(1, y[index, None]).squeeze(1)
             loss = (share * per_sample).sum()
@@ -183,22 +178,22 @@ def train_module(
             loss.backward()
             optimizer.step()
 
-            if record:
-                with torch.no_grad():
-                    flat = torch.nn.utils.parameters_to_vector(module.parameters())
-                    weights[step + 1] = flat.to(weights.device)  # the path stays on the host
-                finite = bool(torch.isfinite(weights[step + 1]).all())
-            else:  # no path to look at (adam, momentum): check the parameters themselves
-                finite = all(bool(torch.isfinite(p).all()) for p in params)
-            if not finite:
+            with torch.no_grad():
+                flat = torch.nn.utils.parameters_to_vector(params)
+                weights[step + 1] = flat.to(weights.device)  # the path stays on the host
+                if preconditioners is not None:
+                    preconditioners[step] = rule.preconditioner(optimizer, params, step).to(
+                        preconditioners.device
+                    )
+            if not bool(torch.isfinite(weights[step + 1]).all()):
                 raise FloatingPointError(
                     f"The weights stopped being finite at step {step} (epoch "
                     f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
                 )
-            if record:
-                path.batches.append(batch)
-                path.coefficients.append((lr * share).detach().to("cpu", copy=True))
-                learning_rates.append(lr)
+            path.batches.append(batch)
+            path.loss_weights.append(share.detach().to("cpu", copy=True))
+            learning_rates.append(lr)
+            rates.append(rule.rates(lr, step))
             epoch_loss += loss.item() * float(sample_weight[index].sum())
             step += 1
 
@@ -215,15 +210,26 @@ def train_module(
             if no_improvement >= n_iter_no_change:
                 break
 
-    if not record:
-        path = None
-    else:
-        if step + 1 < path.weights.shape[0]:
-            # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
-            path.weights = path.weights[: step + 1]
-            if storage == "memory":
-                path.weights = path.weights.clone()
-        path.learning_rates = np.asarray(learning_rates, dtype=float)
+    if step + 1 < path.weights.shape[0]:
+        # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
+        path.weights = path.weights[: step + 1]
+        if preconditioners is not None:
+            preconditioners = preconditioners[:step]
+        if storage == "memory":
+            path.weights = path.weights.clone()
+            if preconditioners is not None:
+                preconditioners = preconditioners.clone()
+    path.learning_rates = np.asarray(learning_rates, dtype=float)
+    alpha, zeta, decoupled = np.asarray(rates, dtype=float).reshape(-1, 3).T
+    path.update = UpdateRecord(
+        buffer_decay=rule.buffer_decay,
+        gradient_scale=rule.gradient_scale,
+        coupled_decay=rule.coupled_decay,
+        gradient_rates=alpha,
+        direct_rates=zeta,
+        decoupled_decays=decoupled,
+        preconditioners=preconditioners,
+    )
     return TrainingResult(
         loss_curve=loss_curve,
         n_iter=len(loss_curve),

@@ -1,0 +1,257 @@
+"""Update rules: the torch.optim updates the estimators train with, written as linear
+in the training gradients.
+
+Every supported optimiser is, once the run's own preconditioner is taken as given,
+
+.. math::
+
+    g_s &= G_s + \\lambda_c w_s, \\qquad b_s = \\beta b_{s-1} + \\gamma g_s
+    \\quad (b_{-1} = 0), \\\\
+    w_{s+1} - w_s &= -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s,
+
+with :math:`G_s` the gradient of step :math:`s`'s batch loss at :math:`w_s`,
+:math:`\\lambda_c` coupled weight decay (an L2 term in the gradient), :math:`b_s` the
+momentum buffer, :math:`P_s` an elementwise preconditioner (ones for SGD), and
+:math:`d_s` decoupled weight decay. Per torch.optim (dampening 0), with
+:math:`\\eta_s` the learning rate of step :math:`s`:
+
+- SGD: :math:`\\beta = 0, \\gamma = 1, \\alpha_s = \\eta_s, \\zeta_s = 0, d_s = 0`;
+- SGD with momentum :math:`\\mu`: :math:`\\beta = \\mu`, otherwise as SGD;
+- Nesterov momentum (``g + mu b``): :math:`\\beta = \\mu, \\alpha_s = \\mu \\eta_s,
+  \\zeta_s = \\eta_s`;
+- Adam: :math:`\\beta = \\beta_1, \\gamma = 1 - \\beta_1, \\alpha_s = \\eta_s /
+  (1 - \\beta_1^{s+1}), \\zeta_s = 0`, and
+  :math:`P_s = 1 / (\\sqrt{v_s / (1 - \\beta_2^{s+1})} + \\epsilon)` from the run's
+  second moments :math:`v_s`;
+- AdamW: as Adam with :math:`\\lambda_c = 0` and :math:`d_s = -\\eta_s \\lambda`
+  (the weights are multiplied by :math:`1 - \\eta_s \\lambda` first).
+
+A new optimiser is one :class:`UpdateRule` subclass registered in :data:`UPDATE_RULES`.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class UpdateRecord:
+    """The linear form of a recorded run's updates (see the module docstring).
+
+    Attributes
+    ----------
+    buffer_decay : float
+        :math:`\\beta`, the momentum buffer's decay (0 without a buffer).
+    gradient_scale : float
+        :math:`\\gamma`, the weight of a new gradient in the buffer.
+    coupled_decay : float
+        :math:`\\lambda_c`, weight decay added to every gradient.
+    gradient_rates, direct_rates, decoupled_decays : ndarray of shape (n_steps,)
+        :math:`\\alpha_s`, :math:`\\zeta_s` and :math:`d_s`.
+    preconditioners : torch.Tensor of shape (n_steps, n_weights) or None
+        :math:`P_s` on the host (RAM or a memory-mapped file, like the weights);
+        None for ones.
+    """
+
+    buffer_decay: float = 0.0
+    gradient_scale: float = 1.0
+    coupled_decay: float = 0.0
+    gradient_rates: np.ndarray = None
+    direct_rates: np.ndarray = None
+    decoupled_decays: np.ndarray = None
+    preconditioners: torch.Tensor = None
+
+    @property
+    def per_step(self):
+        """Whether each step moves along its own gradient only, unpreconditioned:
+        then step ``s``'s training gradients meet ``step_scale(s) * phi_s`` alone."""
+        return self.buffer_decay == 0 and self.preconditioners is None
+
+    def step_scale(self, step):
+        """:math:`\\gamma \\alpha_s + \\zeta_s`: with no buffer, the factor of
+        :math:`-P_s \\odot g_s` in step ``step``'s update."""
+        return self.gradient_scale * self.gradient_rates[step] + self.direct_rates[step]
+
+    @property
+    def has_decay(self):
+        return self.coupled_decay != 0 or bool(np.any(self.decoupled_decays != 0))
+
+    def truncated(self, n_steps):
+        """The record of the first ``n_steps`` steps (early stopping)."""
+        return UpdateRecord(
+            self.buffer_decay,
+            self.gradient_scale,
+            self.coupled_decay,
+            self.gradient_rates[:n_steps],
+            self.direct_rates[:n_steps],
+            self.decoupled_decays[:n_steps],
+            None if self.preconditioners is None else self.preconditioners[:n_steps],
+        )
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if isinstance(state["preconditioners"], torch.Tensor):
+            # A memory-mapped record pickles its values, like WeightPath.
+            state["preconditioners"] = state["preconditioners"].clone()
+        return state
+
+
+class UpdateRule(ABC):
+    """One torch.optim update in the linear form of the module docstring.
+
+    Subclasses build the optimizer and say, after each of its steps, what the
+    step's :math:`\\alpha_s, \\zeta_s, d_s` and :math:`P_s` were.
+    """
+
+    #: :math:`\\beta`, :math:`\\gamma`
+    buffer_decay = 0.0
+    gradient_scale = 1.0
+    #: whether :math:`P_s` differs from ones (then it is recorded every step)
+    preconditioned = False
+
+    def __init__(self, *, weight_decay=0.0):
+        self.weight_decay = float(weight_decay)
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings):
+        """The rule for an estimator's :class:`SolverSettings`."""
+
+    @property
+    def coupled_decay(self):
+        """:math:`\\lambda_c`: weight decay added to the gradient (L2)."""
+        return self.weight_decay
+
+    @abstractmethod
+    def optimizer(self, params, learning_rate):
+        """The ``torch.optim.Optimizer`` that trains ``params``."""
+
+    @abstractmethod
+    def rates(self, learning_rate, step):
+        """``(alpha_s, zeta_s, d_s)`` of step ``step`` (0-based) at ``learning_rate``."""
+
+    def preconditioner(self, optimizer, params, step):
+        """:math:`P_s` as one flat vector in the order of ``params`` (after the step)."""
+        raise NotImplementedError(f"{type(self).__name__} has no preconditioner.")
+
+
+class SGDUpdate(UpdateRule):
+    """``torch.optim.SGD`` with momentum (dampening 0), Nesterov and L2 weight decay."""
+
+    def __init__(self, *, momentum=0.0, nesterov=False, weight_decay=0.0):
+        super().__init__(weight_decay=weight_decay)
+        self.momentum = float(momentum)
+        # torch (like MLPClassifier) applies Nesterov only with momentum.
+        self.nesterov = bool(nesterov) and self.momentum > 0
+        self.buffer_decay = self.momentum
+
+    @classmethod
+    def from_settings(cls, settings):
+        return cls(
+            momentum=settings.momentum,
+            nesterov=settings.nesterovs_momentum,
+            weight_decay=settings.weight_decay,
+        )
+
+    def optimizer(self, params, learning_rate):
+        return torch.optim.SGD(
+            params,
+            lr=learning_rate,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+        )
+
+    def rates(self, learning_rate, step):
+        if self.nesterov:
+            return self.momentum * learning_rate, learning_rate, 0.0
+        return learning_rate, 0.0, 0.0
+
+
+class AdamUpdate(UpdateRule):
+    """``torch.optim.Adam`` (no amsgrad), with L2 weight decay added to the gradient."""
+
+    preconditioned = True
+
+    def __init__(self, *, beta_1=0.9, beta_2=0.999, epsilon=1e-8, weight_decay=0.0):
+        super().__init__(weight_decay=weight_decay)
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        self.buffer_decay, self.gradient_scale = self.beta_1, 1.0 - self.beta_1
+
+    @classmethod
+    def from_settings(cls, settings):
+        return cls(
+            beta_1=settings.beta_1,
+            beta_2=settings.beta_2,
+            epsilon=settings.epsilon,
+            weight_decay=settings.weight_decay,
+        )
+
+    def optimizer(self, params, learning_rate):
+        return torch.optim.Adam(
+            params,
+            lr=learning_rate,
+            betas=(self.beta_1, self.beta_2),
+            eps=self.epsilon,
+            weight_decay=self.weight_decay,
+        )
+
+    def rates(self, learning_rate, step):
+        return learning_rate / (1.0 - self.beta_1 ** (step + 1)), 0.0, 0.0
+
+    def preconditioner(self, optimizer, params, step):
+        # torch.optim.Adam: denom = sqrt(v) / sqrt(1 - beta_2^t) + eps, update m / denom.
+        correction = (1.0 - self.beta_2 ** (step + 1)) ** 0.5
+        parts = []
+        for param in params:
+            denom = optimizer.state[param]["exp_avg_sq"].sqrt() / correction + self.epsilon
+            parts.append(denom.reciprocal().reshape(-1))
+        return torch.cat(parts)
+
+
+class AdamWUpdate(AdamUpdate):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay ``w <- (1 - eta lambda) w``."""
+
+    @property
+    def coupled_decay(self):
+        return 0.0
+
+    def optimizer(self, params, learning_rate):
+        return torch.optim.AdamW(
+            params,
+            lr=learning_rate,
+            betas=(self.beta_1, self.beta_2),
+            eps=self.epsilon,
+            weight_decay=self.weight_decay,
+        )
+
+    def rates(self, learning_rate, step):
+        alpha, zeta, _ = super().rates(learning_rate, step)
+        return alpha, zeta, -learning_rate * self.weight_decay
+
+
+#: The solvers, by the name the estimators' ``solver`` parameter takes.
+UPDATE_RULES = {"sgd": SGDUpdate, "adam": AdamUpdate, "adamw": AdamWUpdate}
+
+
+@dataclass(frozen=True)
+class SolverSettings:
+    """An estimator's solver parameters (the names of ``MLPClassifier``)."""
+
+    solver: str = "sgd"
+    momentum: float = 0.0
+    nesterovs_momentum: bool = False
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-8
+    weight_decay: float = 0.0
+
+    def update_rule(self):
+        """The registered :class:`UpdateRule` of ``solver``, with these settings."""
+        if self.solver not in UPDATE_RULES:
+            raise ValueError(
+                f"Unknown solver {self.solver!r}; expected one of {sorted(UPDATE_RULES)}."
+            )
+        return UPDATE_RULES[self.solver].from_settings(self)
