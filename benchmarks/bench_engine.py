@@ -106,10 +106,11 @@ def truncated(path, n_steps):
     return WeightPath(
         path.weights[: n_steps + 1],
         path.batches[:n_steps],
-        path.coefficients[:n_steps],
+        path.loss_weights[:n_steps],
         path.learning_rates[:n_steps],
         path.param_names,
         path.param_shapes,
+        update=path.update.truncated(n_steps),
     )
 
 

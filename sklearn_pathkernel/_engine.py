@@ -25,6 +25,7 @@ from sklearn.utils import Bunch, gen_even_slices
 from ._contract import contract as _contract
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
+from ._layer_rules import Factors
 from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
 from ._quadrature import (
@@ -86,10 +87,6 @@ def _without_rows(evaluated, rows):
         elif keep.any():
             kept.append((node_rows[keep], weights[keep], [f.take(keep) for f in factors]))
     return kept
-
-
-def _sum_layers(probe, left, right, mode):
-    return sum(rule.inner(a, b, mode) for rule, a, b in zip(probe.rules, left, right, strict=True))
 
 
 class PathKernelEngine:
@@ -196,6 +193,29 @@ class PathKernelEngine:
     def _as_device_tensor(self, array):
         """A numpy array (row indices, nodes, weights) as a tensor on the device."""
         return torch.as_tensor(array, device=self.device)
+
+    def _metric(self, step):
+        """The weight-space metric of step ``step``'s kernel, per rule: Adam's
+        preconditioner ``P_s`` in the rule's layout, or None (the identity)."""
+        preconditioners = self.path.update.preconditioners
+        if preconditioners is None:
+            return None
+        scales = self.path.unflatten(preconditioners[step].to(self.device))
+        return [rule.flatten(scales) for rule in self.probe.rules]
+
+    def _inner(self, left, right, mode, metric):
+        """``sum_layers <g_left, P g_right>`` of two factor lists (``metric`` None: P = 1).
+
+        A preconditioner breaks the factored forms: both sides are materialised.
+        """
+        rules = self.probe.rules
+        if metric is None:
+            pairs = zip(rules, left, right, strict=True)
+            return sum(rule.inner(a, b, mode) for rule, a, b in pairs)
+        return sum(
+            _contract(rule.materialise(a) * scale, rule.materialise(b), mode)
+            for rule, a, b, scale in zip(rules, left, right, metric, strict=True)
+        )
 
     @property
     def probe(self):
@@ -689,6 +709,7 @@ class PathKernelEngine:
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start = self._at(step)
+            metric = self._metric(step)
             right = None
             if kind == "discrete":
                 left = probe.factors(start, P)[1]
@@ -697,20 +718,30 @@ class PathKernelEngine:
                 features, right = self._test_features(
                     step, P, outputs_per_pair=pairs, with_rows=(Q[q_tiles[0]], None)
                 )
+                if metric is not None:  # phi_s P_s, materialised once for every tile of Q
+                    left = [
+                        Factors(grads=layer * scale)
+                        for layer, scale in zip(features.materialised(), metric, strict=True)
+                    ]
             for tile in q_tiles:
                 if kind == "test":
-                    block[:, tile] += self._test_test(step, P, Q[tile], mode)
+                    block[:, tile] += self._test_test(step, P, Q[tile], mode, metric)
                     continue
                 if right is None or tile is not q_tiles[0]:
                     right = probe.factors(start, Q[tile])[1]
                 if kind == "discrete":
-                    block[:, tile] += _sum_layers(probe, left, right, mode)
-                    continue
-                features.add_inner(right, mode, block[:, tile])
+                    block[:, tile] += self._inner(left, right, mode, metric)
+                elif metric is None:
+                    features.add_inner(right, mode, block[:, tile])
+                else:
+                    block[:, tile] += sum(
+                        _contract(a.grads, rule.materialise(b), mode)
+                        for rule, a, b in zip(probe.rules, left, right, strict=True)
+                    )
         return block.cpu().numpy()
 
-    def _test_test(self, step, A, B, mode):
-        """``sum_q nu_q <g(a; w_s(t_q)), g(b; w_s(t_q))>``, nodes shared by all rows."""
+    def _test_test(self, step, A, B, mode, metric=None):
+        """``sum_q nu_q <g(a; w_s(t_q)), P_s g(b; w_s(t_q))>``, nodes shared by all rows."""
         start, direction = self._step(step)
         t, nu = self._shared_nodes(step, torch.cat([A, B]))
         n_nodes = len(t)
@@ -729,8 +760,8 @@ class PathKernelEngine:
         for q in range(n_nodes):
             rows_a = slice(q * A.shape[0], (q + 1) * A.shape[0])
             rows_b = slice(q * B.shape[0], (q + 1) * B.shape[0])
-            total = total + nu[q] * _sum_layers(
-                self.probe, [f.take(rows_a) for f in left], [f.take(rows_b) for f in right], mode
+            total = total + nu[q] * self._inner(
+                [f.take(rows_a) for f in left], [f.take(rows_b) for f in right], mode, metric
             )
         return total
 
@@ -757,9 +788,10 @@ class PathKernelEngine:
         diag = torch.zeros(A.shape[0], dtype=A.dtype, device=A.device)
         train, test = (self._as_device_tensor(np.flatnonzero(m)) for m in (mask, ~mask))
         for step in range(steps.start, steps.stop):
+            metric = self._metric(step)
             if train.numel():
                 factors = self.probe.factors(self._at(step), A[train])[1]
-                diag[train] += _sum_layers(self.probe, factors, factors, "diag")
+                diag[train] += self._inner(factors, factors, "diag", metric)
             if test.numel():
                 part = torch.zeros(test.numel(), dtype=A.dtype, device=A.device)
                 # Same rule as the test x test Gram: products of two gradients
@@ -769,7 +801,7 @@ class PathKernelEngine:
                 )
                 for rows, weights, factors in features.nodes:
                     part.index_add_(
-                        0, rows, weights * _sum_layers(self.probe, factors, factors, "diag")
+                        0, rows, weights * self._inner(factors, factors, "diag", metric)
                     )
                 diag[test] += part
         return diag.cpu().numpy()

@@ -251,8 +251,34 @@ class NaivePathKernelEngine:
 
     # -- decomposition ---------------------------------------------------------------
 
+    def _preconditioner(self, step, dtype):
+        """``P_s`` (W,), ones without one."""
+        preconditioners = self.path.update.preconditioners
+        if preconditioners is None:
+            return torch.ones(self.path.n_weights, dtype=dtype)
+        return preconditioners[step].to(dtype)
+
+    def _mixing(self, step, earlier):
+        """``c_{s,r}``: the weight of step ``r``'s gradient in step ``s``'s update,
+        ``w_{s+1} - w_s = -P_s sum_{r<=s} c_{s,r} g_r + d_s w_s``, written out from the
+        momentum buffer ``b_s = sum_{r<=s} gamma beta^(s-r) g_r`` (no recursion)."""
+        update = self.path.update
+        c = update.gradient_scale * update.gradient_rates[step] * update.buffer_decay ** (
+            step - earlier
+        )
+        return c + (update.direct_rates[step] if earlier == step else 0.0)
+
     def decompose(self, X):
         """Contributions of every training point to the network's output on ``X``.
+
+        Every (step, earlier step) pair is summed explicitly,
+
+            contributions[x, i] = sum_s sum_{r <= s} c_{s,r} a_{r,i}
+                                  <P_s phi_s(x), g_{y_i}(x_i; w_r)>,
+
+        ``decay = sum_s d_s <phi_s, w_s> - lambda_c sum_s sum_{r<=s} c_{s,r}
+        <P_s phi_s, w_r>``: S^2 products, for checking the fast engine's backward
+        accumulation on small paths.
 
         Parameters
         ----------
@@ -262,25 +288,34 @@ class NaivePathKernelEngine:
         Returns
         -------
         Bunch
-            ``contributions`` (n, M, K), ``bias`` (n, K), ``output`` (n, K) and
-            ``residual`` (n,), as float64 numpy arrays.
+            ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
+            ``output`` (n, K) and ``residual`` (n,), as float64 numpy arrays.
         """
+        update = self.path.update
         contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
+        decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype)
         residual = torch.zeros(X.shape[0], dtype=X.dtype)
+        batches = [torch.as_tensor(np.asarray(batch)) for batch in self.path.batches]
+        label_gradients = {}  # step r -> g_{y_i}(x_i; w_r) of its batch
         for step in self._steps():
-            batch = torch.as_tensor(np.asarray(self.path.batches[step]))
-            coefficients = self.path.coefficients[step].to(X.dtype)
-            for tile in self._tiles(X.shape[0]):
-                phi = self._test_feature(step, X[tile])
-                residual[tile] += self._step_residual(step, X[tile], phi)
-                for part in self._tiles(batch.numel()):
-                    grads = self._label_gradients(step, batch[part])
-                    values = torch.einsum("nkw,bw->nbk", phi, grads)
-                    values *= coefficients[part][None, :, None]
-                    contributions[tile].index_add_(1, batch[part], values)
+            phi = self._test_feature(step, X)
+            residual += self._step_residual(step, X, phi)
+            decay += update.decoupled_decays[step] * phi @ self.path.weights[step]
+            weighted = phi * self._preconditioner(step, X.dtype)
+            for earlier in range(step + 1):
+                c = self._mixing(step, earlier)
+                if c == 0:
+                    continue
+                if earlier not in label_gradients:
+                    label_gradients[earlier] = self._label_gradients(earlier, batches[earlier])
+                values = torch.einsum("nkw,bw->nbk", weighted, label_gradients[earlier])
+                values *= c * self.path.loss_weights[earlier].to(X.dtype)[None, :, None]
+                contributions.index_add_(1, batches[earlier], values)
+                decay -= update.coupled_decay * c * weighted @ self.path.weights[earlier]
         return Bunch(
             contributions=contributions.numpy(),
             bias=self._f(self.path.weights[0], X).numpy(),
+            decay=decay.numpy(),
             output=self._f(self.path.weights[-1], X).numpy(),
             residual=residual.numpy(),
         )
@@ -347,19 +382,20 @@ class NaivePathKernelEngine:
         )
 
     def _gram_step(self, step, a, b, output):
-        """One step's kernel between two tiles, each row on its own copy."""
+        """One step's kernel ``<., P_s .>`` between two tiles, each row on its own copy."""
         extra = (self.n_outputs,) * 2 if output == "full" else ()
         block = torch.zeros((a.X.shape[0], b.X.shape[0]) + extra, dtype=a.X.dtype)
-        block[a.train[:, None], b.train] = _contract(a.jac, b.jac, output)
-        block[a.test[:, None], b.train] = _contract(a.phi, b.jac, output)
-        block[a.train[:, None], b.test] = _contract(a.jac, b.phi, output)
+        scale = self._preconditioner(step, a.X.dtype)
+        block[a.train[:, None], b.train] = _contract(a.jac * scale, b.jac, output)
+        block[a.test[:, None], b.train] = _contract(a.phi * scale, b.jac, output)
+        block[a.train[:, None], b.test] = _contract(a.jac * scale, b.phi, output)
         if a.test.numel() and b.test.numel():
             # Test x test integrates the product, both sides at the same t.
             for nodes in self._node_chunks(a.test.numel() + b.test.numel()):
                 node_a = self._jac_at_nodes(step, a.X[a.test], nodes)
                 node_b = self._jac_at_nodes(step, b.X[b.test], nodes)
                 block[a.test[:, None], b.test] += _contract_at_nodes(
-                    self._nu(nodes, a.X.dtype), node_a, node_b, output
+                    self._nu(nodes, a.X.dtype), node_a * scale, node_b, output
                 )
         return block
 
@@ -382,9 +418,12 @@ class NaivePathKernelEngine:
                 rows = np.arange(A.shape[0])[tile]
                 train = torch.as_tensor(rows[mask[tile]])
                 test = torch.as_tensor(rows[~mask[tile]])
+                scale = self._preconditioner(step, A.dtype)
                 jac = self._jac(self.path.weights[step], A[train])
-                diag[train] += jac.square().sum((1, 2))
+                diag[train] += (jac.square() * scale).sum((1, 2))
                 for nodes in self._node_chunks(test.numel()):
                     jac = self._jac_at_nodes(step, A[test], nodes)
-                    diag[test] += torch.einsum("q,qnkw->n", self._nu(nodes, A.dtype), jac.square())
+                    diag[test] += torch.einsum(
+                        "q,qnkw,w->n", self._nu(nodes, A.dtype), jac.square(), scale
+                    )
         return diag.numpy()

@@ -176,6 +176,12 @@ def train_module(
                     "learning rate or scale the input features."
                 )
             loss.backward()
+            for param in params:
+                # A parameter the loss does not reach gets a zero gradient, not None,
+                # so that every optimiser updates it (momentum, weight decay) as the
+                # recorded linear form says.
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
             optimizer.step()
 
             with torch.no_grad():

@@ -120,7 +120,7 @@ def brute_force(module, path, X_train, y_train, A, rule=("gauss", 24)):
         gram_test_train += torch.einsum("nkw,mjw->nmkj", phi, J_train)
         batch = torch.as_tensor(path.batches[s])
         g_y = J_train[batch, y_train[batch]]  # (|B|, W)
-        coefficients = path.coefficients[s][None, :, None]
+        coefficients = path.learning_rates[s] * path.loss_weights[s][None, :, None]
         contributions[:, batch] += torch.einsum("nkw,bw->nbk", phi, g_y) * coefficients
     return contributions, gram_train, gram_test_train, gram_test
 

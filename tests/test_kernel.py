@@ -202,7 +202,7 @@ def test_kernel_calls_mutate_neither_estimator_nor_inputs(data, queries):
     clf = ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=1).fit(X, y)
     state = {name: value.clone() for name, value in clf.module_.state_dict().items()}
     weights = clf.path_.weights.clone()
-    coefficients = [c.clone() for c in clf.path_.coefficients]
+    coefficients = [c.clone() for c in clf.path_.loss_weights]
     fit_X = clf._fit_X.clone()
     X_before, queries_before = X.copy(), queries.copy()
 
@@ -215,7 +215,7 @@ def test_kernel_calls_mutate_neither_estimator_nor_inputs(data, queries):
     for name, value in clf.module_.state_dict().items():
         assert torch.equal(value, state[name]), name
     assert torch.equal(clf.path_.weights, weights)
-    assert all(torch.equal(a, b) for a, b in zip(clf.path_.coefficients, coefficients, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(clf.path_.loss_weights, coefficients, strict=True))
     assert torch.equal(clf._fit_X, fit_X)
     np.testing.assert_array_equal(X, X_before)
     np.testing.assert_array_equal(queries, queries_before)
@@ -236,15 +236,6 @@ def test_input_validation(clf, data):
         kernel.diag(bad)
     with pytest.raises(ValueError, match="output must be one of"):
         ExactPathKernel(clf._engine(), output="mean")(X[:2])
-
-
-def test_kernel_unavailable_for_momentum(data):
-    X, y = data
-    clf = ExactPathKernelClassifier(
-        hidden_layer_sizes=(4,), max_iter=3, momentum=0.9, random_state=0
-    ).fit(X, y)
-    with pytest.raises(NotImplementedError, match="momentum"):
-        _ = clf.kernel_
 
 
 def test_gaussian_process_optimiser_computes_the_training_gram_once(data, monkeypatch):

@@ -127,7 +127,8 @@ def test_training_points_add_up_to_the_weight_change():
     ref = engine(module, path, X, y, quadrature="dpk")
     for step in range(path.n_steps):
         batch = torch.as_tensor(path.batches[step])
-        moved = path.coefficients[step] @ ref._label_gradients(step, batch)
+        coefficients = path.learning_rates[step] * path.loss_weights[step]
+        moved = coefficients @ ref._label_gradients(step, batch)
         torch.testing.assert_close(moved, path.step_direction(step), rtol=0, atol=1e-14)
 
 
@@ -248,8 +249,9 @@ def test_query_by_training_gram_reproduces_the_decomposition(tanh_engine):
     Q = queries(3)
     full = ref.gram(Q, X, a_train=False, b_train=True, output="full")
     contributions = ref.decompose(Q).contributions
-    coefficient = ref.path.coefficients[0][0].item()
-    assert all(torch.allclose(c, c[0]) for c in ref.path.coefficients)  # constant a_{s,i}
+    coefficient = ref.path.learning_rates[0] * ref.path.loss_weights[0][0].item()
+    assert all(torch.allclose(c, c[0]) for c in ref.path.loss_weights)  # constant a_{s,i}
+    assert np.all(ref.path.learning_rates == ref.path.learning_rates[0])
     expected = coefficient * full[:, np.arange(N_TRAIN), :, ref.y_train.numpy()]
     np.testing.assert_allclose(contributions, expected.transpose(1, 0, 2), rtol=1e-12, atol=1e-14)
 

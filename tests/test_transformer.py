@@ -127,8 +127,6 @@ def test_errors(data):
     transformer = PathKernelTransformer(small_net()).fit(X, y)
     with pytest.raises(ValueError, match="features"):
         transformer.transform(X[:, :2])
-    with pytest.raises(NotImplementedError, match="momentum"):
-        PathKernelTransformer(small_net(momentum=0.5)).fit_transform(X, y)
 
 
 def test_nested_parameters_for_grid_search():

@@ -1,0 +1,110 @@
+"""The exactness certificate is honest: ``decompose(X).residual`` compares the
+decomposition with the network's own output, so an error in the engine or in the
+recorded path cannot hide behind it.
+
+The quadrature's own check (``quadrature_error``) integrates along whatever path was
+recorded and telescopes: it passes on a corrupted path. These tests corrupt the path
+on purpose and require the residual to catch it.
+"""
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import make_blobs
+from torch import nn
+
+from sklearn_pathkernel import ExactPathKernelClassifier
+
+SUM_TOL = 1e-9
+
+
+@pytest.fixture
+def fitted():
+    X, y = make_blobs(30, n_features=4, centers=3, random_state=0)
+    clf = ExactPathKernelClassifier(
+        hidden_layer_sizes=(8,), max_iter=6, learning_rate=0.2, random_state=0
+    ).fit(X, y)
+    return clf, X
+
+
+def corrupt_middle_weights(path):
+    path.weights[3] += 1e-3 * torch.randn(path.n_weights, dtype=path.weights.dtype)
+
+
+def corrupt_loss_weights(path):
+    path.loss_weights[2] = path.loss_weights[2] * 1.01
+
+
+def corrupt_final_weights(path):
+    path.weights[-1] += 1e-3
+
+
+def corrupt_update_rates(path):
+    path.update.gradient_rates = path.update.gradient_rates * 1.01
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [corrupt_middle_weights, corrupt_loss_weights, corrupt_final_weights, corrupt_update_rates],
+)
+def test_a_corrupted_path_is_caught(fitted, corrupt):
+    clf, X = fitted
+    assert clf.decompose(X[:4]).residual.max() <= SUM_TOL  # honest and exact before
+    corrupt(clf.path_)
+    clf.__dict__.pop("_kernel_cache", None)  # a fresh engine on the corrupted path
+    parts = clf.decompose(X[:4])
+    assert parts.residual.max() > 1e-5
+    total = parts.bias + parts.contributions.sum(1) + parts.decay
+    np.testing.assert_allclose(
+        parts.residual, np.abs(total - clf.predict_log_proba(X[:4])).max(1), rtol=1e-12
+    )
+
+
+def test_the_quadrature_check_alone_misses_a_corrupted_step(fitted):
+    # Why the residual must not be the per-step quadrature check: along a corrupted
+    # path each step is still integrated exactly.
+    clf, X = fitted
+    corrupt_middle_weights(clf.path_)
+    clf.__dict__.pop("_kernel_cache", None)
+    parts = clf.decompose(X[:4])
+    assert parts.quadrature_error.max() <= SUM_TOL
+    assert parts.residual.max() > 1e-5
+
+
+class PartlyFrozen(nn.Module):
+    def __init__(self, n_features, n_classes, freeze):
+        super().__init__()
+        self.hidden = nn.Linear(n_features, 8)
+        self.head = nn.Linear(8, n_classes)
+        for name in freeze:
+            getattr(self, name.split(".")[0]).get_parameter(name.split(".")[1]).requires_grad_(
+                False
+            )
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(x)))
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+@pytest.mark.parametrize("freeze", [("hidden.weight", "hidden.bias"), ("head.bias",)])
+def test_frozen_parameters_are_constants_of_the_path(freeze, solver):
+    X, y = make_blobs(30, n_features=4, centers=3, random_state=0)
+    module = PartlyFrozen(4, 3, freeze).double()
+    frozen = {name: p.detach().clone() for name, p in module.named_parameters() if name in freeze}
+    clf = ExactPathKernelClassifier(
+        module=module, max_iter=8, learning_rate=0.2 if solver == "sgd" else 0.02, solver=solver
+    ).fit(X, y)
+    assert not set(freeze) & set(clf.path_.param_names)
+    for name, value in frozen.items():  # never moved
+        torch.testing.assert_close(clf.module_.get_parameter(name), value, rtol=0, atol=0)
+    parts = clf.decompose(X[:5])
+    np.testing.assert_allclose(
+        parts.bias + parts.contributions.sum(1) + parts.decay,
+        clf.predict_log_proba(X[:5]),
+        rtol=0,
+        atol=SUM_TOL,
+    )
+    assert parts.residual.max() <= SUM_TOL
+    assert np.abs(parts.contributions).max() > 1e-4
+    gram = clf.kernel_(X)
+    assert np.linalg.eigvalsh(gram).min() >= -1e-9 * np.abs(gram).max()
