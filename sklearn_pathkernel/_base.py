@@ -16,6 +16,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from ._device import CPU, loadable_device, on_host, resolve_device
+from ._module_checks import check_module
 from ._training import train_module
 
 DTYPE = torch.float64
@@ -26,18 +27,6 @@ _VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
 def as_tensor(X, device):
     """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
     return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
-
-
-def check_module_output(module, X, n_classes):
-    """Fail early, naming both widths, when the module's output does not fit."""
-    with torch.no_grad():
-        out = module(X[:1])
-    if out.ndim != 2 or out.shape[1] != n_classes:
-        raise ValueError(
-            f"The module maps X to outputs of shape {tuple(out.shape)} for one "
-            f"sample, but the target has {n_classes} classes: it must output "
-            f"logits of shape (n_samples, {n_classes})."
-        )
 
 
 class BasePathClassifier(ClassifierMixin, BaseEstimator):
@@ -135,7 +124,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         )
         X_t = X_t.to(device)
         y_t = torch.as_tensor(y_encoded, dtype=torch.int64, device=device)
-        check_module_output(module, X_t, classes.shape[0])
+        check_module(module, X_t, classes.shape[0])  # refused with the reason, or eval mode
         result = train_module(
             module,
             X_t,

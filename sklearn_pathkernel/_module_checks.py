@@ -1,0 +1,364 @@
+"""Checks of a network at fit, before training: exact, or refused with the reason.
+
+The exact path kernel writes each sample's output as a sum over training points
+of inner products of *per-sample* gradients of one deterministic function. A
+module can break that silently in three ways, each of which :func:`check_module`
+turns into a clear error (or, for dropout, a warning):
+
+- it couples the rows of a batch (BatchNorm in training mode, a batch mean in
+  ``forward``): one row's output depends on the others, so it has no per-sample
+  gradient;
+- it is random (dropout, noise): two evaluations disagree;
+- its output is not float64 logits of shape (n_samples, n_outputs), or is not
+  finite at the initial weights.
+
+The checks are cheap: a few forward passes on a handful of rows. Only when one
+fails are the passes repeated with forward hooks, to name the first layer whose
+output differs while its inputs agree.
+"""
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+# Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
+N_CHECK_ROWS = 4
+_CANDIDATE_ROWS = 64
+# Largest difference, relative to the largest entry, between two evaluations that
+# should agree (a batch and its rows one at a time, or the same rows twice): far
+# above the rounding of float64 matrix products, far below any real coupling.
+RTOL = 1e-12
+
+_PER_SAMPLE_HINT = (
+    "The exact path kernel needs a network that maps each sample on its own "
+    "(per-sample gradients); compute every quantity per row (e.g. LayerNorm or "
+    "GroupNorm instead of batch statistics)."
+)
+
+
+def check_module(module, X, n_outputs):
+    """Refuse, with the reason, a module whose path kernel would not be exact.
+
+    Runs at fit on the estimator's own (built or copied) module, before
+    training. Leaves the module in eval mode, the mode it is trained and
+    evaluated in; its parameters and buffers are not changed.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network, float64, on the device of ``X``.
+    X : torch.Tensor of shape (n_samples, n_features)
+        The training data (a few distinct rows are evaluated).
+    n_outputs : int
+        The width the output must have (the number of classes).
+
+    Raises
+    ------
+    ValueError
+        If a BatchNorm layer normalises by batch statistics, if the output of a
+        row depends on the other rows of the batch or is random, or if the output
+        is not a floating point float64 tensor of shape (n_samples, n_outputs)
+        with finite values at the initial weights. The message names the layer
+        (qualified name and type) where one can be found, and what to do instead.
+
+    Warns
+    -----
+    UserWarning
+        If the module has dropout (or RReLU) layers in training mode: they are
+        disabled, since the network is trained and evaluated in eval mode.
+    """
+    _check_batch_norm(module)
+    _warn_random_layers(module)
+    module.eval()
+    rows = _distinct_rows(X)
+    with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(X.device)):
+        first = module(rows[:1])
+        _check_output(first, n_outputs, X.dtype)
+        batch = module(rows)
+        _check_batch_output(batch, rows.shape[0], n_outputs)
+        _check_finite(batch)
+        again = module(rows)
+        if _difference(batch, again) > RTOL:
+            _refuse_random(module, rows, _difference(batch, again))
+        if rows.shape[0] > 1:
+            single = torch.cat([first, *(module(rows[i : i + 1]) for i in range(1, len(rows)))])
+            if _difference(batch, single) > RTOL:
+                _refuse_coupled(module, rows, _difference(batch, single))
+
+
+# -- layers recognised by their type -------------------------------------------------
+
+
+def _describe(name, layer):
+    if not name:
+        return f"the module's own forward ({type(layer).__name__})"
+    return f"layer {name!r} ({type(layer).__name__})"
+
+
+def _check_batch_norm(module):
+    for name, layer in module.named_modules():
+        if not isinstance(layer, _BatchNorm):  # SyncBatchNorm and the lazy ones included
+            continue
+        if layer.training:
+            raise ValueError(
+                f"The module's {_describe(name, layer)} is in training mode: BatchNorm "
+                "in training mode normalises each batch by its own statistics, so one "
+                "row's output depends on the other rows and the path kernel, a sum of "
+                "per-sample gradients, cannot reproduce it. Put it in eval mode "
+                "(module.eval() / layer.eval()) to use fixed running statistics (a "
+                "per-sample affine map), or use LayerNorm or GroupNorm."
+            )
+        if layer.running_mean is None or layer.running_var is None:
+            raise ValueError(
+                f"The module's {_describe(name, layer)} has no running statistics "
+                "(track_running_stats=False), so it normalises each batch by its own "
+                "statistics even in eval mode: one row's output depends on the other "
+                "rows. Build it with track_running_stats=True and put it in eval mode "
+                "(fixed running statistics), or use LayerNorm or GroupNorm."
+            )
+
+
+def _warn_random_layers(module):
+    random_layers = [
+        f"{name!r} ({type(layer).__name__}"
+        + (f", p={layer.p:g})" if isinstance(layer, _DropoutNd) else ")")
+        for name, layer in module.named_modules()
+        if layer.training
+        and ((isinstance(layer, _DropoutNd) and layer.p > 0) or isinstance(layer, nn.RReLU))
+    ]
+    if random_layers:
+        warnings.warn(
+            f"Dropout is disabled: the module's layers {', '.join(random_layers)} are "
+            "random in training mode, but the network is trained and evaluated in eval "
+            "mode (dropout is the identity there, RReLU uses its mean slope), because "
+            "the exact path kernel needs a deterministic network. Put the module in eval "
+            "mode (module.eval()) before fit to silence this warning.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+# -- the output ----------------------------------------------------------------------
+
+
+def _check_output(out, n_outputs, dtype):
+    """The output of one row: a float64 tensor of shape (1, n_outputs)."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"The module must return a tensor of logits of shape (n_samples, "
+            f"{n_outputs}), but it returned a {type(out).__name__}; if it computes "
+            "several values, wrap it in a module whose forward returns the logits only."
+        )
+    if out.ndim != 2 or out.shape[1] != n_outputs:
+        raise ValueError(
+            f"The module maps X to outputs of shape {tuple(out.shape)} for one "
+            f"sample, but the target has {n_outputs} classes: it must output "
+            f"logits of shape (n_samples, {n_outputs})."
+        )
+    if not out.is_floating_point():
+        raise ValueError(
+            f"The module's output has dtype {out.dtype}: it must return floating point logits."
+        )
+    if out.dtype != dtype:
+        raise ValueError(
+            f"The path kernel is computed in {_dtype_name(dtype)} (the estimator "
+            f"converts the module and X to it), but the module's output is "
+            f"{_dtype_name(out.dtype)}: its forward casts to {_dtype_name(out.dtype)} "
+            "(e.g. .float(), .to(torch.float32), or a tensor created with the default "
+            "dtype). Keep the computation in the input's dtype (x.dtype)."
+        )
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_batch_output(out, n_rows, n_outputs):
+    if out.shape != (n_rows, n_outputs):
+        raise ValueError(
+            f"The module maps {n_rows} samples to outputs of shape {tuple(out.shape)}: "
+            f"it must output one row of logits per sample, of shape (n_samples, "
+            f"{n_outputs})."
+        )
+
+
+def _check_finite(out):
+    problems = []
+    for kind, mask in (("NaN", torch.isnan(out)), ("inf", torch.isinf(out))):
+        n_bad = int(mask.any(dim=1).sum())
+        if n_bad:
+            problems.append(f"{kind} in {n_bad}")
+    if problems:
+        raise ValueError(
+            f"The module's output at its initial weights contains "
+            f"{' and '.join(problems)} of the {out.shape[0]} rows checked: the loss and "
+            "its gradient would not be finite. Check the module's forward and initial "
+            "weights (e.g. a log or a division of zero, or uninitialised parameters "
+            "such as torch.empty)."
+        )
+
+
+# -- coupled rows and randomness, and the layer responsible -------------------------
+
+
+def _refuse_random(module, rows, difference):
+    runs = [_record(module, lambda: module(rows)) for _ in range(2)]
+    culprit = _first_culprit(runs[0], runs[1:], _same_shape_difference)
+    where = f", first at {_describe(*culprit)}" if culprit else ""
+    raise ValueError(
+        f"The module's output is random: two evaluations of the same rows in eval "
+        f"mode differ (by up to {difference:.1e} relative){where}. The exact path "
+        "kernel needs a deterministic network; remove the randomness (noise, or "
+        "F.dropout(..., training=True)) or make it depend on self.training, which "
+        "is False during training and evaluation."
+    )
+
+
+def _refuse_coupled(module, rows, difference):
+    batch = _record(module, lambda: module(rows))
+    singles = [_record(module, lambda i=i: module(rows[i : i + 1])) for i in range(len(rows))]
+    culprit = _first_culprit(batch, singles, _rows_difference)
+    where = f", first at {_describe(*culprit)}" if culprit else ""
+    raise ValueError(
+        f"The module couples the rows of a batch: one row's output depends on the "
+        f"other rows (evaluated on {len(rows)} rows together and one row at a time, "
+        f"the outputs differ by up to {difference:.1e} relative{where}). " + _PER_SAMPLE_HINT
+    )
+
+
+class _Call:
+    __slots__ = ("name", "layer", "inputs", "outputs")
+
+    def __init__(self, name, layer, inputs, outputs):
+        self.name, self.layer, self.inputs, self.outputs = name, layer, inputs, outputs
+
+
+def _record(module, run):
+    """Every submodule call of ``run()``, in the order the calls return."""
+    calls = []
+
+    def hook(name):
+        def record(layer, args, kwargs, output):
+            calls.append(_Call(name, layer, _tensors((args, kwargs)), _tensors(output)))
+
+        return record
+
+    handles = [
+        layer.register_forward_hook(hook(name), with_kwargs=True)
+        for name, layer in module.named_modules()
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _tensors(value):
+    """The tensors in a nest of tuples, lists and dicts, as copies (a later
+    in-place operation must not change what was recorded)."""
+    if isinstance(value, torch.Tensor):
+        return [value.detach().clone()]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
+
+
+def _first_culprit(reference, others, difference):
+    """``(name, layer)`` of the first call whose inputs agree between the runs but
+    whose outputs do not, or None (no such call, or the runs called different
+    layers)."""
+    for index, call in enumerate(reference):
+        if any(len(run) <= index or run[index].layer is not call.layer for run in others):
+            return None
+        inputs = _leaves_difference(call.inputs, [run[index].inputs for run in others], difference)
+        if inputs is not None and inputs > RTOL:
+            continue  # already different on entry: the cause is earlier
+        outputs = _leaves_difference(
+            call.outputs, [run[index].outputs for run in others], difference
+        )
+        if outputs is not None and outputs > RTOL:
+            return call.name, call.layer
+    return None
+
+
+def _leaves_difference(reference, others, difference):
+    if any(len(leaves) != len(reference) for leaves in others):
+        return math.inf
+    values = [
+        difference(tensor, [leaves[j] for leaves in others]) for j, tensor in enumerate(reference)
+    ]
+    values = [value for value in values if value is not None]
+    return max(values) if values else None
+
+
+def _same_shape_difference(tensor, others):
+    return max(_difference(tensor, other) for other in others)
+
+
+def _rows_difference(batch, singles):
+    """How far the rows of ``batch`` are from ``singles`` (the rows evaluated one at a
+    time); None when ``batch`` has no dimension of rows to compare."""
+    if all(single.shape == batch.shape for single in singles):  # no dimension of rows
+        return _same_shape_difference(batch, singles)
+    n_rows = len(singles)
+    dims = [
+        dim
+        for dim in range(batch.ndim)
+        if batch.shape[dim] == n_rows
+        and all(
+            single.shape == batch.shape[:dim] + (1,) + batch.shape[dim + 1 :] for single in singles
+        )
+    ]
+    if not dims:
+        return None
+    return min(
+        max(_difference(batch.narrow(dim, i, 1), single) for i, single in enumerate(singles))
+        for dim in dims
+    )
+
+
+def _difference(a, b):
+    """Largest ``|a - b|`` relative to the largest finite entry of either; 0 when
+    equal (equal non-finite entries included), inf when the shapes differ."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    if a.is_floating_point():
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    else:
+        same = a == b
+    if bool(same.all()):
+        return 0.0
+    if not a.is_floating_point():
+        return math.inf
+    a64, b64 = a.double(), b.double()
+    finite = torch.cat([a64[torch.isfinite(a64)], b64[torch.isfinite(b64)]])
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    diff = float((a64 - b64)[~same].abs().max())
+    if not math.isfinite(diff) or scale == 0.0:
+        return math.inf
+    return diff / scale
+
+
+def _distinct_rows(X):
+    """Up to ``N_CHECK_ROWS`` distinct rows of ``X`` (a batch in which coupling shows)."""
+    candidates = X[:_CANDIDATE_ROWS]
+    _, first = np.unique(candidates.detach().cpu().numpy(), axis=0, return_index=True)
+    index = np.sort(first)[:N_CHECK_ROWS]
+    return candidates[torch.as_tensor(index, device=X.device)]
+
+
+def _rng_devices(device):
+    """The CUDA devices whose generators a random module could draw from (the checks
+    run in ``fork_rng``: the user's global generators stay as they were)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
