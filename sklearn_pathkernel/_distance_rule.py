@@ -54,7 +54,7 @@ import torch
 
 from ._contract import contract as _contract
 from ._distance import COSINE_EPS, DistanceLayer
-from ._rule_protocol import LayerRule
+from ._rule_protocol import LayerRule, RowEvaluation
 
 # Kernels with a factored rule ("laplacian" keeps the generic torch.func rule:
 # its memory gradient is a sign pattern per (example, memory), with no low-rank form).
@@ -227,6 +227,9 @@ class DistanceRule(LayerRule):
         The module's parameters that are in the path: local name -> path name.
         Parameters not in the path are constants (the module's own values).
     """
+
+    # Not linear in its weights: output_at computes the layer at per-row weights.
+    row_evaluation = RowEvaluation.OUTPUT_AT
 
     def __init__(self, module, names):
         self.module = module

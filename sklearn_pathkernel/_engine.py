@@ -145,7 +145,7 @@ class PathKernelEngine:
         self.n_jobs = n_jobs
         self.verbose = verbose
         self.device = X_train.device
-        self._probe = NetworkProbe(module, path)
+        self._probe = NetworkProbe(module, path, X_train[:1])
         self.n_train = X_train.shape[0]
         self.n_outputs = self._probe.log_proba(self._at(0), X_train[:1]).shape[1]
 
@@ -170,7 +170,7 @@ class PathKernelEngine:
             self.device = device
             self.module = self.module.to(device)
             self.X_train, self.y_train = self.X_train.to(device), self.y_train.to(device)
-            self._probe = NetworkProbe(self.module, self.path)
+            self._probe = NetworkProbe(self.module, self.path, self.X_train[:1])
 
     def _at(self, index):
         """Row ``index`` of the weight path (host memory or disk), on the device."""
@@ -229,7 +229,7 @@ class PathKernelEngine:
         probes = self.__dict__.setdefault("_thread_probes", {})
         ident = threading.get_ident()
         if ident not in probes:
-            probes[ident] = NetworkProbe(copy.deepcopy(self.module), self.path)
+            probes[ident] = NetworkProbe(copy.deepcopy(self.module), self.path, self.X_train[:1])
         return probes[ident]
 
     # -- quadrature ------------------------------------------------------------

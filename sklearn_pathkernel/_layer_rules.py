@@ -22,7 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 from ._contract import contract as _contract
 from ._distance_rule import make_distance_rule
-from ._rule_protocol import LayerRule
+from ._rule_protocol import LayerRule, RowEvaluation
 
 
 class Factors:
@@ -94,6 +94,9 @@ PER_NODE_OUTPUT_COST = 32
 
 class LinearRule(LayerRule):
     """``nn.Linear`` on 2-D input: factored form, cost O(n m (d_in + K d_out))."""
+
+    # Linear in its weights: a row at w + t dw adds t times the layer applied with dw.
+    row_evaluation = RowEvaluation.MOVED_OUTPUT
 
     def __init__(self, module, weight_name, bias_name):
         self.module = module
@@ -232,6 +235,9 @@ class Conv2dRule(LayerRule):
     layers with many channels on few positions.
     """
 
+    # Linear in its weights: a row at w + t dw adds t times the layer applied with dw.
+    row_evaluation = RowEvaluation.MOVED_OUTPUT
+
     def __init__(self, module, weight_name, bias_name):
         self.module = module
         self.weight_name, self.bias_name = weight_name, bias_name
@@ -358,6 +364,9 @@ class GenericRule(LayerRule):
     Only the module's own (direct) parameters are differentiated; the forward
     must treat batch rows independently.
     """
+
+    # No per-row form: its factors re-run the module at one set of weights.
+    row_evaluation = RowEvaluation.NONE
 
     def __init__(self, module, local_names, path_names):
         self.module = module

@@ -4,13 +4,28 @@ One forward pass with hooks on the layers that own parameters, then one batched
 backward pass over the requested outputs, gives every layer's input ``a`` and
 back-propagated gradient ``delta`` at once; the layer rules turn them into
 factors (see ``_layer_rules``).
+
+The hooks see a layer's parameters only through that layer's own call. A network
+that uses a parameter any other way (a layer called twice, weights tied across
+modules, a parameter used in a parent's ``forward`` or outside its layer, a layer
+returning a tuple) would get wrong or failing per-layer factors; a dry-run
+forward pass finds these, and the probe then differentiates the whole network
+at once instead (:class:`~sklearn_pathkernel._jacobian_rule.JacobianRule`).
 """
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
+from ._jacobian_rule import JacobianRule
 from ._layer_rules import make_rule
+from ._rule_protocol import RowEvaluation
+
+logger = logging.getLogger(__name__)
 
 
 class NetworkProbe:
@@ -19,14 +34,41 @@ class NetworkProbe:
     Parameters
     ----------
     module : torch.nn.Module
-        The network (its own parameter values are never used nor changed).
+        The network. Its own values are used only for parameters outside the
+        path (frozen ones, constants) and for one dry-run forward pass; they
+        are never changed.
     path : WeightPath
         Gives the parameter names and shapes of a flat weight vector.
+    example : torch.Tensor of shape (n, ...) or None, default=None
+        Input rows for the dry run that decides between per-layer rules and the
+        whole-network :class:`~sklearn_pathkernel._jacobian_rule.JacobianRule`
+        (one row is enough). ``None`` runs it on the first row the probe
+        evaluates.
+    force_jacobian : bool, default=False
+        Use the ``JacobianRule`` whatever the dry run finds (for tests and
+        benchmarks of the fallback).
+
+    Attributes
+    ----------
+    rules : list of LayerRule
+        The per-layer rules, or the single ``JacobianRule``.
+    layers : list of torch.nn.Module
+        The layer of each per-layer rule (empty with the ``JacobianRule``).
+    fallback_reason : str or None
+        Why the per-layer rules cannot be used, when they are not (also logged
+        at debug level); None when they are.
+    per_row_t : bool
+        Whether one pass can hold rows at different points of a step.
     """
 
-    def __init__(self, module, path):
+    def __init__(self, module, path, example=None, *, force_jacobian=False):
         self.module = module
         self.path = path
+        self._unflattened = []  # the last few (flat, version, params)
+        # functional_call unties tied weights on every call unless told there are none
+        self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
+            list(module.named_parameters())
+        )
         names = set(path.param_names)
         self.layers, self.rules = [], []
         for prefix, submodule in module.named_modules():
@@ -34,13 +76,36 @@ class NetworkProbe:
             if rule is not None:
                 self.layers.append(submodule)
                 self.rules.append(rule)
-        self._unflattened = []  # the last few (flat, version, params)
-        # functional_call unties tied weights on every call unless told there are none
-        self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
-            list(module.named_parameters())
+        self.jacobian, self.fallback_reason = None, None
+        self._unchecked = not force_jacobian
+        if force_jacobian:
+            self._use_jacobian("forced (force_jacobian=True)")
+        elif example is not None:
+            self._check(example)
+        self.per_row_t = self.jacobian is None and all(
+            rule.row_evaluation is not RowEvaluation.NONE for rule in self.rules
         )
-        self.per_row_t = all(
-            hasattr(rule, "moved_output") or hasattr(rule, "output_at") for rule in self.rules
+
+    def _check(self, example):
+        """The dry run: keep the per-layer rules, or switch to the ``JacobianRule``."""
+        self._unchecked = False
+        reasons = per_layer_hazards(self.module, set(self.path.param_names), self.layers, example)
+        if reasons:
+            self._use_jacobian("; ".join(reasons))
+
+    def _ensure_checked(self, X):
+        if self._unchecked and X.shape[0]:
+            self._check(X[:1])
+            self.per_row_t = self.per_row_t and self.jacobian is None
+
+    def _use_jacobian(self, reason):
+        self.fallback_reason = reason
+        self.jacobian = JacobianRule(self.module, self.path, tie_weights=self._tied)
+        self.layers, self.rules = [], [self.jacobian]
+        logger.debug(
+            "%s: per-sample Jacobians of the whole network instead of per-layer rules: %s",
+            type(self.module).__name__,
+            reason,
         )
 
     def params(self, flat):
@@ -65,14 +130,18 @@ class NetworkProbe:
         ``hook(index, inputs, output) -> output`` sees each parameterised layer.
         ``logits=True`` returns ``module(X)`` without the log-softmax.
         """
+        self._ensure_checked(X)
         if t is not None and not isinstance(t, torch.Tensor):
             start, t = start + t * direction, None
+        if t is not None and not self.per_row_t:
+            raise ValueError("A per-row t needs every layer to take one (per_row_t); use per_row.")
         params = self.params(start)
         steps = None if t is None else self.params(direction)
+        linear = RowEvaluation.MOVED_OUTPUT
 
         def layer_hook(index):
             def run(layer, inputs, output):
-                if steps is not None and hasattr(self.rules[index], "moved_output"):
+                if steps is not None and self.rules[index].row_evaluation is linear:
                     moved = self.rules[index].moved_output(inputs, steps)
                     output = output + t.view(-1, *([1] * (output.ndim - 1))) * moved
                 return output if hook is None else hook(index, inputs, output)
@@ -88,7 +157,7 @@ class NetworkProbe:
         replaced = []
         if steps is not None:
             for rule, layer in zip(self.rules, self.layers, strict=True):
-                if not hasattr(rule, "moved_output"):
+                if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
                     layer.forward = _forward_at(rule, params, steps, t)
                     replaced.append(layer)
         try:
@@ -107,6 +176,7 @@ class NetworkProbe:
         ``fn`` returns an object with ``take(rows)`` and a ``cat`` classmethod-like
         helper given as ``fn.cat``.
         """
+        self._ensure_checked(X)
         if t is None or not isinstance(t, torch.Tensor) or self.per_row_t:
             return fn(start, X, direction, t)
         values, inverse = torch.unique(t, return_inverse=True)
@@ -147,6 +217,11 @@ class NetworkProbe:
         log_proba : torch.Tensor of shape (n, K)
         factors : list of Factors, one per layer rule.
         """
+        self._ensure_checked(X)
+        if self.jacobian is not None:
+            # One vmap over the rows, each at its own weights: no pass per distinct t.
+            log_proba, factors = self.jacobian.factors(X, start, outputs, direction=direction, t=t)
+            return log_proba, [factors]
         result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
         return result.log_proba, result.factors
 
@@ -165,6 +240,7 @@ class NetworkProbe:
             Of the rows of ``X``.
         factors, start_factors : lists of factors, one per layer rule.
         """
+        self._ensure_checked(X)
         if not self.per_row_t:
             raise ValueError("factors_with needs every layer to take a per-row t.")
         n = X.shape[0]
@@ -235,7 +311,8 @@ class NetworkProbe:
                 delta = delta.transpose(0, 1)
             else:
                 delta = (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
-            if hasattr(rule, "output_at") and row_params is None:
+            at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
+            if at_own_t and row_params is None:
                 row_params = self.params(base)
                 row_steps = None if row_t is None else self.params(base_direction)
             for part_factors, (rows, picked) in zip(factors, parts, strict=True):
@@ -243,7 +320,7 @@ class NetworkProbe:
                 if picked is not None:
                     rows_picked = torch.arange(len(picked), device=picked.device)
                     part_delta = part_delta[rows_picked, picked].unsqueeze(1)
-                if hasattr(rule, "output_at"):
+                if at_own_t:
                     part_t = None if row_t is None else row_t[rows]
                     part = rule.factors(part_inputs, part_delta, row_params, row_steps, part_t)
                 else:
@@ -311,3 +388,147 @@ class _FactorsAt:
         return _FactorsAt(
             self.probe, self.outputs, self.log_proba[rows], [f.take(rows) for f in self.factors]
         )
+
+
+def _name(prefix, module):
+    return f"{prefix or '<root>'} ({type(module).__name__})"
+
+
+def per_layer_hazards(module, path_names, layers, example):
+    """Why per-layer rules would be wrong for ``module``: a list of reasons, empty if none.
+
+    The per-layer rules read each parameterised layer's input and output from
+    hooks, once per forward pass, and assume its parameters enter the network
+    only through that call. Checked statically: no path parameter is tied to
+    another name, and no module has path parameters of its own next to
+    parameterised children (its rule would re-run the children at the wrong
+    weights). Checked by one forward pass on ``example`` (the module's own
+    parameter values): every layer with a rule (``layers``) is called exactly
+    once, with tensor positional arguments only, and returns a tensor; every
+    use of a path parameter by a torch function happens inside its own
+    module's forward (a layer never called, ``F.linear(x, self.fc.weight)``
+    in a parent, or a parameter read by a sibling all break this).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+    path_names : set of str
+        The path's (trainable) parameter names; other parameters are constants.
+    layers : list of torch.nn.Module
+        The modules that got a per-layer rule.
+    example : torch.Tensor of shape (n, ...)
+
+    Returns
+    -------
+    list of str
+    """
+    reasons = []
+    by_tensor = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    tied = set()
+    for key, names in by_tensor.items():
+        if len(names) > 1 and any(name in path_names for name in names):
+            reasons.append(f"tied parameters ({' is '.join(names)})")
+            tied.add(key)
+
+    owners, names_of = {}, {}
+    for prefix, submodule in module.named_modules():
+        dotted = f"{prefix}." if prefix else ""
+        own = [
+            (f"{dotted}{name}", param)
+            for name, param in submodule.named_parameters(recurse=False)
+            if f"{dotted}{name}" in path_names
+        ]
+        names_of[id(submodule)] = prefix
+        for full, param in own:
+            if id(param) not in tied:  # (its other uses are its tie, reported above)
+                owners[id(param)] = (submodule, full)
+        children_params = [
+            f"{dotted}{name}"
+            for child_name, child in submodule.named_children()
+            for name, _ in child.named_parameters(prefix=child_name)
+            if f"{dotted}{name}" in path_names
+        ]
+        if own and children_params:
+            reasons.append(
+                f"{_name(prefix, submodule)} uses parameters of its own "
+                f"({', '.join(full for full, _ in own)}) next to parameterised children"
+            )
+
+    rule_layers = {id(layer): layer for layer in layers}
+    calls = dict.fromkeys(rule_layers, 0)
+    stack, found = [], []
+
+    def before(layer, args, kwargs):
+        stack.append(layer)
+        if id(layer) in rule_layers and (kwargs or not all(torch.is_tensor(a) for a in args)):
+            found.append(
+                f"{_name(names_of.get(id(layer)), layer)} is called with keyword or "
+                "non-tensor arguments"
+            )
+
+    def after(layer, args, output):
+        stack.pop()
+        if id(layer) in rule_layers:
+            calls[id(layer)] += 1
+            if not torch.is_tensor(output):
+                found.append(
+                    f"{_name(names_of.get(id(layer)), layer)} returns a "
+                    f"{type(output).__name__}, not a tensor"
+                )
+
+    handles = []
+    for submodule in module.modules():
+        handles.append(submodule.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(submodule.register_forward_hook(after))
+    uses = _ParameterUses(owners, stack)
+    # A module in training mode may update buffers (running statistics) or draw
+    # random numbers: the dry run leaves both as they were.
+    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    devices = [example.device] if example.device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), uses:
+            module(example)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    reasons += list(dict.fromkeys(found))
+    for key, count in calls.items():
+        if count != 1:
+            layer = rule_layers[key]
+            what = "never called" if count == 0 else f"called {count} times (shared weights)"
+            reasons.append(f"{_name(names_of.get(key), layer)} is {what} per forward pass")
+    for full, owner in uses.outside.items():
+        reasons.append(
+            f"{full} is used outside the forward of {_name(names_of.get(id(owner)), owner)}"
+        )
+    return reasons
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Records path parameters that torch functions use outside their module's forward.
+
+    ``owners`` maps ``id(parameter)`` to (owning module, path name); ``stack``
+    is the list of modules whose forward is running (kept by hooks). Uses that
+    produce no tensor (``.shape``, ``.size()``) are metadata, not computation.
+    """
+
+    def __init__(self, owners, stack):
+        super().__init__()
+        self.owners, self.stack = owners, stack
+        self.outside = {}  # path name -> owning module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        leaves = tree_flatten((args, kwargs))[0]
+        used = [self.owners[id(x)] for x in leaves if torch.is_tensor(x) and id(x) in self.owners]
+        if used and any(torch.is_tensor(x) for x in tree_flatten(result)[0]):
+            for owner, full in used:
+                if not any(running is owner for running in self.stack):
+                    self.outside.setdefault(full, owner)
+        return result

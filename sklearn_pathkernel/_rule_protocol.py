@@ -1,6 +1,31 @@
 """The layer rule protocol: what the engine needs of one parameterised layer."""
 
+import enum
 from abc import ABC, abstractmethod
+
+
+class RowEvaluation(enum.Enum):
+    """How the probe evaluates a layer with every row at its own point ``t_i`` of a step.
+
+    A batch of quadrature nodes or kink-search points holds rows at different
+    points ``w + t_i dw`` of the step; evaluating them in one pass needs every
+    layer to support per-row weights, in one of these ways:
+
+    ``MOVED_OUTPUT``
+        The layer is linear in its weights: its output at ``w + t dw`` is its
+        output at ``w`` plus ``t`` times its "moved" output, the layer applied
+        with ``dw`` (the rule's ``moved_output(inputs, steps)``).
+    ``OUTPUT_AT``
+        The rule computes the layer's output at per-row weights itself
+        (``output_at(inputs, params, steps, t)``), and its ``factors`` take the
+        step's start, its direction and the rows' ``t``.
+    ``NONE``
+        No per-row form: the probe evaluates one scalar ``t`` per pass.
+    """
+
+    MOVED_OUTPUT = "moved_output"
+    OUTPUT_AT = "output_at"
+    NONE = "none"
 
 
 class LayerRule(ABC):
@@ -19,6 +44,9 @@ class LayerRule(ABC):
     """
 
     path_names: list
+    #: How a row is evaluated at its own ``t`` (see :class:`RowEvaluation`); every
+    #: rule class sets it. The default is the one that is always correct.
+    row_evaluation: RowEvaluation = RowEvaluation.NONE
 
     @abstractmethod
     def inner(self, left, right, mode):
