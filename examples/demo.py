@@ -35,7 +35,7 @@ print(f"network: {clf.n_steps_} gradient steps, test accuracy {clf.score(X_test,
 
 # 2. The exact decomposition: initial network + one contribution per training point.
 parts = clf.decompose(X_test)
-kernel_machine = parts.bias + parts.contributions.sum(axis=1)
+kernel_machine = parts.bias + parts.contributions.sum(axis=1) + parts.decay
 error = np.abs(kernel_machine - clf.predict_log_proba(X_test)).max()
 print(
     f"kernel machine vs network on {len(X_test)} test points: max |difference| = {error:.1e} "

@@ -37,7 +37,7 @@ clf = ExactPathKernelClassifier(
 start = time.perf_counter()
 parts = clf.decompose(means)
 print(f"decomposition of 3 queries in {time.perf_counter() - start:.1f} s")
-identity = parts.bias + parts.contributions.sum(axis=1)
+identity = parts.bias + parts.contributions.sum(axis=1) + parts.decay
 print(f"max |bias + sum of contributions - network| = {np.abs(identity - parts.output).max():.1e}")
 for q in range(3):
     top = np.argsort(-parts.contributions[q, :, q])[:3]

@@ -48,7 +48,7 @@ for quadrature in ["exact", "dpk"]:
     start = time.perf_counter()
     parts = clf.decompose(X_test)
     seconds = time.perf_counter() - start
-    machine = parts.bias + parts.contributions.sum(axis=1)
+    machine = parts.bias + parts.contributions.sum(axis=1) + parts.decay
     results[quadrature] = machine
     same = (machine.argmax(axis=1) == network.argmax(axis=1)).mean()
     accuracy = (clf.classes_[machine.argmax(axis=1)] == y_test).mean()

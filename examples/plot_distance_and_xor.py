@@ -113,6 +113,6 @@ if "__file__" in globals():  # run as a script; sphinx-gallery keeps its own cop
 clf, y, _ = fits["XOR"]
 queries = corners + 0.05
 parts = clf.decompose(queries)
-error = np.abs(parts.bias + parts.contributions.sum(axis=1) - parts.output).max()
+error = np.abs(parts.bias + parts.contributions.sum(axis=1) + parts.decay - parts.output).max()
 print(f"XOR: max |bias + sum of contributions - network| at 4 queries = {error:.1e}")
 plt.show()

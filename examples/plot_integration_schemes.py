@@ -72,7 +72,7 @@ for name, params in schemes:
     start = time.perf_counter()
     parts = clf.decompose(X_test)
     seconds.append(time.perf_counter() - start)
-    machines.append(parts.bias + parts.contributions.sum(axis=1))
+    machines.append(parts.bias + parts.contributions.sum(axis=1) + parts.decay)
     errors.append(np.abs(machines[-1] - network).max())
     print(
         f"{name.replace(chr(10), ' '):>16}: max |kernel machine - network| = {errors[-1]:.1e}, "
