@@ -10,13 +10,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
-from sklearn.utils import check_random_state
+from sklearn.utils import Bunch, check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from ._device import CPU, loadable_device, on_host, resolve_device
 from ._module_checks import check_module
+from ._optimizers import UPDATE_RULES, SolverSettings
 from ._training import train_module
 
 DTYPE = torch.float64
@@ -39,8 +40,13 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "batch_size": [Interval(Integral, 1, None, closed="left"), None],
-        "solver": [StrOptions({"sgd", "adam"})],
+        "solver": [StrOptions(set(UPDATE_RULES))],
         "momentum": [Interval(Real, 0, 1, closed="left")],
+        "nesterovs_momentum": ["boolean"],
+        "beta_1": [Interval(Real, 0, 1, closed="left")],
+        "beta_2": [Interval(Real, 0, 1, closed="left")],
+        "epsilon": [Interval(Real, 0, None, closed="neither")],
+        "weight_decay": [Interval(Real, 0, None, closed="left")],
         "shuffle": ["boolean"],
         "tol": [Interval(Real, 0, None, closed="left"), None],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
@@ -130,9 +136,16 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             X_t,
             y_t,
             sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
-            solver=self.solver,
+            solver=SolverSettings(
+                solver=self.solver,
+                momentum=self.momentum,
+                nesterovs_momentum=self.nesterovs_momentum,
+                beta_1=self.beta_1,
+                beta_2=self.beta_2,
+                epsilon=self.epsilon,
+                weight_decay=self.weight_decay,
+            ),
             learning_rate=self.learning_rate,
-            momentum=self.momentum,
             max_iter=self.max_iter,
             batch_size=self.batch_size,
             shuffle=self.shuffle,
@@ -233,13 +246,6 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     def _engine(self):
         """The kernel engine of the fitted path (built once, shared by callers)."""
         check_is_fitted(self)
-        if self.path_ is None:
-            raise NotImplementedError(
-                f"The exact path kernel is implemented for plain gradient descent "
-                f"(solver='sgd', momentum=0); this model was trained with "
-                f"solver={self.solver!r}, momentum={self.momentum}, whose updates "
-                "are not a sum of per-sample gradients at the step's start."
-            )
         cache = self.__dict__.get("_kernel_cache")
         settings = (self.quadrature, self.n_points, self.n_jobs, self.verbose)
         if cache is not None and settings != (
@@ -305,9 +311,15 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     def decompose(self, X):
         """Write the network's output on ``X`` as an exact sum over training points.
 
-        ``bias + contributions.sum(axis=1)`` equals ``predict_log_proba(X)`` up
-        to the quadrature error reported in ``residual``. ``X`` is always on the
-        test copy, so the identity holds at every point, training points included.
+        ``bias + contributions.sum(axis=1) + decay`` equals
+        ``predict_log_proba(X)``; ``residual`` says by how much it misses, measured
+        against the network's own output. ``X`` is always on the test copy, so the
+        identity holds at every point, training points included.
+
+        With momentum or Adam a step's update mixes the gradients of earlier
+        steps: training point ``i``'s contribution is then everything its
+        gradients moved, in every later step, weighed by the run's own
+        preconditioner (see the user guide, "Optimisers").
 
         Parameters
         ----------
@@ -317,14 +329,32 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         -------
         result : :class:`~sklearn.utils.Bunch`
             ``contributions`` (n_samples, n_train, n_classes): what training point
-            ``i`` added to output ``k``; ``bias`` (n_samples, n_classes): the
-            initial network's output; ``output`` (n_samples, n_classes): the
-            trained network's log-probabilities; ``residual`` (n_samples,): the
-            exactness certificate, the summed per-step quadrature error.
+            ``i`` added to output ``k`` over the whole run; ``bias`` (n_samples,
+            n_classes): the initial network's output; ``decay`` (n_samples,
+            n_classes): what weight decay moved (zeros without it); ``output``
+            (n_samples, n_classes): the trained network's log-probabilities;
+            ``residual`` (n_samples,): the exactness certificate, ``max_k |bias +
+            sum_i contributions + decay - output|``, with ``output`` evaluated by
+            the network itself (not by the kernel engine), so that no error of the
+            engine or of the recorded path can hide behind it;
+            ``quadrature_error`` (n_samples,): the part of it the quadrature
+            accounts for, summed over steps.
         """
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        return self._engine().decompose(as_tensor(X, self.device_))
+        X_t = as_tensor(X, self.device_)
+        parts = self._engine().decompose(X_t)
+        with torch.no_grad():  # the module's own forward, at its own (final) weights
+            output = F.log_softmax(self.module_(X_t), dim=1).cpu().numpy()
+        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+        return Bunch(
+            contributions=parts.contributions,
+            bias=parts.bias,
+            decay=parts.decay,
+            output=output,
+            residual=np.abs(total - output).max(axis=1),
+            quadrature_error=parts.residual,
+        )
 
 
 def copy_module(module):
