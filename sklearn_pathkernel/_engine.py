@@ -1,11 +1,14 @@
 """The exact path kernel engine: decomposition and Gram matrices of a recorded path.
 
-Notation (DESIGN.md): ``f_w(x) = log_softmax(module_w(x))`` with K outputs; step
+Notation (as in the user guide): ``f_w(x) = log_softmax(module_w(x))`` with K outputs; step
 ``s`` moves the weights along ``w_s(t) = w_s + t (w_{s+1} - w_s)``; the training
 copy of a point uses ``g(x; w_s)``, the gradient at the start of the step, the
 test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``. Then, exactly,
 
-    f(x; w_S) = f(x; w_0) + sum_s sum_{i in B_s} a_{s,i} <phi_s(x), g_{y_i}(x_i; w_s)>.
+    f(x; w_S) = f(x; w_0) + sum_s sum_{i in B_s} eta_s a_{s,i} <phi_s(x), g_{y_i}(x_i; w_s)>
+
+for plain gradient descent; momentum, Adam and weight decay replace ``eta_s phi_s``
+by the backward-accumulated ``psi_s`` and add a decay term (see ``decompose``).
 
 How it is fast: per step, one forward pass and one batched backward pass give
 every layer's factors; the per-layer rules turn factors into Gram blocks without

@@ -1,6 +1,6 @@
 """ExactPathKernel: the learned path kernel as a scikit-learn ``Kernel``.
 
-The EPK has two copies of input space (DESIGN.md): a training point is seen
+The EPK has two copies of input space (user guide, "The Exact Path Kernel"): a training point is seen
 through its gradient at the start of each step, any other point through its
 gradient integrated along the step. A kernel object is only given arrays, so
 the copy is decided per row: a row equal to a training row is on the training

@@ -5,7 +5,7 @@ rules, no kink location): per-example Jacobians ``(n, K, W)`` of
 ``f_w(x) = log_softmax(module_w(x))`` are materialised with
 ``torch.func.vmap(jacrev(...))`` and contracted with ``einsum``.
 
-Notation (DESIGN.md): step ``s`` moves the weights along
+Notation (as in the user guide): step ``s`` moves the weights along
 ``w_s(t) = w_s + t (w_{s+1} - w_s)``; the training copy of a point uses
 ``g(x; w_s)``, the test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``, integrated
 here by a fixed quadrature rule (nodes ``t_q``, weights ``nu_q`` on ``[0, 1]``).
