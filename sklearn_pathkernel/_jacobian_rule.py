@@ -15,6 +15,8 @@ of a ``functional_call`` of the whole module on one sample, ``vmap``-ed over the
 rows. Parameters outside the path (frozen ones) keep the module's own values.
 """
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vmap
@@ -27,6 +29,8 @@ from ._rule_protocol import LayerRule, RowEvaluation
 # Bytes per Jacobian entry held while a tile is evaluated: the result, and the
 # vector-Jacobian products jacrev forms on the way (about one more of each).
 _BYTES_PER_ENTRY = 3 * 8
+
+logger = logging.getLogger(__name__)
 
 
 class JacobianRule(LayerRule):
@@ -41,7 +45,9 @@ class JacobianRule(LayerRule):
     backward passes per row (one with ``outputs``), each through a one-row
     forward pass, batched over the rows by ``vmap``. Rows are evaluated in tiles
     that keep the intermediate vector-Jacobian products within
-    ``BLOCK_BUDGET_BYTES``.
+    ``BLOCK_BUDGET_BYTES``. A forward pass that ``vmap`` cannot batch
+    (data-dependent control flow, ``.item()``) is evaluated row by row instead:
+    the same numbers, one Python-level pass per row (``vmap_failure`` says why).
 
     Parameters
     ----------
@@ -67,6 +73,8 @@ class JacobianRule(LayerRule):
         self.path_names = list(path.param_names)
         self.tie_weights = tie_weights
         self.budget = BLOCK_BUDGET_BYTES if budget is None else budget
+        # Why vmap over rows failed on this module (then rows go one by one), or None.
+        self.vmap_failure = None
 
     def _log_proba(self, flat, x):
         """``log_softmax(module(x))`` of one sample at flat path weights, (K,)."""
@@ -128,28 +136,44 @@ class JacobianRule(LayerRule):
         return torch.cat(log_proba), Factors(grads=torch.cat(grads))
 
     def _tile(self, X, weights, outputs, per_row, n_outputs):
-        weight_dim = 0 if per_row else None
+        """``(log_proba, grads)`` of a tile: ``vmap`` over its rows, or a loop over
+        them once ``vmap`` has failed on this module."""
+        # Each row: its log-probabilities (aux) and the Jacobian of every output,
+        # or the gradient of its one picked output (one backward pass, not K).
         if outputs is None:
 
-            def value_and_jacobian(flat, x):
+            def one_row(flat, x):
                 values = self._log_proba(flat, x)
                 return values, values.detach()
 
-            jacobians, log_proba = vmap(
-                jacrev(value_and_jacobian, has_aux=True), in_dims=(weight_dim, 0)
-            )(weights, X)
-            return log_proba, jacobians
-        # One output per row: one backward pass per row instead of K.
-        pick = F.one_hot(outputs, n_outputs).to(X.dtype)
+            per_row_fn, args = jacrev(one_row, has_aux=True), (weights, X)
+        else:
 
-        def picked(flat, x, one_hot):
-            values = self._log_proba(flat, x)
-            return (values * one_hot).sum(), values.detach()
+            def one_output(flat, x, one_hot):
+                values = self._log_proba(flat, x)
+                return (values * one_hot).sum(), values.detach()
 
-        gradients, log_proba = vmap(grad(picked, has_aux=True), in_dims=(weight_dim, 0, 0))(
-            weights, X, pick
-        )
-        return log_proba, gradients.unsqueeze(1)
+            pick = F.one_hot(outputs, n_outputs).to(X.dtype)
+            per_row_fn, args = grad(one_output, has_aux=True), (weights, X, pick)
+        in_dims = (0 if per_row else None, *([0] * (len(args) - 1)))
+        if self.vmap_failure is None:
+            try:
+                jacobians, log_proba = vmap(per_row_fn, in_dims=in_dims)(*args)
+                return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
+            except RuntimeError as error:
+                # E.g. data-dependent control flow or .item() in the forward pass,
+                # which vmap cannot batch: the same computation, row by row.
+                self.vmap_failure = str(error).splitlines()[0]
+                logger.debug("JacobianRule: vmap failed, rows one by one: %s", error)
+        rows = []
+        for i in range(X.shape[0]):
+            row_args = [
+                arg if dim is None else arg[i] for arg, dim in zip(args, in_dims, strict=True)
+            ]
+            rows.append(per_row_fn(*row_args))
+        jacobians = torch.stack([row[0] for row in rows])
+        log_proba = torch.stack([row[1] for row in rows])
+        return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
 
     def inner(self, left, right, mode):
         return _contract(left.grads, right.grads, mode)

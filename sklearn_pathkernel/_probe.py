@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ._jacobian_rule import JacobianRule
 from ._layer_rules import make_rule
@@ -460,23 +459,29 @@ def per_layer_hazards(module, path_names, layers, example):
     calls = dict.fromkeys(rule_layers, 0)
     stack, found = [], []
 
+    n_rows = example.shape[0]
+
     def before(layer, args, kwargs):
         stack.append(layer)
-        if id(layer) in rule_layers and (kwargs or not all(torch.is_tensor(a) for a in args)):
+        # The rules see a layer's positional tensor inputs only (row-major).
+        if id(layer) in rule_layers and (
+            kwargs or not args or not all(torch.is_tensor(a) for a in args)
+        ):
             found.append(
-                f"{_name(names_of.get(id(layer)), layer)} is called with keyword or "
-                "non-tensor arguments"
+                f"{_name(names_of.get(id(layer)), layer)} is called with keyword, "
+                "non-tensor or no arguments"
             )
 
     def after(layer, args, output):
         stack.pop()
         if id(layer) in rule_layers:
             calls[id(layer)] += 1
+            name = _name(names_of.get(id(layer)), layer)
             if not torch.is_tensor(output):
-                found.append(
-                    f"{_name(names_of.get(id(layer)), layer)} returns a "
-                    f"{type(output).__name__}, not a tensor"
-                )
+                found.append(f"{name} returns a {type(output).__name__}, not a tensor")
+            elif output.ndim == 0 or output.shape[0] != n_rows:
+                # e.g. a parametrisation computing a weight: not one output per row
+                found.append(f"{name} returns no row per input row")
 
     handles = []
     for submodule in module.modules():
@@ -525,10 +530,21 @@ class _ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        leaves = tree_flatten((args, kwargs))[0]
-        used = [self.owners[id(x)] for x in leaves if torch.is_tensor(x) and id(x) in self.owners]
-        if used and any(torch.is_tensor(x) for x in tree_flatten(result)[0]):
+        used = [self.owners[id(x)] for x in _tensors((args, kwargs)) if id(x) in self.owners]
+        if used and next(_tensors(result), None) is not None:
             for owner, full in used:
                 if not any(running is owner for running in self.stack):
                     self.outside.setdefault(full, owner)
         return result
+
+
+def _tensors(value):
+    """The tensors in nested tuples, lists and dicts (arguments and results)."""
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)

@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from sklearn_pathkernel._engine import PathKernelEngine
 from sklearn_pathkernel._jacobian_rule import JacobianRule
+from sklearn_pathkernel._optimizers import SolverSettings
 from sklearn_pathkernel._path import WeightPath
 from sklearn_pathkernel._probe import NetworkProbe
 from sklearn_pathkernel._training import train_module
@@ -112,6 +114,56 @@ class FrozenProjection(nn.Module):
         return self.head(torch.tanh(self.inp(x) + F.linear(x, self.projection.weight)))
 
 
+class FrozenAndShared(nn.Module):
+    """A hazard (a layer applied twice) next to a frozen layer: the frozen
+    weights stay constants of the fallback, outside the path."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(N_FEATURES, 6).requires_grad_(False)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, N_CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.frozen(x))
+        return self.head(torch.tanh(self.mid(torch.tanh(self.mid(h)))))
+
+
+class TokensInBatch(nn.Module):
+    """A layer applied to tokens folded into the batch axis: its rows are not samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Linear(2, 3)
+        self.head = nn.Linear(12, N_CLASSES)
+
+    def forward(self, x):
+        n = x.shape[0]
+        return self.head(torch.tanh(self.tok(x.reshape(4 * n, 2))).reshape(n, 12))
+
+
+def weight_norm_mlp():
+    """A parametrised weight: computed by a module called without inputs."""
+    return nn.Sequential(
+        parametrizations.weight_norm(nn.Linear(N_FEATURES, 5)), nn.Tanh(), nn.Linear(5, N_CLASSES)
+    )
+
+
+class RowGuard(nn.Module):
+    """A layer applied twice, and Python control flow on each row's values
+    (which ``vmap`` cannot batch): a guard that never fires on this data."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(N_FEATURES, 6)
+        self.head = nn.Linear(6, N_CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        rows = [row / 2 if float(row.detach().max()) > 100 else row for row in h]
+        return self.head(torch.stack(rows)) + self.head(h)
+
+
 def mlp():
     return nn.Sequential(
         nn.Linear(N_FEATURES, 6), nn.ReLU(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, N_CLASSES)
@@ -124,6 +176,9 @@ HAZARDS = {
     "self_attention": (SelfAttention, "returns a tuple"),
     "direct_parameter": (DirectParameter, "uses parameters of its own (W)"),
     "weight_outside_layer": (WeightOutsideLayer, "fc.weight is used outside the forward of fc"),
+    "row_guard": (RowGuard, "head (Linear) is called 2 times"),
+    "tokens_in_batch": (TokensInBatch, "tok (Linear) returns no row per input row"),
+    "weight_norm": (weight_norm_mlp, "(ParametrizationList) is called with keyword, non-tensor"),
 }
 
 
@@ -137,11 +192,13 @@ def blobs(n, seed):
     return torch.tensor(centers[y] + rng.randn(n, N_FEATURES)), torch.tensor(y)
 
 
-def trained(factory, n=24, steps=10, lr=0.3, seed=0):
+def trained(factory, n=24, steps=10, lr=0.3, seed=0, **kwargs):
     torch.manual_seed(seed)
     module = factory().to(DTYPE)
     X, y = blobs(n, seed)
-    path = train_module(module, X, y, learning_rate=lr, max_iter=steps, random_state=seed).path
+    path = train_module(
+        module, X, y, learning_rate=lr, max_iter=steps, random_state=seed, **kwargs
+    ).path
     return module, path, X, y
 
 
@@ -210,7 +267,8 @@ def assert_sum_identity(module, engine, X_query):
     result = engine.decompose(X_query)
     with torch.no_grad():
         expected = F.log_softmax(module(X_query), dim=1).numpy()
-    total = result.bias + result.contributions.sum(1)
+    # (decay: the weight-decay term, exactly 0 without weight decay)
+    total = result.bias + result.contributions.sum(1) + result.decay
     np.testing.assert_allclose(total, expected, rtol=0, atol=1e-9)
     np.testing.assert_allclose(result.output, expected, rtol=0, atol=1e-12)
 
@@ -249,6 +307,23 @@ def test_factors_match_autograd_jacobians(factory):
         _, scalar = rule.factors(X, start, direction=direction, t=0.5)
         at_half = autograd_jacobians(module, path, start + 0.5 * direction, X)
         torch.testing.assert_close(scalar.grads, at_half, rtol=1e-10, atol=1e-12)
+
+
+def test_rows_one_by_one_when_vmap_cannot_batch_the_forward():
+    torch.manual_seed(0)
+    module = RowGuard().to(DTYPE)
+    path = trainable_path(module, n_steps=1)
+    rule = JacobianRule(module, path)
+    X, start, direction = queries(n=3), path.weights[0], path.step_direction(0)
+    t = torch.tensor([0.1, 0.5, 0.7], dtype=DTYPE)
+    _, factors = rule.factors(X, start, direction=direction, t=t)
+    assert "vmap" in rule.vmap_failure
+    for i in range(3):
+        expected = autograd_jacobians(module, path, start + float(t[i]) * direction, X[i : i + 1])
+        torch.testing.assert_close(factors.grads[i : i + 1], expected, rtol=1e-10, atol=1e-12)
+    _, picked = rule.factors(X, start, torch.tensor([1, 2, 0]))
+    expected = autograd_jacobians(module, path, start, X)[torch.arange(3), [1, 2, 0]]
+    torch.testing.assert_close(picked.grads[:, 0], expected, rtol=1e-10, atol=1e-12)
 
 
 def test_protocol_operations_match_materialised_jacobians():
@@ -346,6 +421,29 @@ def test_decompose_sums_to_the_trained_network(name):
     engine = PathKernelEngine(module, path, X, y)
     assert reason in engine.probe.fallback_reason
     assert_sum_identity(module, engine, queries())
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(solver="sgd", momentum=0.8, weight_decay=0.02),
+        dict(solver="adamw", weight_decay=0.1, epsilon=1e-6),
+    ],
+    ids=["momentum-decay", "adamw"],
+)
+@pytest.mark.parametrize("factory", [FrozenAndShared, DirectParameter])
+def test_fallback_with_other_solvers_and_mini_batches(factory, settings):
+    """Momentum and Adam accumulate materialised features over the steps: the
+    fallback's single rule serves them too. Frozen weights are not in the path."""
+    lr = 0.02 if settings["solver"] == "adamw" else 0.1
+    module, path, X, y = trained(
+        factory, steps=3, lr=lr, batch_size=8, solver=SolverSettings(**settings)
+    )
+    assert not any(name.startswith("frozen") for name in path.param_names)
+    engine = PathKernelEngine(module, path, X, y)
+    assert engine.probe.fallback_reason is not None
+    assert_sum_identity(module, engine, queries())
+    assert np.abs(engine.decompose(queries()).decay).max() > 0
 
 
 def test_plain_mlp_keeps_factored_rules_and_forced_fallback_agrees():
