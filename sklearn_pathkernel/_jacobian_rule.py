@@ -23,11 +23,12 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from ._contract import contract as _contract
 from ._layer_rules import Factors, row_sums
-from ._memory import BLOCK_BUDGET_BYTES, rows_per_tile
+from ._memory import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
 from ._rule_protocol import LayerRule, RowEvaluation
 
-# Bytes per Jacobian entry held while a tile is evaluated: the result, and the
-# vector-Jacobian products jacrev forms on the way (about one more of each).
+# Bytes per Jacobian entry held while a tile is evaluated (an estimate): the
+# result, jacrev's vector-Jacobian products before they are stacked into it, and
+# about as much again for per-row weights and the vmapped activations.
 _BYTES_PER_ENTRY = 3 * 8
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class JacobianRule(LayerRule):
         Bytes of Jacobian per tile; ``None`` means ``BLOCK_BUDGET_BYTES``.
     """
 
-    # One scalar t per pass: the probe evaluates the module itself at
-    # ``start + t direction``, not layer by layer.
+    # The probe's own forward passes (kink search, log-probabilities) run the
+    # whole module at one scalar t per pass; ``factors`` takes per-row t itself.
     row_evaluation = RowEvaluation.NONE
 
     def __init__(self, module, path, *, tie_weights=False, budget=None):
@@ -120,6 +121,15 @@ class JacobianRule(LayerRule):
         with torch.no_grad():  # one row's output, to size the tiles
             n_outputs = self._log_proba(start, X[0]).shape[0]
         kept = n_outputs if outputs is None else 1
+        # The result is materialised whole: refuse clearly rather than swap.
+        check_fits(
+            8 * n * kept * n_weights,
+            f"Per-sample Jacobians of {n} rows x {kept} outputs x {n_weights} weights "
+            "(the whole-network fallback)",
+            "evaluate fewer rows at a time (the engine's tile_size, the training batch "
+            "size), or use a network whose parameterised layers are each called once per "
+            "forward pass (see the probe's fallback_reason).",
+        )
         row_bytes = _BYTES_PER_ENTRY * kept * max(n_weights, 1)
         size = rows_per_tile(n, row_bytes, self.budget)
         log_proba, grads = [], []

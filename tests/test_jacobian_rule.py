@@ -326,6 +326,17 @@ def test_rows_one_by_one_when_vmap_cannot_batch_the_forward():
     torch.testing.assert_close(picked.grads[:, 0], expected, rtol=1e-10, atol=1e-12)
 
 
+def test_refuses_jacobians_that_do_not_fit(monkeypatch):
+    import sklearn_pathkernel._memory as memory
+
+    torch.manual_seed(0)
+    module = SharedLinear().to(DTYPE)
+    path = trainable_path(module)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1000)
+    with pytest.raises(MemoryError, match="whole-network fallback"):
+        JacobianRule(module, path).factors(queries(n=4), path.weights[0])
+
+
 def test_protocol_operations_match_materialised_jacobians():
     """inner, directional, integrate and flatten against plain tensor algebra."""
     torch.manual_seed(0)
