@@ -76,28 +76,44 @@ def check_module(module, X, n_outputs):
     _warn_random_layers(module)
     module.eval()
     rows = _distinct_rows(X)
+    # A forward pass that updates buffers (a custom running statistic) must not
+    # move the initial state: they are put back after the checks.
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(X.device)):
         first = module(rows[:1])
         _check_output(first, n_outputs, X.dtype)
         batch = module(rows)
         _check_batch_output(batch, rows.shape[0], n_outputs)
         _check_finite(batch)
-        again = module(rows)
-        if _difference(batch, again) > RTOL:
-            _refuse_random(module, rows, _difference(batch, again))
+        difference = _difference(batch, module(rows))
+        if difference > RTOL:
+            _refuse_random(module, rows, difference)
         if rows.shape[0] > 1:
             single = torch.cat([first, *(module(rows[i : i + 1]) for i in range(1, len(rows)))])
-            if _difference(batch, single) > RTOL:
-                _refuse_coupled(module, rows, _difference(batch, single))
+            difference = _difference(batch, single)
+            if difference > RTOL:
+                _refuse_coupled(module, rows, difference)
+        for name, buffer in module.named_buffers():
+            saved = buffers.get(name)
+            if saved is not None and saved.shape == buffer.shape:
+                buffer.copy_(saved)
 
 
 # -- layers recognised by their type -------------------------------------------------
 
 
 def _describe(name, layer):
+    """Where a problem is: a submodule by its qualified name, or the module's own code."""
     if not name:
         return f"the module's own forward ({type(layer).__name__})"
     return f"layer {name!r} ({type(layer).__name__})"
+
+
+def _subject(name, layer):
+    """A layer found by its type, as the subject of a sentence."""
+    if not name:
+        return f"The module ({type(layer).__name__})"
+    return f"The module's layer {name!r} ({type(layer).__name__})"
 
 
 def _check_batch_norm(module):
@@ -106,7 +122,7 @@ def _check_batch_norm(module):
             continue
         if layer.training:
             raise ValueError(
-                f"The module's {_describe(name, layer)} is in training mode: BatchNorm "
+                f"{_subject(name, layer)} is in training mode: BatchNorm "
                 "in training mode normalises each batch by its own statistics, so one "
                 "row's output depends on the other rows and the path kernel, a sum of "
                 "per-sample gradients, cannot reproduce it. Put it in eval mode "
@@ -115,7 +131,7 @@ def _check_batch_norm(module):
             )
         if layer.running_mean is None or layer.running_var is None:
             raise ValueError(
-                f"The module's {_describe(name, layer)} has no running statistics "
+                f"{_subject(name, layer)} has no running statistics "
                 "(track_running_stats=False), so it normalises each batch by its own "
                 "statistics even in eval mode: one row's output depends on the other "
                 "rows. Build it with track_running_stats=True and put it in eval mode "
@@ -188,6 +204,8 @@ def _check_batch_output(out, n_rows, n_outputs):
 
 
 def _check_finite(out):
+    if bool(torch.isfinite(out).all()):
+        return
     problems = []
     for kind, mask in (("NaN", torch.isnan(out)), ("inf", torch.isinf(out))):
         n_bad = int(mask.any(dim=1).sum())
@@ -215,7 +233,8 @@ def _refuse_random(module, rows, difference):
         f"mode differ (by up to {difference:.1e} relative){where}. The exact path "
         "kernel needs a deterministic network; remove the randomness (noise, or "
         "F.dropout(..., training=True)) or make it depend on self.training, which "
-        "is False during training and evaluation."
+        "is False during training and evaluation, and keep forward from changing "
+        "the module's own state."
     )
 
 
@@ -331,29 +350,37 @@ def _difference(a, b):
     equal (equal non-finite entries included), inf when the shapes differ."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return math.inf
-    if a.is_floating_point():
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    else:
-        same = a == b
-    if bool(same.all()):
+    if torch.equal(a, b):
         return 0.0
     if not a.is_floating_point():
         return math.inf
-    a64, b64 = a.double(), b.double()
-    finite = torch.cat([a64[torch.isfinite(a64)], b64[torch.isfinite(b64)]])
+    a, b = a.double(), b.double()
+    diff = (a - b).abs()
+    if bool(torch.isfinite(diff).all()):  # the usual case: finite, rounding apart
+        return float(diff.max()) / float(torch.maximum(a.abs().max(), b.abs().max()))
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if bool(same.all()):  # NaN in the same places, nothing else apart
+        return 0.0
+    diff = float(diff[~same].max())
+    finite = torch.cat([a[torch.isfinite(a)], b[torch.isfinite(b)]])
     scale = float(finite.abs().max()) if finite.numel() else 0.0
-    diff = float((a64 - b64)[~same].abs().max())
     if not math.isfinite(diff) or scale == 0.0:
         return math.inf
     return diff / scale
 
 
 def _distinct_rows(X):
-    """Up to ``N_CHECK_ROWS`` distinct rows of ``X`` (a batch in which coupling shows)."""
+    """Up to ``N_CHECK_ROWS`` distinct rows of ``X``, the first ones (duplicates
+    would hide a coupling such as ``x - x.mean(0)``)."""
     candidates = X[:_CANDIDATE_ROWS]
-    _, first = np.unique(candidates.detach().cpu().numpy(), axis=0, return_index=True)
-    index = np.sort(first)[:N_CHECK_ROWS]
-    return candidates[torch.as_tensor(index, device=X.device)]
+    values = candidates.detach().cpu().numpy()
+    chosen = []
+    for i, row in enumerate(values):
+        if not any(np.array_equal(row, values[j]) for j in chosen):
+            chosen.append(i)
+            if len(chosen) == N_CHECK_ROWS:
+                break
+    return candidates[torch.as_tensor(chosen, device=X.device)]
 
 
 def _rng_devices(device):

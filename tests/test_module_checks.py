@@ -430,3 +430,23 @@ def test_check_module_evaluates_distinct_rows():
     module = nn.Sequential(nn.Linear(N_FEATURES, 8), CenterBatch(), linear_head()).double()
     with pytest.raises(ValueError, match=r"evaluated on 3 rows together"):
         check_module(module, X, N_CLASSES)
+
+
+def test_check_module_puts_back_buffers_that_forward_updates(data):
+    X, _ = data
+
+    class CountsCalls(nn.Module):
+        """Updates a buffer at every call (its output does not depend on it)."""
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(N_FEATURES, N_CLASSES).double()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.linear(x)
+
+    module = CountsCalls()
+    check_module(module, torch.as_tensor(X), N_CLASSES)
+    assert module.calls.item() == 0.0  # w_0's state is the module as it was built
