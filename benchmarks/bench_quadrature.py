@@ -75,7 +75,6 @@ def main():
             clf.module_,
             clf.path_,
             clf._fit_X,
-            clf._fit_y,
             quadrature=quadrature,
             n_points=n_points or 100,
         )

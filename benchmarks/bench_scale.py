@@ -135,7 +135,7 @@ def truncated(path, n_steps):
     return WeightPath(
         path.weights[: n_steps + 1],
         path.batches[:n_steps],
-        path.loss_weights[:n_steps],
+        path.output_gradients[:n_steps],
         path.learning_rates[:n_steps],
         path.param_names,
         path.param_shapes,
@@ -145,7 +145,7 @@ def truncated(path, n_steps):
 
 def make_engine(name, clf, n_steps=None):
     path = clf.path_ if n_steps is None else truncated(clf.path_, n_steps)
-    args = (clf.module_, path, clf._fit_X, clf._fit_y)
+    args = (clf.module_, path, clf._fit_X)
     if name == "fast":
         from sklearn_pathkernel._engine import PathKernelEngine
 

@@ -4,6 +4,8 @@ Public API
 ----------
 ExactPathKernelClassifier
     A PyTorch network trained by gradient descent, with its Exact Path Kernel.
+ExactPathKernelRegressor
+    The same for regression (squared error): an exact kernel regression.
 DistanceKernelClassifier
     A network of distance layers ("memories"), with the same kernel API.
 ExactPathKernel
@@ -18,6 +20,7 @@ from ._classifier import ExactPathKernelClassifier
 from ._distance import DistanceLayer
 from ._distance_classifier import DistanceKernelClassifier
 from ._kernel import ExactPathKernel
+from ._regressor import ExactPathKernelRegressor
 from ._transformer import PathKernelTransformer
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "DistanceLayer",
     "ExactPathKernel",
     "ExactPathKernelClassifier",
+    "ExactPathKernelRegressor",
     "PathKernelTransformer",
 ]
 __version__ = "0.1.0.dev0"

@@ -1,21 +1,26 @@
-"""What both PyTorch classifiers share: validation, training, prediction and the
-path-kernel accessors (``kernel_``, ``decompose``)."""
+"""What the PyTorch estimators share: validation, training, the path-kernel
+accessors (``kernel_``, ``decompose``), and the classifier and regressor bases.
 
-import copy
+:class:`BasePathEstimator` trains ``f = link(module(x))`` on a loss (see
+``_losses``); the two bases add what differs: the targets (class codes and
+``classes_``, or numeric outputs), the loss, and the predictions.
+"""
+
 import os
 from abc import abstractmethod
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from sklearn.base import BaseEstimator, ClassifierMixin, _fit_context
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, _fit_context
 from sklearn.utils import Bunch, check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from ._device import CPU, loadable_device, on_host, resolve_device
+from ._losses import CrossEntropy, SquaredError
 from ._module_checks import check_module
 from ._optimizers import UPDATE_RULES, SolverSettings
 from ._training import train_module
@@ -30,11 +35,36 @@ def as_tensor(X, device):
     return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
 
 
-class BasePathClassifier(ClassifierMixin, BaseEstimator):
+@dataclass
+class Targets:
+    """Validated training targets, as :meth:`BasePathEstimator._targets` returns them.
+
+    Attributes
+    ----------
+    values : ndarray
+        What the loss takes: class codes (n,) or outputs (n, n_outputs).
+    n_outputs : int
+        Width of the module's output.
+    attributes : dict
+        Fitted attributes to set once training succeeded (e.g. ``classes_``).
+    """
+
+    values: np.ndarray
+    n_outputs: int
+    attributes: dict = field(default_factory=dict)
+
+
+class BasePathEstimator(BaseEstimator):
     """Base class: a torch module trained by gradient descent, path recorded.
 
-    Subclasses implement :meth:`_build_module` and list their own parameters.
+    Subclasses set the loss (``_loss``), validate the targets (:meth:`_targets`),
+    implement :meth:`_build_module` and list their own parameters.
     """
+
+    #: The training loss (a ``_losses.Loss``); its link gives the function ``f``.
+    _loss = None
+    #: ``validate_data`` settings for ``y``.
+    _target_validation = {}
 
     _parameter_constraints = {
         "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
@@ -60,21 +90,25 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     }
 
     @abstractmethod
-    def _build_module(self, X, n_classes):
-        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_classes).
+    def _targets(self, y):
+        """Validate ``y`` (already through ``validate_data``); return :class:`Targets`."""
+
+    @abstractmethod
+    def _build_module(self, X, n_outputs):
+        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_outputs).
 
         ``X`` is the float64 training data as a CPU tensor (for data-dependent
         initialisation). Torch's global generator is seeded from
         ``random_state`` while this runs.
         """
 
-    def _initial_module(self, X, n_classes, seed, device=CPU):
+    def _initial_module(self, X, n_outputs, seed, device=CPU):
         # Seed torch's initialisers without touching the user's global RNG state.
         # Built on the CPU (its generator, its data), then moved: w_0 is the same
         # on every device.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = self._build_module(X, n_classes)
+            module = self._build_module(X, n_outputs)
         return module.to(device=device, dtype=DTYPE)
 
     @_fit_context(prefer_skip_nested_validation=True)
@@ -86,10 +120,10 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         X : array-like of shape (n_samples, n_features)
             Training data, given to the network as float64 (scale it in a
             :class:`~sklearn.pipeline.Pipeline` if needed).
-        y : array-like of shape (n_samples,)
-            Class labels.
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            Class labels (classifiers) or target values (regressors).
         sample_weight : array-like of shape (n_samples,), default=None
-            Weights of the samples in the mean cross-entropy.
+            Weights of the samples in the mean loss.
 
         Returns
         -------
@@ -109,14 +143,8 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
 
     def _fit(self, X, y, sample_weight):
         device = resolve_device(self.device)  # before any work: a clear error
-        X, y = validate_data(self, X, y, dtype=np.float64)
-        check_classification_targets(y)
-        classes, y_encoded = np.unique(y, return_inverse=True)
-        if classes.shape[0] < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs samples of at least 2 classes in "
-                f"the data, but the data contain only one class: {classes.tolist()[0]!r}."
-            )
+        X, y = validate_data(self, X, y, dtype=np.float64, **self._target_validation)
+        targets = self._targets(y)
         sample_weight = _check_sample_weight(
             sample_weight, X, dtype=np.float64, ensure_non_negative=True
         )
@@ -126,15 +154,16 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         rng = check_random_state(self.random_state)
         X_t = as_tensor(X, CPU)
         module = self._initial_module(
-            X_t, classes.shape[0], rng.randint(np.iinfo(np.int32).max), device
+            X_t, targets.n_outputs, rng.randint(np.iinfo(np.int32).max), device
         )
         X_t = X_t.to(device)
-        y_t = torch.as_tensor(y_encoded, dtype=torch.int64, device=device)
-        check_module(module, X_t, classes.shape[0])  # refused with the reason, or eval mode
+        y_t = torch.as_tensor(targets.values, device=device)
+        check_module(module, X_t, targets.n_outputs)  # refused with the reason, or eval mode
         result = train_module(
             module,
             X_t,
             y_t,
+            loss=self._loss,
             sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
             solver=SolverSettings(
                 solver=self.solver,
@@ -159,7 +188,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             param.requires_grad_(False)
 
         # Assign only once training succeeded: a failed fit leaves self as it was.
-        self.classes_ = classes
+        self.__dict__.update(targets.attributes)
         self.device_ = device
         self.module_ = module
         self.n_iter_ = result.n_iter
@@ -167,79 +196,17 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         self.loss_curve_ = result.loss_curve
         self.path_ = result.path
         self._fit_X = X_t
-        self._fit_y = y_t
         self.__dict__.pop("_kernel_cache", None)
         return self
 
     # -- the network -------------------------------------------------------
 
-    def _log_proba(self, X):
+    def _output(self, X):
+        """``f = link(module(X))`` of validated rows, on the host: (n, n_outputs)."""
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         with torch.no_grad():
-            log_proba = F.log_softmax(self.module_(as_tensor(X, self.device_)), dim=1)
-        return log_proba.cpu().numpy()
-
-    def predict_log_proba(self, X):
-        """Log-probabilities of the classes, ``log_softmax(module(X))``.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, n_features)
-
-        Returns
-        -------
-        log_proba : ndarray of shape (n_samples, n_classes)
-            Columns follow ``classes_``.
-        """
-        return self._log_proba(X)
-
-    def predict_proba(self, X):
-        """Class probabilities, ``softmax(module(X))``.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, n_features)
-
-        Returns
-        -------
-        proba : ndarray of shape (n_samples, n_classes)
-            Columns follow ``classes_``.
-        """
-        return np.exp(self._log_proba(X))
-
-    def decision_function(self, X):
-        """The network's log-probabilities (the function the path kernel reproduces).
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, n_features)
-
-        Returns
-        -------
-        scores : ndarray of shape (n_samples, n_classes) or (n_samples,)
-            ``log_softmax(module(X))``, columns following ``classes_``. For two
-            classes, scikit-learn's convention: the log-odds of ``classes_[1]``,
-            ``f_1(x) - f_0(x)``, positive when ``classes_[1]`` is predicted.
-        """
-        log_proba = self._log_proba(X)
-        if log_proba.shape[1] == 2:
-            return log_proba[:, 1] - log_proba[:, 0]
-        return log_proba
-
-    def predict(self, X):
-        """Predicted class labels.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, n_features)
-
-        Returns
-        -------
-        y_pred : ndarray of shape (n_samples,)
-        """
-        log_proba = self._log_proba(X)
-        return self.classes_[np.argmax(log_proba, axis=1)]
+            return self._loss.link(self.module_(as_tensor(X, self.device_))).cpu().numpy()
 
     # -- the path kernel ---------------------------------------------------
 
@@ -262,7 +229,7 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
                 self.module_,
                 self.path_,
                 self._fit_X,
-                self._fit_y,
+                link=self._loss.link,
                 quadrature=self.quadrature,
                 n_points=self.n_points,
                 n_jobs=self.n_jobs,
@@ -278,9 +245,8 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         # Host tensors only: the pickle loads on a machine without the device.
         if "module_" in state:
             state["module_"] = on_host(state["module_"])
-            for key in ("_fit_X", "_fit_y"):
-                if key in state:
-                    state[key] = state[key].cpu()
+            if "_fit_X" in state:
+                state["_fit_X"] = state["_fit_X"].cpu()
         return state
 
     def __setstate__(self, state):
@@ -292,7 +258,6 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             self.device_ = device
             self.module_ = self.module_.to(device)
             self._fit_X = self._fit_X.to(device)
-            self._fit_y = self._fit_y.to(device)
 
     @property
     def kernel_(self):
@@ -311,9 +276,10 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
     def decompose(self, X):
         """Write the network's output on ``X`` as an exact sum over training points.
 
-        ``bias + contributions.sum(axis=1) + decay`` equals
-        ``predict_log_proba(X)``; ``residual`` says by how much it misses, measured
-        against the network's own output. ``X`` is always on the test copy, so the
+        ``bias + contributions.sum(axis=1) + decay`` equals the network's output
+        ``f(X)`` (``predict_log_proba(X)`` for a classifier, ``predict(X)`` for a
+        regressor); ``residual`` says by how much it misses, measured against the
+        network's own output. ``X`` is always on the test copy, so the
         identity holds at every point, training points included.
 
         With momentum or Adam a step's update mixes the gradients of earlier
@@ -328,11 +294,13 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         Returns
         -------
         result : :class:`~sklearn.utils.Bunch`
-            ``contributions`` (n_samples, n_train, n_classes): what training point
+            ``contributions`` (n_samples, n_train, n_outputs): what training point
             ``i`` added to output ``k`` over the whole run; ``bias`` (n_samples,
-            n_classes): the initial network's output; ``decay`` (n_samples,
-            n_classes): what weight decay moved (zeros without it); ``output``
-            (n_samples, n_classes): the trained network's log-probabilities;
+            n_outputs): the initial network's output; ``decay`` (n_samples,
+            n_outputs): what weight decay moved (zeros without it); ``output``
+            (n_samples, n_outputs): the trained network's output (log-probabilities
+            of the classes, or the regressor's prediction). A regressor fitted on
+            a 1-d ``y`` drops the ``n_outputs`` axis, like its ``predict``;
             ``residual`` (n_samples,): the exactness certificate, ``max_k |bias +
             sum_i contributions + decay - output|``, with ``output`` evaluated by
             the network itself (not by the kernel engine), so that no error of the
@@ -345,9 +313,9 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
         X_t = as_tensor(X, self.device_)
         parts = self._engine().decompose(X_t)
         with torch.no_grad():  # the module's own forward, at its own (final) weights
-            output = F.log_softmax(self.module_(X_t), dim=1).cpu().numpy()
+            output = self._loss.link(self.module_(X_t)).cpu().numpy()
         total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
-        return Bunch(
+        result = Bunch(
             contributions=parts.contributions,
             bias=parts.bias,
             decay=parts.decay,
@@ -355,8 +323,131 @@ class BasePathClassifier(ClassifierMixin, BaseEstimator):
             residual=np.abs(total - output).max(axis=1),
             quadrature_error=parts.residual,
         )
+        return self._outputs_as_fitted(result)
+
+    def _outputs_as_fitted(self, parts):
+        """The decomposition's output axes as the targets had them (identity here)."""
+        return parts
 
 
-def copy_module(module):
-    """Deep copy of a user's module, so their weights (w_0) stay untouched."""
-    return copy.deepcopy(module)
+class BasePathClassifier(ClassifierMixin, BasePathEstimator):
+    """Base of the classifiers: cross-entropy of ``f = log_softmax(module(x))``."""
+
+    _loss = CrossEntropy()
+
+    def _targets(self, y):
+        check_classification_targets(y)
+        classes, codes = np.unique(y, return_inverse=True)
+        if classes.shape[0] < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs samples of at least 2 classes in "
+                f"the data, but the data contain only one class: {classes.tolist()[0]!r}."
+            )
+        return Targets(codes.astype(np.int64), classes.shape[0], {"classes_": classes})
+
+    def predict_log_proba(self, X):
+        """Log-probabilities of the classes, ``log_softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return self._output(X)
+
+    def predict_proba(self, X):
+        """Class probabilities, ``softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return np.exp(self._output(X))
+
+    def decision_function(self, X):
+        """The network's log-probabilities (the function the path kernel reproduces).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        scores : ndarray of shape (n_samples, n_classes) or (n_samples,)
+            ``log_softmax(module(X))``, columns following ``classes_``. For two
+            classes, scikit-learn's convention: the log-odds of ``classes_[1]``,
+            ``f_1(x) - f_0(x)``, positive when ``classes_[1]`` is predicted.
+        """
+        log_proba = self._output(X)
+        if log_proba.shape[1] == 2:
+            return log_proba[:, 1] - log_proba[:, 0]
+        return log_proba
+
+    def predict(self, X):
+        """Predicted class labels.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,)
+        """
+        log_proba = self._output(X)
+        return self.classes_[np.argmax(log_proba, axis=1)]
+
+
+class BasePathRegressor(RegressorMixin, BasePathEstimator):
+    """Base of the regressors: squared error of ``f = module(x)`` (no link).
+
+    The loss is ``MLPRegressor``'s, half the mean squared error over the outputs,
+    averaged over each batch with the sample weights.
+    """
+
+    _loss = SquaredError()
+    _target_validation = {"multi_output": True, "y_numeric": True}
+
+    def _targets(self, y):
+        y = np.asarray(y, dtype=np.float64)
+        if not np.isfinite(y).all():
+            raise ValueError("The target y contains NaN or infinity.")
+        values = y.reshape(y.shape[0], -1)
+        return Targets(values, values.shape[1], {"n_outputs_": values.shape[1], "_y_ndim": y.ndim})
+
+    def predict(self, X):
+        """The network's prediction, ``module(X)`` (the function the path kernel reproduces).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,) or (n_samples, n_outputs)
+            1-d when the model was fitted on a 1-d ``y``.
+        """
+        output = self._output(X)
+        return output[:, 0] if self._y_ndim == 1 else output
+
+    def _outputs_as_fitted(self, parts):
+        if self._y_ndim != 1:
+            return parts
+        for key in ("contributions", "bias", "decay", "output"):
+            parts[key] = parts[key][..., 0]
+        return parts
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.multi_output = True
+        return tags
+

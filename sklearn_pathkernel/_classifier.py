@@ -1,17 +1,18 @@
 """ExactPathKernelClassifier: a network trained by gradient descent, as a kernel machine."""
 
-from numbers import Integral
-
-from sklearn.utils._param_validation import Interval, StrOptions
-from torch import nn
-
-from ._base import BasePathClassifier, copy_module
-from ._docstrings import SOLVER_PARAMETERS, fill_doc
-from ._mlp import ACTIVATIONS, make_mlp
 
 
-@fill_doc(solver_parameters=SOLVER_PARAMETERS)
-class ExactPathKernelClassifier(BasePathClassifier):
+from ._base import BasePathClassifier
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS, fill_doc
+from ._mlp import MLPNetworkMixin
+
+
+@fill_doc(
+    training_parameters=TRAINING_PARAMETERS,
+    path_parameters=PATH_PARAMETERS,
+    fitted_attributes=FITTED_ATTRIBUTES,
+)
+class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
     """Neural network classifier that is exactly a kernel machine.
 
     Trains a PyTorch network on the mean cross-entropy of its log-softmax by
@@ -42,75 +43,14 @@ class ExactPathKernelClassifier(BasePathClassifier):
     max_iter : int, default=200
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
         gradient descent step: the training path of the EPK paper.
-    batch_size : int or None, default=None
-        Mini-batch size; ``None`` uses the whole training set at every step.
-    {solver_parameters}
-    shuffle : bool, default=True
-        Reshuffle mini-batches each epoch.
-    tol : float or None, default=None
-        Stop when the training loss has not improved by ``tol`` for
-        ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
-    n_iter_no_change : int, default=10
-        See ``tol``.
-    quadrature : {"exact", "riemann", "dpk"}, default="exact"
-        How the test-copy features integrate the gradient along each step:
-        ``"exact"`` splits each step at the kinks of the network and uses
-        Gauss-Legendre nodes on each smooth piece; ``"riemann"`` is the paper's
-        left Riemann sum with ``n_points`` points; ``"dpk"`` uses the gradient
-        at the start of the step (the Discrete Path Kernel of prior work).
-    n_points : int, default=100
-        Points of the ``"riemann"`` rule.
-    n_jobs : int or None, default=None
-        Parallel jobs (joblib) over blocks of kernel computations.
-    path_storage : "memory", "disk" or path-like, default="memory"
-        Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
-        float64 numbers, is kept: ``"memory"`` (RAM), ``"disk"`` (a
-        memory-mapped file in the system's temporary directory) or a memory-mapped
-        file in the given directory, for long trainings whose path does not fit
-        in RAM. Kernels and decompositions are identical either way. Before
-        training, the path's size is checked against the available memory (or
-        free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
-        Pickling writes the weights into the pickle; the unpickled estimator
-        holds them in memory.
-    device : str or torch.device, default="cpu"
-        Where the network is trained and evaluated and the kernel computed:
-        ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a
-        ``torch.device``. Checked at :meth:`fit`: a ``ValueError`` names the
-        device and the available ones when it is unknown or absent. The initial
-        weights are drawn on the CPU, so they do not depend on the device.
-        ``module_`` and the training data live on the device (``device_``); the
-        weight path stays on the host (``path_storage``), one step at a time is
-        moved to the device; results are numpy arrays. A pickle holds CPU
-        tensors: it loads on a machine without the device (on the CPU, with a
-        warning) and back on the device where there is one.
-    random_state : int, RandomState instance or None, default=None
-        Seeds the initial weights and the mini-batch order.
-    verbose : int, default=0
-        Print the training loss per epoch and show progress of kernel
-        computations.
+    {training_parameters}
+    {path_parameters}
 
     Attributes
     ----------
     classes_ : ndarray of shape (n_classes,)
         Class labels; output ``k`` of the network belongs to ``classes_[k]``.
-    module_ : torch.nn.Module
-        The trained network (float64, weights ``w_S``), on ``device_``.
-    device_ : torch.device
-        Where ``module_`` and the training data live and the computations run:
-        ``device`` at fit (after unpickling, the CPU if this machine lacks it).
-    path_ : WeightPath
-        The recorded weight path, on the
-        host (RAM or a memory-mapped file, see ``path_storage``).
-    n_iter_ : int
-        Epochs run.
-    n_steps_ : int
-        Gradient descent steps taken.
-    loss_curve_ : list of float
-        Training loss per epoch.
-    n_features_in_ : int
-        Number of features seen during fit.
-    feature_names_in_ : ndarray of shape (n_features_in_,)
-        Feature names seen during fit, when X has string column names.
+    {fitted_attributes}
 
     See Also
     --------
@@ -131,9 +71,7 @@ class ExactPathKernelClassifier(BasePathClassifier):
 
     _parameter_constraints = {
         **BasePathClassifier._parameter_constraints,
-        "module": [nn.Module, callable, None],
-        "hidden_layer_sizes": ["array-like", Interval(Integral, 1, None, closed="left")],
-        "activation": [StrOptions(set(ACTIVATIONS))],
+        **MLPNetworkMixin._parameter_constraints,
     }
 
     def __init__(
@@ -185,22 +123,3 @@ class ExactPathKernelClassifier(BasePathClassifier):
         self.device = device
         self.random_state = random_state
         self.verbose = verbose
-
-    def _build_module(self, X, n_classes):
-        n_features = X.shape[1]
-        if self.module is None:
-            sizes = self.hidden_layer_sizes
-            sizes = (sizes,) if isinstance(sizes, Integral) else tuple(sizes)
-            return make_mlp(n_features, n_classes, sizes, self.activation)
-        if isinstance(self.module, nn.Module):
-            module = copy_module(self.module)
-        else:
-            module = self.module(n_features, n_classes)
-            if not isinstance(module, nn.Module):
-                raise TypeError(
-                    "The module callable must return a torch.nn.Module, got "
-                    f"{type(module).__name__}."
-                )
-        if not any(True for _ in module.parameters()):
-            raise ValueError("The module has no parameters to train.")
-        return module

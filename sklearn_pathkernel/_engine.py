@@ -1,13 +1,16 @@
 """The exact path kernel engine: decomposition and Gram matrices of a recorded path.
 
-Notation (as in the user guide): ``f_w(x) = log_softmax(module_w(x))`` with K outputs; step
+Notation (as in the user guide): ``f_w(x) = link(module_w(x))`` with K outputs (the
+link is the log-softmax for classifiers, the identity for regressors); step
 ``s`` moves the weights along ``w_s(t) = w_s + t (w_{s+1} - w_s)``; the training
 copy of a point uses ``g(x; w_s)``, the gradient at the start of the step, the
-test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``. Then, exactly,
+test copy ``phi_s(x) = int_0^1 g(x; w_s(t)) dt``. With ``e_{s,i} = -dL_s / df(x_i;
+w_s)`` the recorded output gradient (for the cross-entropy, the point's share of the
+batch at its label's output), for plain gradient descent, exactly,
 
-    f(x; w_S) = f(x; w_0) + sum_s sum_{i in B_s} eta_s a_{s,i} <phi_s(x), g_{y_i}(x_i; w_s)>
+    f(x; w_S) = f(x; w_0) + sum_s sum_{i in B_s} eta_s <phi_s(x), sum_k e_{s,i,k} g_k(x_i; w_s)>;
 
-for plain gradient descent; momentum, Adam and weight decay replace ``eta_s phi_s``
+ momentum, Adam and weight decay replace ``eta_s phi_s``
 by the backward-accumulated ``psi_s`` and add a decay term (see ``decompose``).
 
 How it is fast: per step, one forward pass and one batched backward pass give
@@ -29,6 +32,7 @@ from ._contract import contract as _contract
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
 from ._layer_rules import Factors
+from ._losses import log_softmax
 from ._memory import check_fits, rows_per_tile
 from ._probe import NetworkProbe
 from ._quadrature import (
@@ -103,12 +107,14 @@ class PathKernelEngine:
         The recorded training path.
     X_train : torch.Tensor of shape (M, ...)
         Training inputs, indexed by ``path.batches``. The engine computes on
-        their device (``module`` and ``y_train`` must be there too); the path
+        their device (``module`` must be there too); the path
         stays where it is (host memory or disk) and each step's weights are
         moved to the device when they are evaluated. Inputs of the public
         methods are moved to the device; results are numpy arrays.
-    y_train : torch.Tensor of shape (M,)
-        Training class codes.
+    link : callable, default=log_softmax
+        ``f`` from the module's output: the log-softmax of the classifiers, the
+        identity of the regressors (see ``_losses``). What each training point
+        contributes comes from the path's output gradients, for any loss.
     quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Integration of the test-copy features along each step.
     n_points : int, default=100
@@ -128,8 +134,8 @@ class PathKernelEngine:
         module,
         path,
         X_train,
-        y_train,
         *,
+        link=log_softmax,
         quadrature="exact",
         n_points=100,
         n_nodes=4,
@@ -140,7 +146,7 @@ class PathKernelEngine:
         self.module = module
         self.path = path
         self.X_train = X_train
-        self.y_train = y_train
+        self.link = link
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_nodes = n_nodes
@@ -148,7 +154,7 @@ class PathKernelEngine:
         self.n_jobs = n_jobs
         self.verbose = verbose
         self.device = X_train.device
-        self._probe = NetworkProbe(module, path, X_train[:1])
+        self._probe = NetworkProbe(module, path, X_train[:1], link=link)
         self.n_train = X_train.shape[0]
         self.n_outputs = self._probe.log_proba(self._at(0), X_train[:1]).shape[1]
 
@@ -162,7 +168,7 @@ class PathKernelEngine:
         if self.device.type != "cpu":
             # Host tensors only: the pickle loads on a machine without the device.
             state["module"] = on_host(self.module)
-            state["X_train"], state["y_train"] = self.X_train.cpu(), self.y_train.cpu()
+            state["X_train"] = self.X_train.cpu()
             state.pop("_probe", None)
         return state
 
@@ -172,8 +178,8 @@ class PathKernelEngine:
         if device != state.get("device") or "_probe" not in state:
             self.device = device
             self.module = self.module.to(device)
-            self.X_train, self.y_train = self.X_train.to(device), self.y_train.to(device)
-            self._probe = NetworkProbe(self.module, self.path, self.X_train[:1])
+            self.X_train = self.X_train.to(device)
+            self._probe = NetworkProbe(self.module, self.path, self.X_train[:1], link=self.link)
 
     def _at(self, index):
         """Row ``index`` of the weight path (host memory or disk), on the device."""
@@ -232,7 +238,9 @@ class PathKernelEngine:
         probes = self.__dict__.setdefault("_thread_probes", {})
         ident = threading.get_ident()
         if ident not in probes:
-            probes[ident] = NetworkProbe(copy.deepcopy(self.module), self.path, self.X_train[:1])
+            probes[ident] = NetworkProbe(
+                copy.deepcopy(self.module), self.path, self.X_train[:1], link=self.link
+            )
         return probes[ident]
 
     # -- quadrature ------------------------------------------------------------
@@ -518,7 +526,7 @@ class PathKernelEngine:
         for step in range(steps.start, steps.stop):
             batch = self._as_device_tensor(self.path.batches[step])
             scale = update.step_scale(step)
-            coefficients = scale * self.path.loss_weights[step].to(self.device)
+            gradients = self.path.output_gradients[step].to(self.device)
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
@@ -527,11 +535,12 @@ class PathKernelEngine:
                 X,
                 residual,
                 outputs_per_pair=self.n_outputs,
-                with_rows=(self.X_train[batch], self.y_train[batch]),
+                with_rows=(self.X_train[batch], gradients),
             )
-            # (n, batch, K, 1): the training rows keep their label's output only
+            # (n, batch, K, 1): a training row's factors hold the gradient of
+            # sum_k e_{s,i,k} f_k (its output gradient as the cotangent)
             features.add_inner(train, "pairs", step_block.unsqueeze(-1))
-            step_block *= coefficients[None, :, None]
+            step_block *= scale
             if batch.numel() == self.n_train and torch.equal(
                 batch, torch.arange(self.n_train, device=batch.device)
             ):
@@ -550,7 +559,7 @@ class PathKernelEngine:
         With ``u_s = P_s * phi_s`` (materialised per layer), the buffer's test side
         ``B_s = alpha_s u_s + beta B_{s+1}`` and ``psi_s = gamma B_s + zeta_s u_s``,
 
-            f(x; w_S) - f(x; w_0) = sum_s sum_{i in B_s} a_{s,i} <psi_s, g_{y_i}(x_i; w_s)>
+            f(x; w_S) - f(x; w_0) = sum_s sum_{i in B_s} <psi_s, sum_k e_{s,i,k} g_k(x_i; w_s)>
                                     - lambda_c sum_s <psi_s, w_s> + sum_s d_s <phi_s, w_s>
 
         (the first sum: the contributions; the rest: ``decay``). Cost per step: the
@@ -592,21 +601,19 @@ class PathKernelEngine:
         return contributions.cpu().numpy(), decay.cpu().numpy(), residual
 
     def _add_batch_inner(self, step, psi, contributions):
-        """``contributions[:, i] += a_{s,i} <psi, g_{y_i}(x_i; w_s)>`` over step ``s``'s batch,
-        in tiles of training rows whose per-example gradients are materialised."""
+        """``contributions[:, i] += <psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` over step ``s``'s
+        batch, in tiles of training rows whose per-example gradients are materialised."""
         start, _ = self._step(step)
         batch = self.path.batches[step]
-        loss_weights = self.path.loss_weights[step].to(self.device)
+        gradients = self.path.output_gradients[step].to(self.device)
         for part in self._tiles(len(batch), 8 * self.path.n_weights):
             rows = self._as_device_tensor(batch[part])
-            train = self.probe.factors(start, self.X_train[rows], self.y_train[rows])[1]
+            train = self.probe.factors(start, self.X_train[rows], gradients[part])[1]
             block = sum(
                 _contract(p, rule.materialise(f), "pairs")
                 for p, rule, f in zip(psi, self.probe.rules, train, strict=True)
             )  # (n, rows, K, 1)
-            contributions.index_add_(
-                1, rows, (block[..., 0] * loss_weights[part][None, :, None]).contiguous()
-            )
+            contributions.index_add_(1, rows, block[..., 0].contiguous())
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""

@@ -10,7 +10,7 @@ needs nothing of the network but that a sample's output depends only on that
 sample and the parameters.
 
 For row ``x`` at flat path weights ``w``, the rule forms the Jacobian of
-``f(x; w) = log_softmax(module_w(x[None]))[0]`` with respect to ``w``: ``jacrev``
+``f(x; w) = link(module_w(x[None]))[0]`` with respect to ``w``: ``jacrev``
 of a ``functional_call`` of the whole module on one sample, ``vmap``-ed over the
 rows. Parameters outside the path (frozen ones) keep the module's own values.
 """
@@ -18,11 +18,11 @@ rows. Parameters outside the path (frozen ones) keep the module's own values.
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call, grad, jacrev, vmap
 
 from ._contract import contract as _contract
 from ._layer_rules import Factors, row_sums
+from ._losses import log_softmax, output_cotangent
 from ._memory import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
 from ._rule_protocol import LayerRule, RowEvaluation
 
@@ -68,8 +68,9 @@ class JacobianRule(LayerRule):
     # whole module at one scalar t per pass; ``factors`` takes per-row t itself.
     row_evaluation = RowEvaluation.NONE
 
-    def __init__(self, module, path, *, tie_weights=False, budget=None):
+    def __init__(self, module, path, *, tie_weights=False, budget=None, link=log_softmax):
         self.module = module
+        self.link = link
         self.path = path
         self.path_names = list(path.param_names)
         self.tie_weights = tie_weights
@@ -78,11 +79,11 @@ class JacobianRule(LayerRule):
         self.vmap_failure = None
 
     def _log_proba(self, flat, x):
-        """``log_softmax(module(x))`` of one sample at flat path weights, (K,)."""
+        """``link(module(x))`` of one sample at flat path weights, (K,)."""
         out = functional_call(
             self.module, self.path.unflatten(flat), (x[None],), tie_weights=self.tie_weights
         )
-        return F.log_softmax(out, dim=1)[0]
+        return self.link(out)[0]
 
     def factors(self, X, start, outputs=None, *, direction=None, t=None):
         """Log-probabilities and per-sample Jacobians of the rows of ``X``.
@@ -92,9 +93,10 @@ class JacobianRule(LayerRule):
         X : torch.Tensor of shape (n, ...)
         start : torch.Tensor of shape (W,)
             Flat path weights.
-        outputs : torch.Tensor of shape (n,) or None
-            ``None`` differentiates every output (grads (n, K, W)); an index
-            per row differentiates that output only (grads (n, 1, W)).
+        outputs : torch.Tensor of shape (n,) or (n, K), or None
+            ``None`` differentiates every output (grads (n, K, W)); a class code
+            or a cotangent per row differentiates that output, or ``sum_k
+            outputs[i, k] f_k``, only (grads (n, 1, W)).
         direction : torch.Tensor of shape (W,) or None
         t : float, torch.Tensor of shape (n,) or None
             Row ``i`` is evaluated at ``start + t_i direction`` (all rows at
@@ -149,7 +151,7 @@ class JacobianRule(LayerRule):
         """``(log_proba, grads)`` of a tile: ``vmap`` over its rows, or a loop over
         them once ``vmap`` has failed on this module."""
         # Each row: its log-probabilities (aux) and the Jacobian of every output,
-        # or the gradient of its one picked output (one backward pass, not K).
+        # or the gradient of its picked output or cotangent (one backward pass, not K).
         if outputs is None:
 
             def one_row(flat, x):
@@ -159,11 +161,11 @@ class JacobianRule(LayerRule):
             per_row_fn, args = jacrev(one_row, has_aux=True), (weights, X)
         else:
 
-            def one_output(flat, x, one_hot):
+            def one_output(flat, x, cotangent):
                 values = self._log_proba(flat, x)
-                return (values * one_hot).sum(), values.detach()
+                return (values * cotangent).sum(), values.detach()
 
-            pick = F.one_hot(outputs, n_outputs).to(X.dtype)
+            pick = output_cotangent(outputs, n_outputs, X.dtype)
             per_row_fn, args = grad(one_output, has_aux=True), (weights, X, pick)
         in_dims = (0 if per_row else None, *([0] * (len(args) - 1)))
         if self.vmap_failure is None:

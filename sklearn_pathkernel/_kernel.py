@@ -1,7 +1,7 @@
 """ExactPathKernel: the learned path kernel as a scikit-learn ``Kernel``.
 
-The EPK has two copies of input space (user guide, "The Exact Path Kernel"): a training point is seen
-through its gradient at the start of each step, any other point through its
+The EPK has two copies of input space (user guide, "The Exact Path Kernel"): a
+training point is seen through its gradient at the start of each step, any other point through its
 gradient integrated along the step. A kernel object is only given arrays, so
 the copy is decided per row: a row equal to a training row is on the training
 copy, every other row on the test copy. Deciding per row (not per argument)

@@ -2,15 +2,15 @@
 
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
 as one contiguous float64 array, for every step the batch it used and each batch
-point's weight in the batch loss, and the optimiser's update in its linear form
-(:class:`~sklearn_pathkernel._optimizers.UpdateRecord`). The gradient of step
-``s``'s loss is
+point's output gradient ``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's
+update in its linear form (:class:`~sklearn_pathkernel._optimizers.UpdateRecord`).
+The gradient of step ``s``'s loss is
 
-    G_s = - sum_{i in B_s} a_{s,i} grad_w f_{y_i}(x_i; w_s)
+    G_s = - sum_{i in B_s} sum_k e_{s,i,k} grad_w f_k(x_i; w_s)
 
-with ``f = log_softmax(module(x))`` and, for the mean cross-entropy,
-``a_{s,i} = sample_weight_i / sum_{j in B_s} sample_weight_j``. For plain gradient
-descent ``w_{s+1} - w_s = -lr_s G_s``.
+(see ``_losses``; for the mean cross-entropy of ``f = log_softmax(module(x))``,
+``e_{s,i} = a_{s,i} onehot(y_i)`` with ``a_{s,i}`` the point's share of the batch's
+sample weight). For plain gradient descent ``w_{s+1} - w_s = -lr_s G_s``.
 """
 
 import os
@@ -40,9 +40,9 @@ class WeightPath:
     batches : list of ndarray of int
         ``batches[s]`` holds the training indices of step ``s``. Full-batch steps
         share one array, so a full-batch path stores the indices once.
-    loss_weights : list of torch.Tensor
-        ``loss_weights[s][j]`` is the weight ``a_{s,j}`` of training point
-        ``batches[s][j]`` in step ``s``'s loss (its share of the batch loss).
+    output_gradients : list of torch.Tensor
+        ``output_gradients[s][j]`` (K,) is ``e_{s,j} = -dL_s / df(x_j; w_s)`` of
+        training point ``batches[s][j]``.
     learning_rates : ndarray of shape (n_steps,)
         The learning rate used at each step.
     update : UpdateRecord
@@ -62,7 +62,7 @@ class WeightPath:
 
     weights: torch.Tensor
     batches: list = field(default_factory=list)
-    loss_weights: list = field(default_factory=list)
+    output_gradients: list = field(default_factory=list)
     learning_rates: np.ndarray = None
     param_names: list = field(default_factory=list)
     param_shapes: list = field(default_factory=list)
@@ -91,12 +91,12 @@ class WeightPath:
 
     @property
     def nbytes(self):
-        """Bytes held by the path (weights, preconditioners, batches, loss weights)."""
+        """Bytes held by the path (weights, preconditioners, batches, output gradients)."""
         seen, total = set(), self.weights.element_size() * self.weights.nelement()
         preconditioners = None if self.update is None else self.update.preconditioners
         if preconditioners is not None:
             total += preconditioners.element_size() * preconditioners.nelement()
-        for batch, coef in zip(self.batches, self.loss_weights, strict=False):
+        for batch, coef in zip(self.batches, self.output_gradients, strict=False):
             if id(batch) not in seen:
                 seen.add(id(batch))
                 total += batch.nbytes

@@ -16,19 +16,19 @@ at once instead (:class:`~sklearn_pathkernel._jacobian_rule.JacobianRule`).
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from ._jacobian_rule import JacobianRule
 from ._layer_rules import make_rule
+from ._losses import log_softmax, output_cotangent
 from ._rule_protocol import RowEvaluation
 
 logger = logging.getLogger(__name__)
 
 
 class NetworkProbe:
-    """The network ``f_w(x) = log_softmax(module_w(x))`` at arbitrary flat weights ``w``.
+    """The network ``f_w(x) = link(module_w(x))`` at arbitrary flat weights ``w``.
 
     Parameters
     ----------
@@ -46,6 +46,9 @@ class NetworkProbe:
     force_jacobian : bool, default=False
         Use the ``JacobianRule`` whatever the dry run finds (for tests and
         benchmarks of the fallback).
+    link : callable, default=log_softmax
+        ``f`` from the module's output (see ``_losses``): the log-softmax of the
+        classifiers, the identity of the regressors.
 
     Attributes
     ----------
@@ -60,9 +63,10 @@ class NetworkProbe:
         Whether one pass can hold rows at different points of a step.
     """
 
-    def __init__(self, module, path, example=None, *, force_jacobian=False):
+    def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         self.module = module
         self.path = path
+        self.link = link
         self._unflattened = []  # the last few (flat, version, params)
         # functional_call unties tied weights on every call unless told there are none
         self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
@@ -99,7 +103,9 @@ class NetworkProbe:
 
     def _use_jacobian(self, reason):
         self.fallback_reason = reason
-        self.jacobian = JacobianRule(self.module, self.path, tie_weights=self._tied)
+        self.jacobian = JacobianRule(
+            self.module, self.path, tie_weights=self._tied, link=self.link
+        )
         self.layers, self.rules = [], [self.jacobian]
         logger.debug(
             "%s: per-sample Jacobians of the whole network instead of per-layer rules: %s",
@@ -118,7 +124,7 @@ class NetworkProbe:
         return params
 
     def _forward(self, start, X, direction=None, t=None, hook=None, logits=False):
-        """``log_softmax(module(X))`` with row ``i`` at weights ``start + t_i direction``.
+        """``link(module(X))`` with row ``i`` at weights ``start + t_i direction``.
 
         ``t`` is None (weights ``start``), a float, or a tensor with one value per
         row; per-row values need every layer to support them (``self.per_row_t``):
@@ -127,7 +133,7 @@ class NetworkProbe:
         other layer's rule computes its output at per-row weights (``output_at``),
         in place of the layer's own forward.
         ``hook(index, inputs, output) -> output`` sees each parameterised layer.
-        ``logits=True`` returns ``module(X)`` without the log-softmax.
+        ``logits=True`` returns ``module(X)`` without the link.
         """
         self._ensure_checked(X)
         if t is not None and not isinstance(t, torch.Tensor):
@@ -161,7 +167,7 @@ class NetworkProbe:
                     replaced.append(layer)
         try:
             out = functional_call(self.module, params, (X,), tie_weights=self._tied)
-            return out if logits else F.log_softmax(out, dim=1)
+            return out if logits else self.link(out)
         finally:
             for handle in handles:
                 handle.remove()
@@ -205,9 +211,10 @@ class NetworkProbe:
         ----------
         start : torch.Tensor of shape (W,)
         X : torch.Tensor of shape (n, ...)
-        outputs : torch.Tensor of shape (n,) or None
-            ``None`` keeps every output ``k`` (deltas of shape (n, K, ...)); an
-            index per row keeps that output only (shape (n, 1, ...)).
+        outputs : torch.Tensor of shape (n,) or (n, K), or None
+            ``None`` keeps every output ``k`` (deltas of shape (n, K, ...)); a
+            class code per row keeps that output only, a cotangent per row the
+            gradient of ``sum_k outputs[i, k] f_k`` (both of shape (n, 1, ...)).
         direction, t : torch.Tensor or None
             Row ``i`` is evaluated at ``start + t_i direction`` (see ``_forward``).
 
@@ -293,7 +300,7 @@ class NetworkProbe:
             eye = torch.eye(n_outputs, dtype=log_proba.dtype, device=log_proba.device)
             cotangent = eye[:, None, :].expand(n_outputs, *log_proba.shape)
         else:
-            cotangent = F.one_hot(outputs, log_proba.shape[1]).to(log_proba.dtype)
+            cotangent = output_cotangent(outputs, log_proba.shape[1], log_proba.dtype)
         grads = torch.autograd.grad(
             log_proba, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
         )
@@ -316,9 +323,10 @@ class NetworkProbe:
                 row_steps = None if row_t is None else self.params(base_direction)
             for part_factors, (rows, picked) in zip(factors, parts, strict=True):
                 part_inputs, part_delta = tuple(x[rows] for x in inputs), delta[rows]
-                if picked is not None:
-                    rows_picked = torch.arange(len(picked), device=picked.device)
-                    part_delta = part_delta[rows_picked, picked].unsqueeze(1)
+                if picked is not None:  # (n, K, ...) -> (n, 1, ...)
+                    weights = output_cotangent(picked, part_delta.shape[1], part_delta.dtype)
+                    weights = weights.view(*weights.shape, *([1] * (part_delta.ndim - 2)))
+                    part_delta = (part_delta * weights).sum(1, keepdim=True)
                 if at_own_t:
                     part_t = None if row_t is None else row_t[rows]
                     part = rule.factors(part_inputs, part_delta, row_params, row_steps, part_t)
@@ -351,7 +359,7 @@ class _LogProba:
 
     def __call__(self, start, X, direction, t, rows=None):
         logits = self.probe._forward(start, X, direction, t, logits=True)
-        return _LogProba(self.probe, F.log_softmax(logits, dim=1), logits.abs().amax(1))
+        return _LogProba(self.probe, self.probe.link(logits), logits.abs().amax(1))
 
     def cat(self, parts):
         return _LogProba(

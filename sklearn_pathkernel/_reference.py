@@ -2,7 +2,8 @@
 
 Slow and obvious on purpose, and independent of the fast engine (no per-layer
 rules, no kink location): per-example Jacobians ``(n, K, W)`` of
-``f_w(x) = log_softmax(module_w(x))`` are materialised with
+``f_w(x) = link(module_w(x))`` (the log-softmax, or the identity of the regressors)
+are materialised with
 ``torch.func.vmap(jacrev(...))`` and contracted with ``einsum``.
 
 Notation (as in the user guide): step ``s`` moves the weights along
@@ -19,9 +20,10 @@ reference; on a ReLU network every fixed rule converges slowly.
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from sklearn.utils import Bunch
 from torch.func import functional_call, jacrev, vmap
+
+from ._losses import log_softmax
 
 QUADRATURES = ("riemann", "dpk", "midpoint", "gauss")
 
@@ -65,15 +67,15 @@ def quadrature_rule(quadrature, n_points):
     return 0.5 * (nodes + 1.0), 0.5 * weights
 
 
-def log_proba(module, path, flat_weights, X):
-    """``f(X; w) = log_softmax(module_w(X))`` at the flat weights ``w``, shape (n, K)."""
+def log_proba(module, path, flat_weights, X, link=log_softmax):
+    """``f(X; w) = link(module_w(X))`` at the flat weights ``w``, shape (n, K)."""
     with torch.no_grad():
         logits = functional_call(module, path.unflatten(flat_weights), (X,))
-    return F.log_softmax(logits, dim=1)
+    return link(logits)
 
 
-def jacobian(module, path, flat_weights, X):
-    """Per-example Jacobians of ``log_softmax(module_w(x))`` with respect to ``w``.
+def jacobian(module, path, flat_weights, X, link=log_softmax):
+    """Per-example Jacobians of ``link(module_w(x))`` with respect to ``w``.
 
     Parameters
     ----------
@@ -84,6 +86,7 @@ def jacobian(module, path, flat_weights, X):
     flat_weights : torch.Tensor of shape (W,) or (n, W)
         One weight vector for all rows, or one per row.
     X : torch.Tensor of shape (n, ...)
+    link : callable, default=log_softmax
 
     Returns
     -------
@@ -93,7 +96,7 @@ def jacobian(module, path, flat_weights, X):
 
     def outputs(weights, x):
         logits = functional_call(module, path.unflatten(weights), (x.unsqueeze(0),))
-        return F.log_softmax(logits, dim=1)[0]
+        return link(logits)[0]
 
     flat_weights = flat_weights.detach()
     n_weights = flat_weights.shape[-1]
@@ -134,8 +137,8 @@ class NaivePathKernelEngine:
         The recorded training path.
     X_train : torch.Tensor of shape (M, ...)
         Training inputs, indexed by ``path.batches``.
-    y_train : torch.Tensor of shape (M,)
-        Training class codes.
+    link : callable, default=log_softmax
+        ``f`` from the module's output.
     quadrature : {"riemann", "dpk", "midpoint", "gauss"}, default="gauss"
         Fixed rule integrating the test-copy gradient along each step. ``"exact"``
         (the fast engine's kink-splitting rule) is not available here.
@@ -157,8 +160,8 @@ class NaivePathKernelEngine:
         module,
         path,
         X_train,
-        y_train,
         *,
+        link=log_softmax,
         quadrature="gauss",
         n_points=100,
         n_nodes=4,
@@ -169,7 +172,7 @@ class NaivePathKernelEngine:
         self.module = module
         self.path = path
         self.X_train = X_train
-        self.y_train = y_train
+        self.link = link
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_nodes = n_nodes
@@ -183,10 +186,10 @@ class NaivePathKernelEngine:
     # -- building blocks ----------------------------------------------------------
 
     def _f(self, weights, X):
-        return log_proba(self.module, self.path, weights, X)
+        return log_proba(self.module, self.path, weights, X, self.link)
 
     def _jac(self, weights, X):
-        return jacobian(self.module, self.path, weights, X)
+        return jacobian(self.module, self.path, weights, X, self.link)
 
     def _rows_per_tile(self):
         per_row = max(1, self.n_outputs * self.path.n_weights * 8)
@@ -240,13 +243,16 @@ class NaivePathKernelEngine:
         linear = torch.einsum("nkw,w->nk", phi, self.path.step_direction(step))
         return (change - linear).abs().amax(1)
 
-    def _label_gradients(self, step, rows):
-        """``g_{y_i}(x_i; w_s)`` of training rows ``rows``, shape (len(rows), W)."""
-        X, y = self.X_train[rows], self.y_train[rows]
+    def _training_gradients(self, step):
+        """``sum_k e_{s,i,k} g_k(x_i; w_s)`` of step ``s``'s batch rows, (|B_s|, W),
+        with ``e_{s,i}`` the recorded output gradient (so that ``w_{s+1} - w_s``
+        is their sum times the learning rate, for plain gradient descent)."""
+        rows = torch.as_tensor(np.asarray(self.path.batches[step]))
+        X, e = self.X_train[rows], self.path.output_gradients[step].to(self.X_train.dtype)
         grads = torch.empty((len(rows), self.path.n_weights), dtype=X.dtype)
         for tile in self._tiles(len(rows)):
             jac = self._jac(self.path.weights[step], X[tile])
-            grads[tile] = jac[torch.arange(jac.shape[0]), y[tile]]
+            grads[tile] = torch.einsum("nkw,nk->nw", jac, e[tile])
         return grads
 
     # -- decomposition ---------------------------------------------------------------
@@ -273,8 +279,8 @@ class NaivePathKernelEngine:
 
         Every (step, earlier step) pair is summed explicitly,
 
-            contributions[x, i] = sum_s sum_{r <= s} c_{s,r} a_{r,i}
-                                  <P_s phi_s(x), g_{y_i}(x_i; w_r)>,
+            contributions[x, i] = sum_s sum_{r <= s} c_{s,r}
+                                  <P_s phi_s(x), sum_k e_{r,i,k} g_k(x_i; w_r)>,
 
         ``decay = sum_s d_s <phi_s, w_s> - lambda_c sum_s sum_{r<=s} c_{s,r}
         <P_s phi_s, w_r>``: S^2 products, for checking the fast engine's backward
@@ -296,7 +302,7 @@ class NaivePathKernelEngine:
         decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype)
         residual = torch.zeros(X.shape[0], dtype=X.dtype)
         batches = [torch.as_tensor(np.asarray(batch)) for batch in self.path.batches]
-        label_gradients = {}  # step r -> g_{y_i}(x_i; w_r) of its batch
+        training_gradients = {}  # step r -> sum_k e_{r,i,k} g_k(x_i; w_r) of its batch
         for step in self._steps():
             phi = self._test_feature(step, X)
             residual += self._step_residual(step, X, phi)
@@ -306,10 +312,9 @@ class NaivePathKernelEngine:
                 c = self._mixing(step, earlier)
                 if c == 0:
                     continue
-                if earlier not in label_gradients:
-                    label_gradients[earlier] = self._label_gradients(earlier, batches[earlier])
-                values = torch.einsum("nkw,bw->nbk", weighted, label_gradients[earlier])
-                values *= c * self.path.loss_weights[earlier].to(X.dtype)[None, :, None]
+                if earlier not in training_gradients:
+                    training_gradients[earlier] = self._training_gradients(earlier)
+                values = c * torch.einsum("nkw,bw->nbk", weighted, training_gradients[earlier])
                 contributions.index_add_(1, batches[earlier], values)
                 decay -= update.coupled_decay * c * weighted @ self.path.weights[earlier]
         return Bunch(

@@ -1,10 +1,11 @@
 """Training core shared by the estimators: gradient descent that records its path.
 
-The loss is the (sample-weighted) mean cross-entropy of ``log_softmax(module(X))``
-over each batch. Every step is taken by a torch.optim optimiser (plain SGD,
+The loss is a sample-weighted mean over each batch of a per-sample loss of
+``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax, or
+squared error). Every step is taken by a torch.optim optimiser (plain SGD,
 momentum, Nesterov, Adam, AdamW, weight decay) and recorded as a
 :class:`~sklearn_pathkernel._path.WeightPath`: the weights of every step, each
-step's batch and loss weights, and the update's linear form
+step's batch and output gradients ``-dL_s/df(x_i)``, and the update's linear form
 (:class:`~sklearn_pathkernel._optimizers.UpdateRecord`, with Adam's preconditioner
 taken from the run), which is all the exact path kernel needs.
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from sklearn.utils import check_random_state
 
+from ._losses import CrossEntropy
 from ._optimizers import SolverSettings, UpdateRecord
 from ._path import WeightPath, allocate_weights, flatten_parameters
 
@@ -60,6 +61,7 @@ def train_module(
     X,
     y,
     *,
+    loss=None,
     sample_weight=None,
     solver=None,
     learning_rate=0.1,
@@ -72,7 +74,7 @@ def train_module(
     verbose=0,
     path_storage="memory",
 ):
-    """Train ``module`` in place on the mean cross-entropy of its log-softmax.
+    """Train ``module`` in place on the sample-weighted mean of a per-sample loss.
 
     Parameters
     ----------
@@ -83,7 +85,11 @@ def train_module(
         Training runs on the device of ``X``, where the module, ``y`` and
         ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)
-    y : torch.Tensor of shape (n_samples,), int64 class codes.
+    y : torch.Tensor
+        Targets as ``loss`` takes them: class codes (n_samples,), int64, for
+        the cross-entropy; (n_samples, n_outputs) floats for the squared error.
+    loss : Loss or None
+        The loss; None is the cross-entropy of the log-softmax.
     sample_weight : torch.Tensor of shape (n_samples,), default=None
     solver : SolverSettings or None
         The optimiser and its settings; None is plain gradient descent.
@@ -127,6 +133,7 @@ def train_module(
     if not params:
         raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
     rule = (solver or SolverSettings()).update_rule()
+    loss_fn = loss or CrossEntropy()
     optimizer = rule.optimizer(params, learning_rate_at(learning_rate, 0))
     module.eval()
 
@@ -166,9 +173,9 @@ def train_module(
             )
 
             optimizer.zero_grad(set_to_none=False)
-            log_proba = F.log_softmax(module(X[index]), dim=1)
-            per_sample = -log_proba.gather(1, y[index, None]).squeeze(1)
-            loss = (share * per_sample).sum()
+            f = loss_fn.link(module(X[index]))
+            f.retain_grad()  # -dL/df: the output gradients the kernel needs
+            loss = (share * loss_fn.per_sample(f, y[index])).sum()
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"The training loss became {loss.item()} at step {step} "
@@ -197,7 +204,7 @@ def train_module(
                     f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
                 )
             path.batches.append(batch)
-            path.loss_weights.append(share.detach().to("cpu", copy=True))
+            path.output_gradients.append((-f.grad).to("cpu", copy=True))
             learning_rates.append(lr)
             rates.append(rule.rates(lr, step))
             epoch_loss += loss.item() * float(sample_weight[index].sum())

@@ -31,8 +31,8 @@ def corrupt_middle_weights(path):
     path.weights[3] += 1e-3 * torch.randn(path.n_weights, dtype=path.weights.dtype)
 
 
-def corrupt_loss_weights(path):
-    path.loss_weights[2] = path.loss_weights[2] * 1.01
+def corrupt_output_gradients(path):
+    path.output_gradients[2] = path.output_gradients[2] * 1.01
 
 
 def corrupt_final_weights(path):
@@ -45,7 +45,7 @@ def corrupt_update_rates(path):
 
 @pytest.mark.parametrize(
     "corrupt",
-    [corrupt_middle_weights, corrupt_loss_weights, corrupt_final_weights, corrupt_update_rates],
+    [corrupt_middle_weights, corrupt_output_gradients, corrupt_final_weights, corrupt_update_rates],
 )
 def test_a_corrupted_path_is_caught(fitted, corrupt):
     clf, X = fitted

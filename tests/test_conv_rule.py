@@ -132,12 +132,12 @@ def cnn_case():
 
 def test_cnn_kernels_with_a_factored_layer_match_the_reference(cnn_case):
     module, path, X, y = cnn_case
-    engine = PathKernelEngine(module, path, X, y, quadrature="riemann", n_points=3)
+    engine = PathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
     kinds = [type(rule).__name__ for rule in engine.probe.rules]
     assert kinds == ["Conv2dRule", "Conv2dRule", "LinearRule"]
     factors = engine.probe.factors(path.weights[0], X[:2])[1]
     assert factors[0].grads is not None and factors[1].grads is None  # materialised, factored
-    reference = NaivePathKernelEngine(module, path, X, y, quadrature="riemann", n_points=3)
+    reference = NaivePathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
     A = torch.cat([X[:4], torch.tensor(np.random.RandomState(1).randn(3, 36))])
     mask = np.arange(7) < 4
     for output in ("trace", "full"):
@@ -158,7 +158,7 @@ def test_cnn_kernels_with_a_factored_layer_match_the_reference(cnn_case):
 def test_cnn_sum_identity_with_a_factored_layer(cnn_case):
     module, path, X, y = cnn_case
     A = torch.tensor(np.random.RandomState(2).randn(4, 36))
-    parts = PathKernelEngine(module, path, X, y).decompose(A)
+    parts = PathKernelEngine(module, path, X).decompose(A)
     with torch.no_grad():
         network = F.log_softmax(module(A), 1).numpy()
     assert np.abs(parts.bias + parts.contributions.sum(1) - network).max() < 1e-9

@@ -52,7 +52,7 @@ def outcomes(clf):
     parts = clf.decompose(X_TEST)
     return {
         "weights": clf.path_.weights.numpy(),
-        "coefficients": np.concatenate([c.numpy() for c in clf.path_.loss_weights]),
+        "output_gradients": np.concatenate([c.numpy() for c in clf.path_.output_gradients]),
         "batches": np.concatenate(clf.path_.batches),
         "loss": np.asarray(clf.loss_curve_),
         "proba": clf.predict_proba(X_TEST),
@@ -285,7 +285,7 @@ def test_distance_network_creates_no_tensor_without_device(init, head):
 
 def test_engine_moves_inputs_to_its_device():
     clf = small(ExactPathKernelClassifier).fit(X, y)
-    engine = PathKernelEngine(clf.module_, clf.path_, clf._fit_X, clf._fit_y)
+    engine = PathKernelEngine(clf.module_, clf.path_, clf._fit_X)
     assert engine.device == CPU
     gram = engine.gram(torch.as_tensor(X_TEST), torch.as_tensor(X), b_train=True)
     np.testing.assert_array_equal(gram, clf.kernel_(X_TEST, X))
@@ -303,7 +303,7 @@ def test_cuda_gives_the_cpu_results(cls, batch_size):
     assert on_cuda.device_.type == "cuda"
     assert all(p.device.type == "cuda" for p in on_cuda.module_.parameters())
     assert on_cuda.path_.weights.device == CPU  # the path stays on the host
-    assert all(c.device == CPU for c in on_cuda.path_.loss_weights)
+    assert all(c.device == CPU for c in on_cuda.path_.output_gradients)
     # Same initial weights: drawn on the CPU whatever the device.
     assert torch.equal(on_cuda.path_.weights[0], on_cpu.path_.weights[0])
     cuda_outcomes = outcomes(on_cuda)

@@ -223,7 +223,7 @@ def test_per_row_t_equals_one_pass_per_distinct_t():
 def test_engine_grams_equal_the_generic_rule(monkeypatch):
     """Training, mixed and test x test blocks through the whole engine."""
     clf, X, A = fit("euclidean", "none", n=20, steps=3)
-    args = clf.module_, clf.path_, clf._fit_X, clf._fit_y
+    args = clf.module_, clf.path_, clf._fit_X
     factored = PathKernelEngine(*args)
     assert {type(rule).__name__ for rule in factored.probe.rules} == {"DistanceRule", "LinearRule"}
     monkeypatch.setattr(_layer_rules, "make_distance_rule", lambda module, names: None)

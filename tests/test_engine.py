@@ -62,7 +62,7 @@ def trained(module, n=40, n_features=5, n_classes=3, seed=0, steps=12, lr=0.5, *
 
 
 def engine_for(module, path, X, y, **kwargs):
-    return PathKernelEngine(module, path, X, y, **kwargs)
+    return PathKernelEngine(module, path, X, **kwargs)
 
 
 def queries(n_features, n=7, seed=1):
@@ -120,8 +120,8 @@ def brute_force(module, path, X_train, y_train, A, rule=("gauss", 24)):
         gram_test_train += torch.einsum("nkw,mjw->nmkj", phi, J_train)
         batch = torch.as_tensor(path.batches[s])
         g_y = J_train[batch, y_train[batch]]  # (|B|, W)
-        coefficients = path.learning_rates[s] * path.loss_weights[s][None, :, None]
-        contributions[:, batch] += torch.einsum("nkw,bw->nbk", phi, g_y) * coefficients
+        coefficient = path.learning_rates[s] / batch.numel()  # the mean over the batch
+        contributions[:, batch] += torch.einsum("nkw,bw->nbk", phi, g_y) * coefficient
     return contributions, gram_train, gram_test_train, gram_test
 
 

@@ -429,7 +429,7 @@ def test_dry_run_leaves_buffers_and_random_state_alone():
 def test_decompose_sums_to_the_trained_network(name):
     factory, reason = HAZARDS[name]
     module, path, X, y = trained(factory)
-    engine = PathKernelEngine(module, path, X, y)
+    engine = PathKernelEngine(module, path, X)
     assert reason in engine.probe.fallback_reason
     assert_sum_identity(module, engine, queries())
 
@@ -459,9 +459,9 @@ def test_fallback_with_other_solvers_and_mini_batches(factory, settings):
 
 def test_plain_mlp_keeps_factored_rules_and_forced_fallback_agrees():
     module, path, X, y = trained(mlp)
-    engine = PathKernelEngine(module, path, X, y)
+    engine = PathKernelEngine(module, path, X)
     assert engine.probe.fallback_reason is None
-    forced = PathKernelEngine(module, path, X, y)
+    forced = PathKernelEngine(module, path, X)
     forced._probe = NetworkProbe(module, path, X[:1], force_jacobian=True)
     assert forced.probe.fallback_reason.startswith("forced")
     assert_sum_identity(module, engine, queries())
@@ -477,7 +477,7 @@ def test_plain_mlp_keeps_factored_rules_and_forced_fallback_agrees():
 def test_training_gram_of_the_fallback():
     """Symmetric PSD, and equal to the sum of Jacobian products over the steps."""
     module, path, X, y = trained(SelfAttention, n=12, steps=4)
-    engine = PathKernelEngine(module, path, X, y)
+    engine = PathKernelEngine(module, path, X)
     assert engine.probe.fallback_reason is not None
     gram = engine.gram(X, a_train=True)
     np.testing.assert_array_equal(gram, gram.T)

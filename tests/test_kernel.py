@@ -202,7 +202,7 @@ def test_kernel_calls_mutate_neither_estimator_nor_inputs(data, queries):
     clf = ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=1).fit(X, y)
     state = {name: value.clone() for name, value in clf.module_.state_dict().items()}
     weights = clf.path_.weights.clone()
-    coefficients = [c.clone() for c in clf.path_.loss_weights]
+    coefficients = [c.clone() for c in clf.path_.output_gradients]
     fit_X = clf._fit_X.clone()
     X_before, queries_before = X.copy(), queries.copy()
 
@@ -215,7 +215,8 @@ def test_kernel_calls_mutate_neither_estimator_nor_inputs(data, queries):
     for name, value in clf.module_.state_dict().items():
         assert torch.equal(value, state[name]), name
     assert torch.equal(clf.path_.weights, weights)
-    assert all(torch.equal(a, b) for a, b in zip(clf.path_.loss_weights, coefficients, strict=True))
+    pairs = zip(clf.path_.output_gradients, coefficients, strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     assert torch.equal(clf._fit_X, fit_X)
     np.testing.assert_array_equal(X, X_before)
     np.testing.assert_array_equal(queries, queries_before)

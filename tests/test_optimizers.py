@@ -129,8 +129,12 @@ def test_recorded_update_reproduces_every_step(name):
         w = path.weights[step].clone().requires_grad_(True)
         index = torch.as_tensor(batch)
         logits = functional_call(module, path.unflatten(w), (X[index],))
-        loss = (path.loss_weights[step] * F.cross_entropy(logits, y[index], reduction="none")).sum()
-        (gradient,) = torch.autograd.grad(loss, w)
+        f = F.log_softmax(logits, dim=1)
+        loss = F.nll_loss(f, y[index])  # the mean cross-entropy over the batch
+        (gradient, output_gradient) = torch.autograd.grad(loss, (w, f))
+        torch.testing.assert_close(
+            path.output_gradients[step], -output_gradient, rtol=0, atol=1e-15
+        )
         gradient = gradient + update.coupled_decay * path.weights[step]
         buffer = update.buffer_decay * buffer + update.gradient_scale * gradient
         P = 1.0 if update.preconditioners is None else update.preconditioners[step]
@@ -148,8 +152,8 @@ def smooth_engines(request):
     X, y = data()
     module = tanh_mlp()
     path = train(settings, module, X, y, max_iter=2, batch_size=8)
-    fast = PathKernelEngine(module, path, X, y)
-    reference = NaivePathKernelEngine(module, path, X, y, quadrature="gauss", n_points=24)
+    fast = PathKernelEngine(module, path, X)
+    reference = NaivePathKernelEngine(module, path, X, quadrature="gauss", n_points=24)
     queries = torch.tensor(np.random.RandomState(1).randn(5, 4) * 2.0)
     return fast, reference, module, queries, X
 

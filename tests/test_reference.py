@@ -45,7 +45,7 @@ def mlp(activation, width=8, seed=0):
 
 
 def engine(module, path, X, y, **params):
-    return NaivePathKernelEngine(module, path, X, y, **params)
+    return NaivePathKernelEngine(module, path, X, **params)
 
 
 def sum_identity_error(result):
@@ -56,7 +56,7 @@ def sum_identity_error(result):
 def tanh_engine():
     X, y = make_data()
     module, path = trained(mlp(nn.Tanh), X, y)
-    return engine(module, path, X, y, quadrature="gauss", n_points=12), X
+    return engine(module, path, X, y, quadrature="gauss", n_points=12), X, y
 
 
 # -- quadrature rules -----------------------------------------------------------------
@@ -121,14 +121,17 @@ def test_sum_identity_gauss_on_smooth_network():
 
 def test_training_points_add_up_to_the_weight_change():
     # Contributions of training rows on the training copy are the step itself:
-    # sum_i a_{s,i} g_{y_i}(x_i; w_s) == w_{s+1} - w_s for every step.
+    # lr_s sum_i sum_k e_{s,i,k} g_k(x_i; w_s) == w_{s+1} - w_s for every step, and the
+    # recorded output gradients of the mean cross-entropy are 1/|B| at the label.
     X, y = make_data()
     module, path = trained(mlp(nn.Tanh), X, y, max_iter=2)
     ref = engine(module, path, X, y, quadrature="dpk")
     for step in range(path.n_steps):
         batch = torch.as_tensor(path.batches[step])
-        coefficients = path.learning_rates[step] * path.loss_weights[step]
-        moved = coefficients @ ref._label_gradients(step, batch)
+        expected = torch.zeros(batch.numel(), 3, dtype=torch.float64)
+        expected[torch.arange(batch.numel()), y[batch]] = 1.0 / batch.numel()
+        torch.testing.assert_close(path.output_gradients[step], expected, rtol=0, atol=1e-15)
+        moved = path.learning_rates[step] * ref._training_gradients(step).sum(0)
         torch.testing.assert_close(moved, path.step_direction(step), rtol=0, atol=1e-14)
 
 
@@ -199,17 +202,17 @@ def assert_symmetric_psd(gram):
 
 
 def test_training_gram_is_symmetric_psd(tanh_engine):
-    ref, X = tanh_engine
+    ref, X, _ = tanh_engine
     assert_symmetric_psd(ref.gram(X[:12], a_train=True))
 
 
 def test_test_gram_is_symmetric_psd(tanh_engine):
-    ref, _ = tanh_engine
+    ref, _, _ = tanh_engine
     assert_symmetric_psd(ref.gram(queries(10), a_train=False))
 
 
 def test_gram_blocks_agree_with_the_copies(tanh_engine):
-    ref, X = tanh_engine
+    ref, X, _ = tanh_engine
     Q = queries(4)
     A = torch.cat([Q, X[:5]])
     mask = np.arange(9) >= 4
@@ -224,14 +227,14 @@ def test_gram_blocks_agree_with_the_copies(tanh_engine):
 
 
 def test_diag_matches_gram(tanh_engine):
-    ref, X = tanh_engine
+    ref, X, _ = tanh_engine
     A = torch.cat([queries(3), X[:4]])
     mask = np.arange(7) >= 3
     np.testing.assert_allclose(ref.diag(A, a_train=mask), np.diag(ref.gram(A, a_train=mask)))
 
 
 def test_full_gram_trace_is_the_scalar_gram(tanh_engine):
-    ref, X = tanh_engine
+    ref, X, _ = tanh_engine
     A = torch.cat([queries(3), X[:3]])
     mask = np.arange(6) >= 3
     full = ref.gram(A, X[5:9], a_train=mask, b_train=True, output="full")
@@ -245,19 +248,19 @@ def test_full_gram_trace_is_the_scalar_gram(tanh_engine):
 def test_query_by_training_gram_reproduces_the_decomposition(tanh_engine):
     # With full-batch equal coefficients per step the decomposition is the full
     # kernel weighted by a_{s,i}; for one step the trace picks output y_i.
-    ref, X = tanh_engine
+    ref, X, y = tanh_engine
     Q = queries(3)
     full = ref.gram(Q, X, a_train=False, b_train=True, output="full")
     contributions = ref.decompose(Q).contributions
-    coefficient = ref.path.learning_rates[0] * ref.path.loss_weights[0][0].item()
-    assert all(torch.allclose(c, c[0]) for c in ref.path.loss_weights)  # constant a_{s,i}
+    assert all(np.array_equal(b, np.arange(N_TRAIN)) for b in ref.path.batches)  # full batch
     assert np.all(ref.path.learning_rates == ref.path.learning_rates[0])
-    expected = coefficient * full[:, np.arange(N_TRAIN), :, ref.y_train.numpy()]
+    coefficient = ref.path.learning_rates[0] / N_TRAIN
+    expected = coefficient * full[:, np.arange(N_TRAIN), :, y.numpy()]
     np.testing.assert_allclose(contributions, expected.transpose(1, 0, 2), rtol=1e-12, atol=1e-14)
 
 
 def test_bad_output_is_rejected(tanh_engine):
-    ref, X = tanh_engine
+    ref, X, _ = tanh_engine
     with pytest.raises(ValueError, match="trace"):
         ref.gram(X[:2], output="diag")
 
@@ -285,7 +288,7 @@ def test_fast_engine_agrees_with_the_reference(activation, fast_rule, reference_
     engine_module = pytest.importorskip("sklearn_pathkernel._engine")
     X, y = make_data()
     module, path = trained(mlp(activation), X, y, batch_size=12, max_iter=1)
-    fast = engine_module.PathKernelEngine(module, path, X, y, **fast_rule)
+    fast = engine_module.PathKernelEngine(module, path, X, **fast_rule)
     ref = engine(module, path, X, y, **reference_rule)
     Q = queries(4)
     A, mask = torch.cat([Q, X[:5]]), np.arange(9) >= 4

@@ -245,7 +245,7 @@ def test_zero_weight_mini_batch_is_a_no_op_step(data):
     for step in (0, 3):  # the batches holding points 0..3
         assert np.array_equal(path.batches[step], np.arange(4))
         assert torch.equal(path.weights[step + 1], path.weights[step])
-        assert torch.equal(path.loss_weights[step], torch.zeros(4, dtype=torch.float64))
+        assert torch.equal(path.output_gradients[step], torch.zeros(4, 3, dtype=torch.float64))
     parts = clf.decompose(X[:3] + 0.1)
     assert np.abs(parts.contributions[:, :4]).max() == 0.0
     assert parts.residual.max() < SUM_TOL
