@@ -8,6 +8,8 @@ ExactPathKernelRegressor
     The same for regression (squared error): an exact kernel regression.
 DistanceKernelClassifier
     A network of distance layers ("memories"), with the same kernel API.
+DistanceKernelRegressor
+    The same for regression.
 ExactPathKernel
     The learned kernel, a ``sklearn.gaussian_process.kernels.Kernel``.
 PathKernelTransformer
@@ -19,12 +21,14 @@ DistanceLayer
 from ._classifier import ExactPathKernelClassifier
 from ._distance import DistanceLayer
 from ._distance_classifier import DistanceKernelClassifier
+from ._distance_regressor import DistanceKernelRegressor
 from ._kernel import ExactPathKernel
 from ._regressor import ExactPathKernelRegressor
 from ._transformer import PathKernelTransformer
 
 __all__ = [
     "DistanceKernelClassifier",
+    "DistanceKernelRegressor",
     "DistanceLayer",
     "ExactPathKernel",
     "ExactPathKernelClassifier",

@@ -1,63 +1,14 @@
 """DistanceKernelClassifier: a network of distance layers, as an exact kernel machine."""
 
-from numbers import Integral, Real
-
-import torch
-from sklearn.utils._param_validation import Interval, StrOptions
-from torch import nn
+from sklearn.utils._param_validation import StrOptions
 
 from ._base import BasePathClassifier
-from ._distance import (
-    DISTANCE_KERNELS,
-    INITS,
-    KERNELS,
-    TRANSFORMS,
-    DistanceLayer,
-    Negate,
-    Transform,
-    init_memories,
-)
+from ._distance_network import HEADS, DistanceNetworkMixin
 from ._docstrings import SOLVER_PARAMETERS, fill_doc
-
-HEADS = ("linear", "distance")
-
-
-def make_distance_network(
-    X, n_classes, hidden_layer_sizes, kernel, init, transform, head, gamma=1.0
-):
-    """Distance layers of the given widths, each followed by ``transform``, then a head.
-
-    Data-based initialisations see, for each layer, the training data as the
-    previous layers map it. ``head="linear"`` is an ``nn.Linear`` starting at
-    zero (so the kernel machine's bias ``f(x; w_0)`` is a constant);
-    ``head="distance"`` is a distance layer with one memory per class whose
-    logits are ``-k(h, c_k) + b_k`` for distance kernels and ``k(h, c_k) + b_k``
-    for similarities.
-    """
-    layers, width, H = [], X.shape[1], X
-    for size in hidden_layer_sizes:
-        layer = init_memories(
-            DistanceLayer(width, size, kernel, gamma=gamma, dtype=X.dtype, device=X.device), H, init
-        )
-        layers += [layer, Transform(transform)]
-        with torch.no_grad():
-            H = layers[-1](layer(H))
-        width = size
-    if head == "linear":
-        out = nn.Linear(width, n_classes, dtype=X.dtype, device=X.device)
-        nn.init.zeros_(out.weight)
-        nn.init.zeros_(out.bias)
-        layers.append(out)
-    else:
-        out = DistanceLayer(width, n_classes, kernel, gamma=gamma, dtype=X.dtype, device=X.device)
-        layers.append(out)  # uniform memories: _build_module does not see the labels
-        if kernel in DISTANCE_KERNELS:
-            layers.append(Negate())
-    return nn.Sequential(*layers)
 
 
 @fill_doc(solver_parameters=SOLVER_PARAMETERS)
-class DistanceKernelClassifier(BasePathClassifier):
+class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
 
     Each hidden layer compares its input with learned memories
@@ -198,12 +149,8 @@ class DistanceKernelClassifier(BasePathClassifier):
 
     _parameter_constraints = {
         **BasePathClassifier._parameter_constraints,
-        "hidden_layer_sizes": ["array-like", Interval(Integral, 1, None, closed="left")],
-        "kernel": [StrOptions(set(KERNELS))],
-        "init": [StrOptions(set(INITS))],
-        "skew_transform": [StrOptions(set(TRANSFORMS))],
+        **DistanceNetworkMixin._parameter_constraints,
         "head": [StrOptions(set(HEADS))],
-        "gamma": [Interval(Real, 0, None, closed="neither")],
     }
 
     def __init__(
@@ -261,27 +208,3 @@ class DistanceKernelClassifier(BasePathClassifier):
         self.device = device
         self.random_state = random_state
         self.verbose = verbose
-
-    def _build_module(self, X, n_classes):
-        sizes = self.hidden_layer_sizes
-        sizes = (sizes,) if isinstance(sizes, Integral) else tuple(sizes)
-        if any(not isinstance(size, Integral) or size < 1 for size in sizes):
-            raise ValueError(
-                f"hidden_layer_sizes must hold positive integers, got {self.hidden_layer_sizes!r}."
-            )
-        if self.kernel == "cosine" and self.skew_transform in ("sqrt", "log1p"):
-            raise ValueError(
-                f"skew_transform={self.skew_transform!r} needs non-negative layer outputs, but the "
-                "cosine kernel's similarities are in [-1, 1]; use skew_transform='none' or "
-                "'standardize' with kernel='cosine'."
-            )
-        return make_distance_network(
-            X,
-            n_classes,
-            [int(size) for size in sizes],
-            self.kernel,
-            self.init,
-            self.skew_transform,
-            self.head,
-            gamma=self.gamma,
-        )

@@ -11,6 +11,8 @@ from sklearn.base import (
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from ._base import BasePathEstimator
+
 
 class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     """Exact path kernel features: the kernel between the data and the training points.
@@ -90,24 +92,25 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
             from ._classifier import ExactPathKernelClassifier
 
             return ExactPathKernelClassifier(random_state=self.random_state)
-        if not hasattr(type(self.estimator), "kernel_"):
+        if not isinstance(self.estimator, BasePathEstimator):
             raise TypeError(
                 "PathKernelTransformer needs an estimator with a path kernel (a kernel_ "
-                "attribute), such as ExactPathKernelClassifier; got "
+                "attribute), such as ExactPathKernelClassifier or ExactPathKernelRegressor; got "
                 f"{type(self.estimator).__name__}."
             )
         return clone(self.estimator)
 
     @_fit_context(prefer_skip_nested_validation=False)
     def fit(self, X, y, **fit_params):
-        """Train the path classifier on ``X, y`` and keep ``X`` as the columns.
+        """Train the path estimator on ``X, y`` and keep ``X`` as the columns.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
             Training data.
-        y : array-like of shape (n_samples,)
-            Class labels (the kernel is learned by classifying them).
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            The estimator's targets: class labels, or values for a regressor
+            (the kernel is learned by fitting them).
         **fit_params : dict
             Passed to ``estimator.fit`` (e.g. ``sample_weight``).
 
@@ -116,7 +119,7 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         self : object
             The fitted transformer.
         """
-        X, y = validate_data(self, X, y, dtype=np.float64)
+        X, y = validate_data(self, X, y, dtype=np.float64, multi_output=True)
         estimator = self._make_estimator().fit(X, y, **fit_params)
         self.estimator_ = estimator
         self.X_fit_ = np.array(X, dtype=np.float64, copy=True)

@@ -28,7 +28,7 @@ from sklearn_pathkernel import (
     PathKernelTransformer,
 )
 from sklearn_pathkernel._device import resolve_device
-from sklearn_pathkernel._distance_classifier import make_distance_network
+from sklearn_pathkernel._distance_network import make_distance_network
 from sklearn_pathkernel._engine import PathKernelEngine
 
 X, y = make_blobs(n_samples=24, centers=3, n_features=4, random_state=0)

@@ -451,7 +451,7 @@ def test_fallback_with_other_solvers_and_mini_batches(factory, settings):
         factory, steps=3, lr=lr, batch_size=8, solver=SolverSettings(**settings)
     )
     assert not any(name.startswith("frozen") for name in path.param_names)
-    engine = PathKernelEngine(module, path, X, y)
+    engine = PathKernelEngine(module, path, X)
     assert engine.probe.fallback_reason is not None
     assert_sum_identity(module, engine, queries())
     assert np.abs(engine.decompose(queries()).decay).max() > 0
