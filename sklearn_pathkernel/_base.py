@@ -158,7 +158,10 @@ class BasePathEstimator(BaseEstimator):
         )
         X_t = X_t.to(device)
         y_t = torch.as_tensor(targets.values, device=device)
-        check_module(module, X_t, targets.n_outputs)  # refused with the reason, or eval mode
+        # Refused with the reason, or left in eval mode (the mode it is trained in).
+        check_module(
+            module, X_t, targets.n_outputs, classifier=isinstance(self._loss, CrossEntropy)
+        )
         result = train_module(
             module,
             X_t,

@@ -9,7 +9,8 @@ turns into a clear error (or, for dropout, a warning):
   ``forward``): one row's output depends on the others, so it has no per-sample
   gradient;
 - it is random (dropout, noise): two evaluations disagree;
-- its output is not float64 logits of shape (n_samples, n_outputs), or is not
+- its output is not float64 logits (or, for a regressor, predictions) of shape
+  (n_samples, n_outputs), or is not
   finite at the initial weights.
 
 The checks are cheap: a few forward passes on a handful of rows. Only when one
@@ -41,7 +42,7 @@ _PER_SAMPLE_HINT = (
 )
 
 
-def check_module(module, X, n_outputs):
+def check_module(module, X, n_outputs, *, classifier=True):
     """Refuse, with the reason, a module whose path kernel would not be exact.
 
     Runs at fit on the estimator's own (built or copied) module, before
@@ -55,7 +56,11 @@ def check_module(module, X, n_outputs):
     X : torch.Tensor of shape (n_samples, n_features)
         The training data (a few distinct rows are evaluated).
     n_outputs : int
-        The width the output must have (the number of classes).
+        The width the output must have (the number of classes, or of the
+        regression targets).
+    classifier : bool, default=True
+        Whether the output is logits of classes (True) or a regressor's
+        predictions (False); only the wording of the messages depends on it.
 
     Raises
     ------
@@ -81,9 +86,9 @@ def check_module(module, X, n_outputs):
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(X.device)):
         first = module(rows[:1])
-        _check_output(first, n_outputs, X.dtype)
+        _check_output(first, n_outputs, X.dtype, classifier)
         batch = module(rows)
-        _check_batch_output(batch, rows.shape[0], n_outputs)
+        _check_batch_output(batch, rows.shape[0], n_outputs, classifier)
         _check_finite(batch)
         difference = _difference(batch, module(rows))
         if difference > RTOL:
@@ -162,23 +167,28 @@ def _warn_random_layers(module):
 # -- the output ----------------------------------------------------------------------
 
 
-def _check_output(out, n_outputs, dtype):
+def _what(classifier):
+    return "logits" if classifier else "predictions"
+
+
+def _check_output(out, n_outputs, dtype, classifier):
     """The output of one row: a float64 tensor of shape (1, n_outputs)."""
+    what = _what(classifier)
     if not isinstance(out, torch.Tensor):
         raise ValueError(
-            f"The module must return a tensor of logits of shape (n_samples, "
+            f"The module must return a tensor of {what} of shape (n_samples, "
             f"{n_outputs}), but it returned a {type(out).__name__}; if it computes "
-            "several values, wrap it in a module whose forward returns the logits only."
+            f"several values, wrap it in a module whose forward returns the {what} only."
         )
     if out.ndim != 2 or out.shape[1] != n_outputs:
         raise ValueError(
             f"The module maps X to outputs of shape {tuple(out.shape)} for one "
-            f"sample, but the target has {n_outputs} classes: it must output "
-            f"logits of shape (n_samples, {n_outputs})."
+            f"sample, but the target has {_count(n_outputs, classifier)}: it must "
+            f"output {what} of shape (n_samples, {n_outputs})."
         )
     if not out.is_floating_point():
         raise ValueError(
-            f"The module's output has dtype {out.dtype}: it must return floating point logits."
+            f"The module's output has dtype {out.dtype}: it must return floating point {what}."
         )
     if out.dtype != dtype:
         raise ValueError(
@@ -194,11 +204,17 @@ def _dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
-def _check_batch_output(out, n_rows, n_outputs):
+def _count(n_outputs, classifier):
+    if classifier:
+        return f"{n_outputs} classes"
+    return f"{n_outputs} output" + ("s" if n_outputs != 1 else "")
+
+
+def _check_batch_output(out, n_rows, n_outputs, classifier):
     if out.shape != (n_rows, n_outputs):
         raise ValueError(
             f"The module maps {n_rows} samples to outputs of shape {tuple(out.shape)}: "
-            f"it must output one row of logits per sample, of shape (n_samples, "
+            f"it must output one row of {_what(classifier)} per sample, of shape (n_samples, "
             f"{n_outputs})."
         )
 

@@ -14,7 +14,7 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
-from sklearn_pathkernel import ExactPathKernelClassifier
+from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
 from sklearn_pathkernel._module_checks import N_CHECK_ROWS, check_module
 
 N_FEATURES, N_CLASSES = 4, 3
@@ -450,3 +450,35 @@ def test_check_module_puts_back_buffers_that_forward_updates(data):
     module = CountsCalls()
     check_module(module, torch.as_tensor(X), N_CLASSES)
     assert module.calls.item() == 0.0  # w_0's state is the module as it was built
+
+
+@pytest.mark.parametrize(
+    "y_shape, message",
+    [
+        (
+            (12,),
+            r"shape \(1, 3\) for one sample, but the target has 1 output: it must output "
+            r"predictions of shape \(n_samples, 1\)",
+        ),
+        (
+            (12, 2),
+            r"shape \(1, 3\) for one sample, but the target has 2 outputs: it must "
+            r"output predictions of shape \(n_samples, 2\)",
+        ),
+    ],
+    ids=["1-d", "2-outputs"],
+)
+def test_regressor_output_width_names_both(data, y_shape, message):
+    X, _ = data
+    y = np.random.RandomState(0).randn(*y_shape)
+    regressor = ExactPathKernelRegressor(module=nn.Linear(N_FEATURES, 3), max_iter=3)
+    with pytest.raises(ValueError, match=message):
+        regressor.fit(X, y)
+
+
+def test_regressor_module_is_checked(data):
+    X, _ = data
+    y = np.random.RandomState(0).randn(X.shape[0])
+    module = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"layer '1' \(BatchNorm1d\) is in training mode"):
+        ExactPathKernelRegressor(module=module, max_iter=3).fit(X, y)
