@@ -11,6 +11,7 @@ from ._mlp import MLPNetworkMixin
     training_parameters=TRAINING_PARAMETERS,
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
+    solver_default="sgd",
 )
 class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
     """Neural network classifier that is exactly a kernel machine.

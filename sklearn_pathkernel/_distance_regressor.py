@@ -9,6 +9,7 @@ from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS
     training_parameters=TRAINING_PARAMETERS,
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
+    solver_default="adam",
 )
 class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
     """Network of distance layers ("memories"), trained on the squared error, as a kernel machine.
@@ -46,9 +47,12 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         infinite. Measurements: ``doc/benchmarks_distance.rst``.
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
-    learning_rate : float or callable, default=1.5
-        Step size, or a schedule ``learning_rate(step) -> float``.
-    max_iter : int, default=500
+    learning_rate : float or callable, default=0.01
+        Step size, or a schedule ``learning_rate(step) -> float``. The default
+        goes with Adam: with the squared error, plain gradient descent on a
+        hundred distance features diverges already at ``learning_rate=0.1``
+        (the linear head's curvature grows with the number of memories).
+    max_iter : int, default=300
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
         gradient descent step: the training path of the EPK paper.
     {training_parameters}
@@ -94,10 +98,10 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         init="kmeans++",
         skew_transform="log1p",
         gamma=1.0,
-        learning_rate=1.5,
-        max_iter=500,
+        learning_rate=0.01,
+        max_iter=300,
         batch_size=None,
-        solver="sgd",
+        solver="adam",
         momentum=0.0,
         nesterovs_momentum=False,
         beta_1=0.9,

@@ -1,6 +1,6 @@
 """Docstring fragments shared by the estimators (one text, no copies)."""
 
-SOLVER_PARAMETERS = """solver : {"sgd", "adam", "adamw"}, default="sgd"
+SOLVER_PARAMETERS = """solver : {"sgd", "adam", "adamw"}, default="{solver_default}"
         The torch.optim optimiser: ``"sgd"`` (gradient descent, with optional
         ``momentum``), ``"adam"`` or ``"adamw"``. The exact path kernel holds for
         every solver: its updates are linear in the training gradients once the
@@ -92,7 +92,8 @@ FITTED_ATTRIBUTES = """module_ : torch.nn.Module
 
 
 def fill_doc(**fragments):
-    """Class decorator: replace ``{name}`` in the docstring by ``fragments[name]``."""
+    """Class decorator: replace ``{name}`` in the docstring by ``fragments[name]``,
+    in the order given (so a fragment may hold a later placeholder)."""
 
     def decorate(cls):
         doc = cls.__doc__

@@ -171,7 +171,7 @@ class _Switches:
         with torch.no_grad(), recorder:
             logits = self.probe._forward(start, X, direction, t, logits=True)
         with torch.no_grad():
-            outputs = (F.log_softmax(logits, dim=1), logits.abs().amax(1))
+            outputs = (self.probe.link(logits), logits.abs().amax(1))
         t_rows = (
             t
             if isinstance(t, torch.Tensor)

@@ -5,7 +5,9 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from sklearn_pathkernel import (
     DistanceKernelClassifier,
+    DistanceKernelRegressor,
     ExactPathKernelClassifier,
+    ExactPathKernelRegressor,
     PathKernelTransformer,
 )
 
@@ -22,6 +24,11 @@ ESTIMATORS = [
         ExactPathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0)
     ),
     DistanceKernelClassifier(hidden_layer_sizes=(8,), init="uniform", max_iter=100, random_state=0),
+    ExactPathKernelRegressor(),
+    DistanceKernelRegressor(),
+    ExactPathKernelRegressor(hidden_layer_sizes=(8,), max_iter=100, random_state=0),
+    DistanceKernelRegressor(hidden_layer_sizes=(8,), init="uniform", max_iter=100, random_state=0),
+    PathKernelTransformer(ExactPathKernelRegressor(hidden_layer_sizes=(8,), max_iter=10)),
 ]
 
 
