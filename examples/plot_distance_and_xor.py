@@ -52,7 +52,7 @@ for name, labels in problems.items():
     y = labels[corner]
     start = time.perf_counter()
     clf = DistanceKernelClassifier(
-        hidden_layer_sizes=(4,), learning_rate=0.5, max_iter=60, random_state=0
+        hidden_layer_sizes=(4,), solver="sgd", learning_rate=0.5, max_iter=60, random_state=0
     ).fit(X, y)
     fits[name] = (clf, y, accuracy_per_epoch(clf, X, y))
     print(

@@ -574,7 +574,22 @@ class PathKernelEngine:
         buffer = None
         for step in reversed(range(self.path.n_steps)):
             start, _ = self._step(step)
-            features = self._test_features(step, X, residual, outputs_per_pair=n_outputs)
+            batch = self.path.batches[step]
+            gradients = self.path.output_gradients[step].to(self.device)
+            # The batch's factors from the nodes' passes when its materialised
+            # gradients fit one tile (as decompose does for plain SGD), else by tiles.
+            shared = len(self._tiles(len(batch), 8 * self.path.n_weights)) == 1
+            features = self._test_features(
+                step,
+                X,
+                residual,
+                outputs_per_pair=n_outputs,
+                with_rows=(self.X_train[self._as_device_tensor(batch)], gradients)
+                if shared
+                else None,
+            )
+            if shared:
+                features, train = features
             weights = self.probe.params(start)
             if update.decoupled_decays[step]:
                 decay += update.decoupled_decays[step] * features.directional(weights)
@@ -597,23 +612,24 @@ class PathKernelEngine:
                 decay -= update.coupled_decay * sum(
                     p @ rule.flatten(weights) for p, rule in zip(psi, rules, strict=True)
                 )
-            self._add_batch_inner(step, psi, contributions)
+            if shared:
+                self._add_batch_inner(psi, self._as_device_tensor(batch), train, contributions)
+                continue
+            for part in self._tiles(len(batch), 8 * self.path.n_weights):
+                rows = self._as_device_tensor(batch[part])
+                train = self.probe.factors(start, self.X_train[rows], gradients[part])[1]
+                self._add_batch_inner(psi, rows, train, contributions)
         return contributions.cpu().numpy(), decay.cpu().numpy(), residual
 
-    def _add_batch_inner(self, step, psi, contributions):
-        """``contributions[:, i] += <psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` over step ``s``'s
-        batch, in tiles of training rows whose per-example gradients are materialised."""
-        start, _ = self._step(step)
-        batch = self.path.batches[step]
-        gradients = self.path.output_gradients[step].to(self.device)
-        for part in self._tiles(len(batch), 8 * self.path.n_weights):
-            rows = self._as_device_tensor(batch[part])
-            train = self.probe.factors(start, self.X_train[rows], gradients[part])[1]
-            block = sum(
-                _contract(p, rule.materialise(f), "pairs")
-                for p, rule, f in zip(psi, self.probe.rules, train, strict=True)
-            )  # (n, rows, K, 1)
-            contributions.index_add_(1, rows, block[..., 0].contiguous())
+    def _add_batch_inner(self, psi, rows, train, contributions):
+        """``contributions[:, i] += <psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` for the training
+        ``rows`` whose factors (output gradients as cotangents) are ``train``: their
+        per-example gradients are materialised, one matrix product per layer."""
+        block = sum(
+            _contract(p, rule.materialise(f), "pairs")
+            for p, rule, f in zip(psi, self.probe.rules, train, strict=True)
+        )  # (n, rows, K, 1)
+        contributions.index_add_(1, rows, block[..., 0].contiguous())
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""
