@@ -53,19 +53,20 @@ DEFAULTS = {
 }
 
 CANDIDATES = {
-    "epk sgd lr0.1 200": lambda: ExactPathKernelRegressor(learning_rate=0.1, random_state=0),
+    "epk sgd lr0.1 200": lambda: ExactPathKernelRegressor(
+        solver="sgd", learning_rate=0.1, random_state=0
+    ),
     "epk adam lr0.003 300": lambda: ExactPathKernelRegressor(
         solver="adam", learning_rate=0.003, max_iter=300, random_state=0
     ),
-    "epk adam lr0.01 200": lambda: ExactPathKernelRegressor(
-        solver="adam", learning_rate=0.01, random_state=0
+    "epk adam lr1e-3 b200": lambda: ExactPathKernelRegressor(
+        solver="adam", learning_rate=1e-3, batch_size=200, random_state=0
     ),
-    "dist sgd lr0.1 500": lambda: DistanceKernelRegressor(learning_rate=0.1, random_state=0),
     "dist adam lr0.01 300": lambda: DistanceKernelRegressor(
         solver="adam", learning_rate=0.01, max_iter=300, random_state=0
     ),
-    "dist adam lr0.03 300": lambda: DistanceKernelRegressor(
-        solver="adam", learning_rate=0.03, max_iter=300, random_state=0
+    "dist adam lr1e-3 b200": lambda: DistanceKernelRegressor(
+        solver="adam", learning_rate=1e-3, batch_size=200, max_iter=200, random_state=0
     ),
 }
 

@@ -44,6 +44,8 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
     max_iter : int, default=200
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
         gradient descent step: the training path of the EPK paper.
+    batch_size : int or None, default=None
+        Mini-batch size; ``None`` uses the whole training set at every step.
     {training_parameters}
     {path_parameters}
 

@@ -55,6 +55,8 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
     max_iter : int, default=300
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
         gradient descent step: the training path of the EPK paper.
+    batch_size : int or None, default=None
+        Mini-batch size; ``None`` uses the whole training set at every step.
     {training_parameters}
     {path_parameters}
 

@@ -23,9 +23,7 @@ SOLVER_PARAMETERS = """solver : {"sgd", "adam", "adamw"}, default="{solver_defau
         points' contributions (``decompose(X).decay``)."""
 
 
-TRAINING_PARAMETERS = """batch_size : int or None, default=None
-        Mini-batch size; ``None`` uses the whole training set at every step.
-    """ + SOLVER_PARAMETERS + """
+TRAINING_PARAMETERS = """""" + SOLVER_PARAMETERS + """
     shuffle : bool, default=True
         Reshuffle mini-batches each epoch.
     tol : float or None, default=None
