@@ -100,8 +100,7 @@ def main():
             row[name] = evaluate(make(), X, y)
         results[dataset] = row
         print(
-            f"{dataset:<12}"
-            + "".join(f"{row[n][0]:>14.4f} ({row[n][1]:4.1f}s)" for n in names),
+            f"{dataset:<12}" + "".join(f"{row[n][0]:>14.4f} ({row[n][1]:4.1f}s)" for n in names),
             flush=True,
         )
     print()
