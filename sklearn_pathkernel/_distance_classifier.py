@@ -4,7 +4,7 @@ from sklearn.utils._param_validation import StrOptions
 
 from ._base import BasePathClassifier
 from ._distance_network import HEADS, DistanceNetworkMixin
-from ._docstrings import SOLVER_PARAMETERS, fill_doc
+from ._docstrings import PATH_PARAMETERS, SOLVER_PARAMETERS, fill_doc
 
 # The shared solver text with this estimator's reasons for its defaults (solver,
 # epsilon); the defaults themselves are checked against the signature in the tests.
@@ -30,7 +30,9 @@ _SOLVER_PARAMETERS = (
 )
 
 
-@fill_doc(solver_parameters=_SOLVER_PARAMETERS, solver_default="adam")
+@fill_doc(
+    path_parameters=PATH_PARAMETERS, solver_parameters=_SOLVER_PARAMETERS, solver_default="adam"
+)
 class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
 
@@ -98,39 +100,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
     n_iter_no_change : int, default=10
         See ``tol``.
-    quadrature : {"exact", "riemann", "dpk"}, default="exact"
-        How the test-copy features integrate the gradient along each step (see
-        :class:`ExactPathKernelClassifier`).
-    n_points : int, default=100
-        Points of the ``"riemann"`` rule.
-    n_jobs : int or None, default=None
-        Parallel jobs (joblib) over blocks of kernel computations.
-    path_storage : "memory", "disk" or path-like, default="memory"
-        Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
-        float64 numbers, is kept: ``"memory"`` (RAM), ``"disk"`` (a
-        memory-mapped file in the system's temporary directory) or a memory-mapped
-        file in the given directory, for long trainings whose path does not fit
-        in RAM. Kernels and decompositions are identical either way. Before
-        training, the path's size is checked against the available memory (or
-        free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
-        Pickling writes the weights into the pickle; the unpickled estimator
-        holds them in memory.
-    device : str or torch.device, default="cpu"
-        Where the network is trained and evaluated and the kernel computed:
-        ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a
-        ``torch.device``. Checked at :meth:`fit`: a ``ValueError`` names the
-        device and the available ones when it is unknown or absent. The initial
-        weights are drawn on the CPU, so they do not depend on the device.
-        ``module_`` and the training data live on the device (``device_``); the
-        weight path stays on the host (``path_storage``), one step at a time is
-        moved to the device; results are numpy arrays. A pickle holds CPU
-        tensors: it loads on a machine without the device (on the CPU, with a
-        warning) and back on the device where there is one.
-    random_state : int, RandomState instance or None, default=None
-        Seeds the initial memories and the mini-batch order.
-    verbose : int, default=0
-        Print the training loss per epoch and show progress of kernel
-        computations.
+    {path_parameters}
 
     Attributes
     ----------

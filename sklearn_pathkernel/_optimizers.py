@@ -174,6 +174,8 @@ class AdamUpdate(UpdateRule):
     """``torch.optim.Adam`` (no amsgrad), with L2 weight decay added to the gradient."""
 
     preconditioned = True
+    #: The torch.optim class that takes the steps.
+    optimizer_class = torch.optim.Adam
 
     def __init__(self, *, beta_1=0.9, beta_2=0.999, epsilon=1e-8, weight_decay=0.0):
         super().__init__(weight_decay=weight_decay)
@@ -190,7 +192,7 @@ class AdamUpdate(UpdateRule):
         )
 
     def optimizer(self, params, learning_rate):
-        return torch.optim.Adam(
+        return self.optimizer_class(
             params,
             lr=learning_rate,
             betas=(self.beta_1, self.beta_2),
@@ -214,18 +216,11 @@ class AdamUpdate(UpdateRule):
 class AdamWUpdate(AdamUpdate):
     """``torch.optim.AdamW``: Adam with decoupled weight decay ``w <- (1 - eta lambda) w``."""
 
+    optimizer_class = torch.optim.AdamW
+
     @property
     def coupled_decay(self):
         return 0.0
-
-    def optimizer(self, params, learning_rate):
-        return torch.optim.AdamW(
-            params,
-            lr=learning_rate,
-            betas=(self.beta_1, self.beta_2),
-            eps=self.epsilon,
-            weight_decay=self.weight_decay,
-        )
 
     def rates(self, learning_rate, step):
         alpha, zeta, _ = super().rates(learning_rate, step)
