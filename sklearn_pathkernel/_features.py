@@ -98,8 +98,7 @@ class StepFeatures:
 
 
 def _integrate(rule, chunks, n_rows, outputs_per_pair):
-    integrate = getattr(rule, "integrate", None)
-    if integrate is None or not chunks:
+    if not chunks:
         return None
     rows = torch.cat([chunk[0] for chunk in chunks])
     if rows.numel() == 0:
@@ -107,4 +106,4 @@ def _integrate(rule, chunks, n_rows, outputs_per_pair):
     weights = torch.cat([chunk[1] for chunk in chunks])
     factors = [chunk[2] for chunk in chunks]
     factors = factors[0] if len(factors) == 1 else type(factors[0]).cat(factors)
-    return integrate(rows, weights, factors, n_rows, outputs_per_pair)
+    return rule.integrate(rows, weights, factors, n_rows, outputs_per_pair)
