@@ -4,7 +4,7 @@ from sklearn.utils._param_validation import StrOptions
 
 from ._base import BasePathClassifier
 from ._distance_network import HEADS, DistanceNetworkMixin
-from ._docstrings import PATH_PARAMETERS, SOLVER_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, SOLVER_PARAMETERS, fill_doc
 
 # The shared solver text with this estimator's reasons for its defaults (solver,
 # epsilon); the defaults themselves are checked against the signature in the tests.
@@ -31,7 +31,10 @@ _SOLVER_PARAMETERS = (
 
 
 @fill_doc(
-    path_parameters=PATH_PARAMETERS, solver_parameters=_SOLVER_PARAMETERS, solver_default="adam"
+    path_parameters=PATH_PARAMETERS,
+    fitted_attributes=FITTED_ATTRIBUTES,
+    solver_parameters=_SOLVER_PARAMETERS,
+    solver_default="adam",
 )
 class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
@@ -106,24 +109,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     ----------
     classes_ : ndarray of shape (n_classes,)
         Class labels; output ``k`` of the network belongs to ``classes_[k]``.
-    module_ : torch.nn.Sequential
-        The trained network (float64, weights ``w_S``), on ``device_``.
-    device_ : torch.device
-        Where ``module_`` and the training data live and the computations run:
-        ``device`` at fit (after unpickling, the CPU if this machine lacks it).
-    path_ : WeightPath
-        The recorded weight path, on the
-        host (RAM or a memory-mapped file, see ``path_storage``).
-    n_iter_ : int
-        Epochs run.
-    n_steps_ : int
-        Gradient descent steps taken.
-    loss_curve_ : list of float
-        Training loss per epoch.
-    n_features_in_ : int
-        Number of features seen during fit.
-    feature_names_in_ : ndarray of shape (n_features_in_,)
-        Feature names seen during fit, when X has string column names.
+    {fitted_attributes}
 
     See Also
     --------
