@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+from bench_quadrature import paper_toy  # the same toy, one definition
 
 from sklearn_pathkernel import ExactPathKernelClassifier
 
@@ -30,15 +31,6 @@ SOLVERS = {
     "adam + weight decay": dict(solver="adam", learning_rate=1e-3, weight_decay=1e-3),
     "adamw": dict(solver="adamw", learning_rate=1e-3, weight_decay=1e-2),
 }
-
-
-def paper_toy(n_train=300, n_queries=60, seed=0):
-    rng = np.random.RandomState(seed)
-    means = np.zeros((3, 100))
-    means[:, :2] = [[1, 4], [4, 1], [5, 5]]
-    y = rng.randint(0, 3, n_train + n_queries)
-    X = means[y] + rng.randn(n_train + n_queries, 100)
-    return X[:n_train], y[:n_train], X[n_train:]
 
 
 def main():

@@ -74,10 +74,6 @@ class UpdateRecord:
         :math:`-P_s \\odot g_s` in step ``step``'s update."""
         return self.gradient_scale * self.gradient_rates[step] + self.direct_rates[step]
 
-    @property
-    def has_decay(self):
-        return self.coupled_decay != 0 or bool(np.any(self.decoupled_decays != 0))
-
     def truncated(self, n_steps):
         """The record of the first ``n_steps`` steps (early stopping)."""
         return UpdateRecord(

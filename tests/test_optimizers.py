@@ -260,9 +260,8 @@ def test_training_gram_is_symmetric_psd_and_consistent_with_queries(name):
     np.testing.assert_array_equal(gram, gram.T)
     eigenvalues = np.linalg.eigvalsh(gram)
     assert eigenvalues.min() >= -1e-9 * eigenvalues.max()
-    # A query Gram against the training rows is the same kernel with the queries on
-    # the test copy: on a point far from its kinks it tends to the training copy's
-    # value as the step shrinks; here check the rows agree with the joint request.
+    # Query rows (test copy) against the training rows: the same kernel whether
+    # asked alone or as a block of one joint request.
     queries = X[:3] + 0.01
     cross = clf.kernel_(queries, X)
     joint = clf.kernel_(np.vstack([queries, X]))
