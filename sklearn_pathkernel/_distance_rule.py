@@ -176,6 +176,11 @@ class DistanceFactors:
     def take(self, index):
         return DistanceFactors({k: v[index] for k, v in self.rows.items()}, self.shared)
 
+    @property
+    def nbytes(self):
+        """Memory held per row (the shared memories are not counted)."""
+        return sum(v.nbytes for v in self.rows.values())
+
     @staticmethod
     def cat(parts):
         """Stack the rows of several factors of the same layer and step."""

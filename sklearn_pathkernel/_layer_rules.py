@@ -45,6 +45,11 @@ class Factors:
             *(None if f is None else f[rows] for f in (self.inputs, self.deltas, self.grads))
         )
 
+    @property
+    def nbytes(self):
+        """Memory held by the factors."""
+        return sum(f.nbytes for f in (self.inputs, self.deltas, self.grads) if f is not None)
+
 
 def row_sums(rows, weights, values, n_rows):
     """``out[r] = sum of weights[e] * values[e] over the e with rows[e] == r``."""
