@@ -33,7 +33,7 @@ from ._device import loadable_device, on_host
 from ._features import StepFeatures
 from ._layer_rules import Factors
 from ._losses import log_softmax
-from ._memory import check_fits, rows_per_tile
+from ._memory import check_fits, rows_per_tile, working_budget
 from ._probe import NetworkProbe
 from ._quadrature import (
     Nodes,
@@ -708,13 +708,30 @@ class PathKernelEngine:
         test copy, ``Q`` on the training copy) or "test" (both on the test copy).
         Tasks are (tile of ``P``, chunk of steps); a symmetric request computes
         only the columns from the tile's first row on and mirrors them.
+
+        Scheduling is step-major: a task computes each step's factors of its rows
+        and of ``Q`` once and accumulates the step into its output block, which
+        stays in memory across layers and steps. Tiles of ``P`` are as large as
+        the device's working budget allows (``working_budget``: one tile for a
+        host Gram of a few thousand rows, tens of thousands on a GPU).
         """
-        row_bytes = 8 * Q.shape[0] * (self.n_outputs**2 if mode == "pairs" else 1)
-        tiles = self._tiles(P.shape[0], row_bytes)
+        pairs = self.n_outputs**2 if mode == "pairs" else 1
+        if kind == "test":
+            tiles = self._tiles(P.shape[0], 8 * Q.shape[0] * pairs)
+        else:
+            tiles = self._task_tiles(kind, P.shape[0], Q.shape[0], pairs)
         keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
         results = self._run(
             [
-                (self._block_rows, kind, P[tile], Q[tile.start :] if symmetric else Q, steps, mode)
+                (
+                    self._block_rows,
+                    kind,
+                    P[tile],
+                    Q[tile.start :] if symmetric else Q,
+                    steps,
+                    mode,
+                    symmetric,
+                )
                 for tile, steps in keys
             ]
         )
@@ -728,18 +745,58 @@ class PathKernelEngine:
                 out[tile.stop :, tile] += _swap(block[:, width:], mode)
         return out
 
-    def _block_rows(self, kind, P, Q, steps, mode):
+    def _task_tiles(self, kind, n_rows, n_other, pairs):
+        """Tiles of the rows of a training or mixed block, from the working budget.
+
+        A task holds its output block, one step's factors of its rows (for the
+        test copy: of their quadrature nodes, about ``n_nodes + 1`` per row) and
+        of the other side's rows, and, on a preconditioned path, materialised
+        gradients of one sub-block of rows.
+        """
+        factor_bytes = self._factor_row_bytes()
+        per_row = 8 * n_other * pairs + factor_bytes * (
+            1 if kind == "discrete" else self.n_nodes + 1
+        )
+        shared = factor_bytes * (n_other if kind == "discrete" else self.tile_size)
+        budget = working_budget(self.device, self._n_workers())
+        size = max(self.tile_size, (budget - shared) // per_row)
+        return list(gen_even_slices(n_rows, max(1, -(-n_rows // size)))) if n_rows else []
+
+    def _factor_row_bytes(self):
+        """Bytes of one row's training-copy factors (every output), all layers."""
+        if "_row_bytes" not in self.__dict__:
+            factors = self._probe.factors(self._at(0), self.X_train[:1])[1]
+            self._row_bytes = max(8, sum(f.nbytes for f in factors))
+        return self._row_bytes
+
+    def _sub_blocks(self, n, row_bytes=0):
+        """Consecutive slices of at most ``tile_size`` rows (fewer for large rows):
+        the blocks of one product, aligned from row 0 so that two sides of the
+        same rows share their boundaries."""
+        size = rows_per_tile(self.tile_size, row_bytes)
+        return [slice(begin, min(begin + size, n)) for begin in range(0, n, size)]
+
+    def _factors_of(self, start, X):
+        """Training-copy factors of every row of ``X`` (every output) at ``start``,
+        computed in passes of ``tile_size`` rows and joined per layer."""
+        parts = [self.probe.factors(start, X[tile])[1] for tile in self._sub_blocks(X.shape[0])]
+        if len(parts) == 1:
+            return parts[0]
+        return [type(layer[0]).cat(layer) for layer in zip(*parts, strict=True)]
+
+    def _block_rows(self, kind, P, Q, steps, mode, prefix=False):
+        """The block of ``P`` x ``Q`` over ``steps``; ``prefix``: ``P`` is ``Q``'s
+        first rows (a tile of a symmetric Gram)."""
+        if kind == "discrete":
+            return self._training_block(P, Q, steps, mode, prefix)
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
         probe = self.probe
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
-            start = self._at(step)
             metric = self._metric(step)
             right = None
-            if kind == "discrete":
-                left = probe.factors(start, P)[1]
-            elif kind == "mixed":  # once per step, for all of Q; Q's first tile shares its passes
+            if kind == "mixed":  # once per step, for all of Q; Q's first tile shares its passes
                 pairs = 1 if mode == "trace" else self.n_outputs**2
                 features, right = self._test_features(
                     step, P, outputs_per_pair=pairs, with_rows=(Q[q_tiles[0]], None)
@@ -754,16 +811,47 @@ class PathKernelEngine:
                     block[:, tile] += self._test_test(step, P, Q[tile], mode, metric)
                     continue
                 if right is None or tile is not q_tiles[0]:
-                    right = probe.factors(start, Q[tile])[1]
-                if kind == "discrete":
-                    block[:, tile] += self._inner(left, right, mode, metric)
-                elif metric is None:
+                    right = probe.factors(self._at(step), Q[tile])[1]
+                if metric is None:
                     features.add_inner(right, mode, block[:, tile])
                 else:
                     block[:, tile] += sum(
                         _contract(a.grads, rule.materialise(b), mode)
                         for rule, a, b in zip(probe.rules, left, right, strict=True)
                     )
+        return block.cpu().numpy()
+
+    def _training_block(self, P, Q, steps, mode, prefix):
+        """Training x training block, step-major.
+
+        Per step, the factors of ``Q`` (and of ``P``, unless it is ``Q``'s
+        prefix) are computed once, in passes of ``tile_size`` rows; the block is
+        then accumulated in products of ``tile_size`` x ``tile_size`` rows. With
+        ``prefix``, products below the diagonal are not computed but mirrored.
+        On a preconditioned path both sides are materialised per product, so
+        products get fewer rows.
+        """
+        n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
+        block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
+        preconditioned = self.path.update.preconditioners is not None
+        row_bytes = 16 * self.n_outputs * self.path.n_weights if preconditioned else 0
+        p_blocks = self._sub_blocks(P.shape[0], row_bytes)
+        q_blocks = self._sub_blocks(Q.shape[0], row_bytes)
+        products = [(a, b) for a in p_blocks for b in q_blocks if not prefix or b.start >= a.start]
+        for step in range(steps.start, steps.stop):
+            start = self._at(step)
+            metric = self._metric(step)
+            right = self._factors_of(start, Q)
+            left = [f.take(slice(0, P.shape[0])) for f in right] if prefix else None
+            if left is None:
+                left = self._factors_of(start, P)
+            for a, b in products:
+                block[a, b] += self._inner(
+                    [f.take(a) for f in left], [f.take(b) for f in right], mode, metric
+                )
+        if prefix:  # the diagonal square's lower products, from the upper ones
+            for a, b in ((a, b) for a in p_blocks for b in q_blocks if b.start < a.start):
+                block[a, b] = _swap(block[b, a], mode)
         return block.cpu().numpy()
 
     def _test_test(self, step, A, B, mode, metric=None):

@@ -4,6 +4,9 @@ import os
 
 # What one block task may hold in its output; larger requests are tiled further.
 BLOCK_BUDGET_BYTES = 256 * 2**20
+# What one step-major Gram task may hold on the host (its output block and one
+# step's factors): at most this, and at most a quarter of the available memory.
+HOST_WORKING_BYTES = 2**30
 
 
 def available_memory():
@@ -35,3 +38,19 @@ def rows_per_tile(tile_size, row_bytes, budget=None):
     """Rows per tile: at most ``tile_size``, and few enough for ``budget`` bytes."""
     budget = BLOCK_BUDGET_BYTES if budget is None else budget
     return max(1, min(int(tile_size), int(budget // max(row_bytes, 1))))
+
+
+def working_budget(device, n_workers=1):
+    """Bytes one step-major Gram task may hold, out of ``n_workers`` running at once.
+
+    On the host: ``HOST_WORKING_BYTES``, or a quarter of the available memory if
+    that is less. On a GPU: half of its free memory, so that tiles grow with the
+    device (one task holds a whole Gram of tens of thousands of rows).
+    """
+    if device.type == "cuda":
+        import torch
+
+        total = torch.cuda.mem_get_info(device)[0] // 2
+    else:
+        total = min(HOST_WORKING_BYTES, available_memory() // 4)
+    return max(BLOCK_BUDGET_BYTES // 16, int(total // max(1, n_workers)))
