@@ -794,7 +794,7 @@ class PathKernelEngine:
         probe = self.probe
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
-            metric = self._metric(step)
+            start, metric = self._step(step)[0], self._metric(step)
             right = None
             if kind == "mixed":  # once per step, for all of Q; Q's first tile shares its passes
                 pairs = 1 if mode == "trace" else self.n_outputs**2
@@ -811,7 +811,7 @@ class PathKernelEngine:
                     block[:, tile] += self._test_test(step, P, Q[tile], mode, metric)
                     continue
                 if right is None or tile is not q_tiles[0]:
-                    right = probe.factors(self._at(step), Q[tile])[1]
+                    right = probe.factors(start, Q[tile])[1]
                 if metric is None:
                     features.add_inner(right, mode, block[:, tile])
                 else:

@@ -52,16 +52,30 @@ class StepFeatures:
 
         ``right`` holds the factors of the other rows (one entry per rule);
         ``out`` has shape (n_rows, m) for ``mode="trace"``, (n_rows, m, K, K')
-        for ``"pairs"``.
+        for ``"pairs"``. Per-node products are weighted by the rules
+        (``node_inner``) and summed into their rows; in "pairs" mode the sums
+        are taken in the (n_rows, K, m, K') layout of the rules' matrix
+        products, so that no node-sized array is copied to another layout.
         """
+        by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
         for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
             for rows, weights, factors in chunks:
-                values = rule.inner(factors, right_factors, mode)
                 if rows is None:
-                    out += values
-                else:  # (index_add_ is several times faster from a contiguous source)
-                    values = (weights.view(-1, *([1] * (values.ndim - 1))) * values).contiguous()
+                    out += rule.inner(factors, right_factors, mode)
+                    continue
+                values = rule.node_inner(factors, weights, right_factors, mode)
+                if mode != "pairs":
                     out.index_add_(0, rows, values)
+                    continue
+                if by_output is None:
+                    by_output = out.new_zeros(
+                        (out.shape[0], out.shape[2], out.shape[1], out.shape[3])
+                    )
+                # (contiguous for a rule's matrix product: index_add_ is several
+                # times faster from a contiguous source)
+                by_output.index_add_(0, rows, values.transpose(1, 2).contiguous())
+        if by_output is not None:
+            out += by_output.transpose(1, 2)
         return out
 
     def materialised(self):

@@ -198,18 +198,35 @@ class LinearRule(LayerRule):
     def inner(self, left, right, mode):
         if left.grads is not None or right.grads is not None:
             return _contract(self._materialised(left), self._materialised(right), mode)
-        if mode == "diag":
-            input_gram = (left.inputs * right.inputs).sum(1)
-        else:
-            input_gram = left.inputs @ right.inputs.T
+        return self._factored_inner(left, right, mode)
+
+    def node_inner(self, nodes, weights, right, mode):
+        if nodes.grads is not None or right.grads is not None:
+            return super().node_inner(nodes, weights, right, mode)
+        return self._factored_inner(nodes, right, mode, weights)
+
+    def _factored_inner(self, left, right, mode, weights=None):
+        """``(a_i . a_j + 1) (delta_i . delta_j)``, times ``weights[i]`` if given.
+
+        The product is taken in place in the delta Gram (the large one, K K'
+        values per pair in "pairs" mode), whose memory layout it keeps: the
+        weights and the input Gram meet first, at one value per pair.
+        """
+        a, b = left.inputs, right.inputs
         if self.weight_name is None:
-            input_gram = torch.zeros_like(input_gram)
+            input_gram = a.new_zeros(a.shape[:1] if mode == "diag" else (a.shape[0], b.shape[0]))
+        elif mode == "diag":
+            input_gram = (a * b).sum(1)
+        else:
+            input_gram = a @ b.T
         if self.bias_name is not None:
-            input_gram = input_gram + 1.0
+            input_gram += 1.0
+        if weights is not None:
+            input_gram *= weights.view(-1, *([1] * (input_gram.ndim - 1)))
         delta_gram = _contract(left.deltas, right.deltas, mode)
         if mode == "pairs":
-            return input_gram[:, :, None, None] * delta_gram
-        return input_gram * delta_gram
+            return delta_gram.mul_(input_gram[:, :, None, None])
+        return delta_gram.mul_(input_gram)
 
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output: (n, K)."""

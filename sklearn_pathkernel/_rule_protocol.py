@@ -55,6 +55,14 @@ class LayerRule(ABC):
         ``mode``: ``"trace"`` (n, m), ``"pairs"`` (n, m, K, K') or ``"diag"`` (n,).
         """
 
+    def node_inner(self, nodes, weights, right, mode):
+        """``weights[e] * inner(node e, right row)``: the weighted inner products of
+        quadrature nodes with other rows, ``mode`` "trace" or "pairs" (see
+        :meth:`inner`). Rules whose products end in an elementwise pass fold the
+        weights into it."""
+        values = self.inner(nodes, right, mode)
+        return values * weights.view(-1, *([1] * (values.ndim - 1)))
+
     @abstractmethod
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output, (n, K); ``direction`` is a

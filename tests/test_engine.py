@@ -425,3 +425,31 @@ def test_saturated_softmax_on_unscaled_inputs_is_certified_without_blowup():
     parts = engine.decompose(A)
     assert parts.residual.max() < 1e-10
     assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-10
+
+
+def test_gram_tasks_split_by_the_working_budget(relu_case, monkeypatch):
+    """With a working budget too small for one task, the rows are split into
+    several step-major tasks (and the symmetric Gram's tiles mirrored between
+    them), with products of ``tile_size`` rows inside each: every block equals
+    the one-task result."""
+    from sklearn_pathkernel import _engine
+
+    module, path, X, y, A = relu_case
+    rows = torch.cat([X[:8], A])
+    on_train = np.r_[np.ones(8, bool), np.zeros(len(A), bool)]
+
+    def grams(engine):
+        return [
+            engine.gram(X, a_train=True),
+            engine.gram(A, X, b_train=True),
+            engine.gram(A, X, b_train=True, output="full"),
+            engine.gram(X[:11], X, a_train=True, b_train=True, output="full"),
+            engine.gram(rows, a_train=on_train),
+        ]
+
+    expected = grams(engine_for(module, path, X, y))
+    monkeypatch.setattr(_engine, "working_budget", lambda device, n_workers=1: 1)
+    engine = engine_for(module, path, X, y, tile_size=4)
+    assert len(engine._task_tiles("discrete", X.shape[0], X.shape[0], 1)) > 2
+    for actual, reference in zip(grams(engine), expected, strict=True):
+        np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)

@@ -232,3 +232,33 @@ def test_factors_with_matches_separate_passes(network, labels):
             rtol=1e-12,
             atol=1e-13,
         )
+
+
+@pytest.mark.parametrize("mode", ["trace", "pairs"])
+@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
+def test_linear_node_inner_weights_each_node(mode, names):
+    """``node_inner`` folds the node weights into the factored product: it equals
+    ``weights[e] * <g_e, g_j>`` from autograd's per-example gradients."""
+    layer, rows, weights, nodes, _ = linear_case(4, 3, 2, [2, 3, 1], constant_input=False)
+    rule = LinearRule(layer, *names)
+    gen = torch.Generator().manual_seed(1)
+    right = Factors(
+        inputs=torch.randn(5, 4, generator=gen, dtype=DTYPE),
+        deltas=torch.randn(5, 2, 3, generator=gen, dtype=DTYPE),
+    )
+    left_grads = autograd_gradients(layer, nodes.inputs, nodes.deltas)
+    right_grads = autograd_gradients(layer, right.inputs, right.deltas)
+    keep = torch.cat(
+        [
+            torch.ones(12, dtype=torch.bool) * (names[0] is not None),
+            torch.ones(3, dtype=torch.bool) * (names[1] is not None),
+        ]
+    )
+    pairs = torch.einsum("ekw,jlw->ejkl", left_grads[..., keep], right_grads[..., keep])
+    expected = pairs.diagonal(dim1=2, dim2=3).sum(-1) if mode == "trace" else pairs
+    expected = expected * weights.view(-1, *([1] * (expected.ndim - 1)))
+    actual = rule.node_inner(nodes, weights, right, mode)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    # the protocol's default (weights applied after the product) agrees
+    default = super(LinearRule, rule).node_inner(nodes, weights, right, mode)
+    torch.testing.assert_close(default, expected, rtol=1e-12, atol=1e-12)
