@@ -21,6 +21,7 @@ steps) are independent tasks for joblib.
 """
 
 import copy
+import math
 import threading
 
 import numpy as np
@@ -122,7 +123,10 @@ class PathKernelEngine:
     n_nodes : int, default=4
         Gauss-Legendre nodes per smooth piece for ``"exact"``.
     tile_size : int, default=512
-        Rows per block; bounds memory.
+        Rows per forward pass, per side of a matrix product and per block of
+        the test x test Gram (on a GPU, products take more: see
+        ``_block_size``); bounds the memory of each. Training and cross Gram
+        tasks hold as many rows as the device's working budget allows.
     n_jobs : int or None, default=None
         joblib jobs over blocks (respects ``joblib.parallel_config``, e.g. dask).
     verbose : int, default=0
@@ -769,12 +773,26 @@ class PathKernelEngine:
             self._row_bytes = max(8, sum(f.nbytes for f in factors))
         return self._row_bytes
 
-    def _sub_blocks(self, n, row_bytes=0):
-        """Consecutive slices of at most ``tile_size`` rows (fewer for large rows):
-        the blocks of one product, aligned from row 0 so that two sides of the
-        same rows share their boundaries."""
-        size = rows_per_tile(self.tile_size, row_bytes)
+    def _sub_blocks(self, n, row_bytes=0, pairs=1):
+        """Consecutive slices of at most ``_block_size(pairs)`` rows (fewer for large
+        rows): the passes and the sides of one product, aligned from row 0 so that
+        two sides of the same rows share their boundaries."""
+        size = rows_per_tile(self._block_size(pairs), row_bytes)
         return [slice(begin, min(begin + size, n)) for begin in range(0, n, size)]
+
+    def _block_size(self, pairs=1):
+        """Rows per pass and per side of a product.
+
+        ``tile_size`` on the host (blocks whose Grams stay small next to the
+        caches). On a GPU, as many rows as an eighth of the working budget holds
+        in a product's three square temporaries (input Gram, delta Gram, their
+        product; ``pairs`` values per pair of rows), so that each product keeps
+        the device busy.
+        """
+        if self.device.type != "cuda":
+            return self.tile_size
+        budget = working_budget(self.device, self._n_workers())
+        return max(self.tile_size, math.isqrt(budget // (8 * 3 * 8 * pairs)))
 
     def _factors_of(self, start, X):
         """Training-copy factors of every row of ``X`` (every output) at ``start``,
@@ -835,8 +853,9 @@ class PathKernelEngine:
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
         preconditioned = self.path.update.preconditioners is not None
         row_bytes = 16 * self.n_outputs * self.path.n_weights if preconditioned else 0
-        p_blocks = self._sub_blocks(P.shape[0], row_bytes)
-        q_blocks = self._sub_blocks(Q.shape[0], row_bytes)
+        pairs = self.n_outputs**2 if mode == "pairs" else 1
+        p_blocks = self._sub_blocks(P.shape[0], row_bytes, pairs)
+        q_blocks = self._sub_blocks(Q.shape[0], row_bytes, pairs)
         products = [(a, b) for a in p_blocks for b in q_blocks if not prefix or b.start >= a.start]
         for step in range(steps.start, steps.stop):
             start = self._at(step)
