@@ -40,6 +40,18 @@ distances (5e-14 at ``r / R = 1e-4``), because its gradient ``e / |e|`` is
 a direction. Cosine's gradient is expanded: its terms are bounded by
 ``|delta| / |mu|`` and cancel only to the size of the terms themselves.
 
+Integrated features. When the layer's input does not move along the step (a
+first layer: its input is ``x``), the test copy's memory gradient integrates in
+closed form over a row's quadrature nodes ``(t_q, w_q)``,
+
+    sum_q w_q sigma_qkj (x - m_j - t_q dm_j) = S_kj (x - m_j) - T_kj dm_j,
+
+with ``S = sum_q w_q sigma_q`` and ``T = sum_q w_q t_q sigma_q`` (n, K, J)
+(:meth:`DistanceRule.integrate`): its inner product with another row's
+gradient ``sigma'_j e'_j`` is ``S_j (x - m_j) . e'_j`` (the polarisation above,
+a row at the step's start) minus ``T_j dm_j . e'_j``, once per row instead of
+once per node.
+
 Per-row ``t``: :meth:`DistanceRule.output_at` evaluates the layer with every row
 at its own weights, so the probe evaluates a whole batch of quadrature nodes in
 one pass (instead of one pass per distinct ``t``). The laplacian kernel keeps
@@ -127,6 +139,8 @@ def _memory_dots(x, m, dm, t, vectors, near):
     """``e_ij . v_j`` with ``e_ij = x_i - mu_ij`` (n, J), explicit on the ``near`` pairs."""
     centre = m.mean(0)
     dots = (x - centre) @ vectors.T - ((m - centre) * vectors).sum(1)
+    if t is None:
+        dm = None
     if dm is not None:
         dots = dots - t[:, None] * (dm * vectors).sum(1)
     rows, cols = torch.nonzero(near, as_tuple=True)
@@ -160,12 +174,29 @@ def _weighted(matrix, left, right, mode):
     return matrix[:, :, None, None] * inner if mode == "pairs" else matrix * inner
 
 
+def _row_sums(rows, weights, values, n_rows):
+    """``out[r] = sum of weights[e] * values[e] over the e with rows[e] == r``."""
+    scaled = weights.view(-1, *([1] * (values.ndim - 1))) * values
+    return values.new_zeros((n_rows, *values.shape[1:])).index_add_(0, rows, scaled)
+
+
+def _first_of_rows(rows, n_rows):
+    """Per row, the position of its first entry in ``rows`` (the last position for
+    rows without entries, so that indexing stays valid)."""
+    positions = torch.arange(rows.numel(), device=rows.device)
+    first = torch.full((n_rows,), rows.numel() - 1, dtype=positions.dtype, device=rows.device)
+    return first.scatter_reduce_(0, rows, positions, "amin")
+
+
 class DistanceFactors:
     """Factors of a batch for :class:`DistanceRule`.
 
     ``rows`` holds per-row tensors (leading axis n): ``x``, coefficient tensors
     (n, K, J) and (n, J) matrices; ``shared`` the memories ``m`` and their step
     ``dm`` (None when they do not move or the rows sit at the step's start).
+    Integrated factors (:meth:`DistanceRule.integrate`) hold a row's sums over
+    its nodes: ``sigma`` is then ``S``, ``sigma_t`` is ``T``, and the rows sit at
+    the step's start (no ``t``).
     """
 
     __slots__ = ("rows", "shared", "_cache")
@@ -210,6 +241,18 @@ def _centred_dot(factors, dm):
 def _plain_dot(factors, dm):
     """``x_i . dm_j``, cached per ``dm``; (n, J)."""
     return _cached(factors, "Q", dm, lambda: factors.rows["x"] @ dm.T)
+
+
+def _step_dots(factors, dm):
+    """``e_ij . dm_j`` with ``e_ij = x_i - mu_ij`` (explicit on the near pairs), cached
+    per ``dm``; (n, J)."""
+    rows, shared = factors.rows, factors.shared
+    return _cached(
+        factors,
+        "e_dm",
+        dm,
+        lambda: _memory_dots(rows["x"], shared["m"], shared["dm"], rows.get("t"), dm, rows["near"]),
+    )
 
 
 def _cached(factors, key, dm, compute):
@@ -383,6 +426,38 @@ class DistanceRule(LayerRule):
             rows["c_b"] = delta
         return DistanceFactors(rows, shared)
 
+    # -- integration over quadrature nodes ------------------------------------------
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Factors of each row's weighted sum of gradients over its nodes, or None.
+
+        Node ``e`` belongs to row ``rows[e]`` with weight ``weights[e]``. Where the
+        layer's input is the same at all of a row's nodes (a first layer), the sum
+        keeps the factored form: with ``S = sum_e w_e sigma_e`` and
+        ``T = sum_e w_e t_e sigma_e``, the memory gradient's sum is
+        ``S_kj (x - m_j) - T_kj dm_j``; the bias and width coefficients are
+        summed as they are. None (keep the nodes) for a deeper layer and for
+        ``"cosine"``.
+        """
+        x = factors.rows["x"]
+        if self.module.kernel == "cosine":
+            return None
+        first = _first_of_rows(rows, n_rows)
+        if not torch.equal(x[first[rows]], x):
+            return None
+        node_rows, shared = factors.rows, factors.shared
+        integrated = {"x": x[first]}
+        for key in ("sigma", "c_b", "c_lg"):
+            if key in node_rows:
+                integrated[key] = _row_sums(rows, weights, node_rows[key], n_rows)
+        if "sigma" in node_rows:
+            squared, integrated["near"] = _sq_distances(integrated["x"], shared["m"])
+            integrated["h"] = 0.5 * squared
+            if "t" in node_rows:
+                t_weights = weights * node_rows["t"]
+                integrated["sigma_t"] = _row_sums(rows, t_weights, node_rows["sigma"], n_rows)
+        return DistanceFactors(integrated, dict(shared, row_keys=()))
+
     # -- inner products -----------------------------------------------------------------
 
     def inner(self, left, right, mode):
@@ -418,6 +493,17 @@ class DistanceRule(LayerRule):
         sigma, sigma_r = L["sigma"], R["sigma"]
         blocks_left += [sigma * L["h"][:, None], sigma]
         blocks_right += [sigma_r, sigma_r * R["h"][:, None]]
+        # Integrated rows (S e - T dm): the T terms, - T_j dm_j . e'_j and back.
+        T, T_r = L.get("sigma_t"), R.get("sigma_t")
+        if T is not None:
+            blocks_left.append(-T)
+            blocks_right.append(sigma_r * _step_dots(right, dm)[:, None])
+        if T_r is not None:
+            blocks_left.append(sigma * _step_dots(left, dm)[:, None])
+            blocks_right.append(-T_r)
+        if T is not None and T_r is not None:
+            blocks_left.append(T * _squared_norm(dm))
+            blocks_right.append(T_r)
         t_left, t_right = L.get("t"), R.get("t")
         if t_left is not None:  # - t_i q_i'j
             blocks_left.append(-t_left[:, None, None] * sigma)
@@ -485,6 +571,8 @@ class DistanceRule(LayerRule):
             else:
                 dots = _memory_dots(x, m, dm, t, step, rows["near"])
                 out = out + torch.einsum("nkj,nj->nk", rows["sigma"], dots)
+                if "sigma_t" in rows:  # integrated: - T_kj dm_j . step_j
+                    out = out - rows["sigma_t"] @ (dm * step).sum(1)
         for local, key in (("bias", "c_b"), ("log_gamma", "c_lg")):
             if key in rows:
                 out = out + rows[key] @ direction[self.names[local]]
@@ -513,6 +601,8 @@ class DistanceRule(LayerRule):
                 )
             else:
                 grads = rows["sigma"][..., None] * (x[:, None, :] - mu)[:, None]
+                if "sigma_t" in rows:  # integrated: S (x - m) - T dm
+                    grads = grads - rows["sigma_t"][..., None] * dm
             parts.append(grads.flatten(2))
         for key in ("c_b", "c_lg"):
             if key in rows:
