@@ -754,16 +754,19 @@ class PathKernelEngine:
 
         A task holds its output block, one step's factors of its rows (for the
         test copy: of their quadrature nodes, about ``n_nodes + 1`` per row) and
-        of the other side's rows, and, on a preconditioned path, materialised
-        gradients of one sub-block of rows.
+        of the other side's rows (a training Gram: all of them; a mixed block: one
+        pass of them), and, for a mixed block on a preconditioned path, its rows'
+        features materialised and scaled.
         """
         factor_bytes = self._factor_row_bytes()
         per_row = 8 * n_other * pairs + factor_bytes * (
             1 if kind == "discrete" else self.n_nodes + 1
         )
+        if kind == "mixed" and self.path.update.preconditioners is not None:
+            per_row += 16 * self.n_outputs * self.path.n_weights  # P_s phi_s, materialised
         shared = factor_bytes * (n_other if kind == "discrete" else self.tile_size)
         budget = working_budget(self.device, self._n_workers())
-        size = max(self.tile_size, (budget - shared) // per_row)
+        size = max(1, (budget - shared) // per_row)
         return list(gen_even_slices(n_rows, max(1, -(-n_rows // size)))) if n_rows else []
 
     def _factor_row_bytes(self):
