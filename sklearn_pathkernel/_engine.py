@@ -864,8 +864,9 @@ class PathKernelEngine:
             start = self._at(step)
             metric = self._metric(step)
             right = self._factors_of(start, Q)
-            left = [f.take(slice(0, P.shape[0])) for f in right] if prefix else None
-            if left is None:
+            if prefix:
+                left = [f.take(slice(0, P.shape[0])) for f in right]
+            else:
                 left = self._factors_of(start, P)
             for a, b in products:
                 block[a, b] += self._inner(
