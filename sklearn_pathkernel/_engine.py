@@ -29,6 +29,7 @@ import torch
 from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
+from . import _memory
 from ._contract import contract as _contract
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
@@ -257,7 +258,7 @@ class PathKernelEngine:
         first chunk's passes when that costs less than passes of their own.
         """
         start, direction = self._step(step)
-        chunk = max(1, self.tile_size)
+        chunk = self._pass_rows()
         evaluated, start_factors = [], None
         for begin in range(0, nodes.rows.size, chunk):
             part = nodes.take(slice(begin, begin + chunk))
@@ -496,7 +497,7 @@ class PathKernelEngine:
             f"{self.n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
-        tiles = self._tiles(X.shape[0], 2 * row_bytes + feature_bytes)
+        tiles = self._query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, self.n_nodes)
         if accumulated:  # the steps run backward, in order: tiles of rows only
             keys = [(tile, None) for tile in tiles]
             tasks = [(self._decompose_accumulated, X[tile]) for tile in tiles]
@@ -776,6 +777,25 @@ class PathKernelEngine:
             self._row_bytes = max(8, sum(f.nbytes for f in factors))
         return self._row_bytes
 
+    def _pass_rows(self):
+        """Rows per forward and backward pass of the probe.
+
+        At least ``_block_size()``, and as many as the block budget holds at
+        about four times a row's factors (activations, the batched backward
+        pass's gradients, the factors): a pass has a fixed cost worth thousands
+        of rows of a small network, so small networks get few, large passes.
+        """
+        return max(self._block_size(), _memory.BLOCK_BUDGET_BYTES // (4 * self._factor_row_bytes()))
+
+    def _query_tiles(self, n_rows, row_bytes, nodes_per_row):
+        """Tiles of query rows, one per task of ``decompose`` or ``diag``: as many
+        rows as the working budget holds at ``row_bytes`` of results each, plus
+        the factors of their quadrature nodes (``nodes_per_row`` and the kink
+        search's row)."""
+        per_row = row_bytes + (nodes_per_row + 1) * self._factor_row_bytes()
+        size = max(1, working_budget(self.device, self._n_workers()) // per_row)
+        return list(gen_even_slices(n_rows, max(1, -(-n_rows // size)))) if n_rows else []
+
     def _sub_blocks(self, n, row_bytes=0, pairs=1):
         """Consecutive slices of at most ``_block_size(pairs)`` rows (fewer for large
         rows): the passes and the sides of one product, aligned from row 0 so that
@@ -799,8 +819,12 @@ class PathKernelEngine:
 
     def _factors_of(self, start, X):
         """Training-copy factors of every row of ``X`` (every output) at ``start``,
-        computed in passes of ``tile_size`` rows and joined per layer."""
-        parts = [self.probe.factors(start, X[tile])[1] for tile in self._sub_blocks(X.shape[0])]
+        computed in passes of ``_pass_rows()`` rows and joined per layer."""
+        size = self._pass_rows()
+        parts = [
+            self.probe.factors(start, X[begin : begin + size])[1]
+            for begin in range(0, X.shape[0], size)
+        ]
         if len(parts) == 1:
             return parts[0]
         return [type(layer[0]).cat(layer) for layer in zip(*parts, strict=True)]
@@ -912,7 +936,8 @@ class PathKernelEngine:
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
         mask = _as_mask(a_train, A.shape[0])
         A = A.to(self.device)
-        keys = [(tile, steps) for tile in self._tiles(A.shape[0]) for steps in self._steps_chunks()]
+        tiles = self._query_tiles(A.shape[0], 0, TEST_TEST_NODES * self.n_nodes)
+        keys = [(tile, steps) for tile in tiles for steps in self._steps_chunks()]
         results = self._run(
             [(self._diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
         )

@@ -12,6 +12,7 @@ training row, instead of after.
 import torch
 
 from ._layer_rules import row_sums
+from ._memory import rows_per_tile
 
 
 class StepFeatures:
@@ -59,7 +60,7 @@ class StepFeatures:
         """
         by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
         for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
-            for rows, weights, factors in chunks:
+            for rows, weights, factors in _product_chunks(chunks, out):
                 if rows is None:
                     out += rule.inner(factors, right_factors, mode)
                     continue
@@ -109,6 +110,20 @@ class StepFeatures:
                     slope if rows is None else row_sums(rows, weights, slope, self.n_rows)
                 )
         return total
+
+
+def _product_chunks(chunks, out):
+    """The node chunks cut so that one chunk's products with the other rows (and
+    their temporaries) stay within the block budget."""
+    node_bytes = 2 * 8 * out[0].numel()
+    for rows, weights, factors in chunks:
+        size = rows_per_tile(weights.numel() if rows is not None else 1, node_bytes)
+        if rows is None or size >= rows.numel():
+            yield rows, weights, factors
+            continue
+        for begin in range(0, rows.numel(), size):
+            part = slice(begin, begin + size)
+            yield rows[part], weights[part], factors.take(part)
 
 
 def _integrate(rule, chunks, n_rows, outputs_per_pair):
