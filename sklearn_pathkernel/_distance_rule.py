@@ -552,6 +552,65 @@ class DistanceRule(LayerRule):
         dots = (x * x_r).sum(1) if mode == "diag" else x @ x_r.T
         return _weighted(dots, alpha, alpha_r, mode)
 
+    def dense_inner(self, dense, factors, mode):
+        """``contract(dense, materialise(factors), mode)`` without materialising the factors.
+
+        ``dense`` (n, K, W_layer) is a weight-space vector per row and output in
+        this rule's layout (e.g. Adam's ``psi_s``, or ``P_s phi_s``); ``factors``
+        those of m rows; ``mode`` "trace" or "pairs". For the squared-distance
+        kernels the memory block is, with ``a_ikj`` the dense block of memory
+        ``j`` and ``e_lj = x_l - mu_lj``,
+
+            sum_j sigma_lk'j (a_ikj . e_lj),
+            a_ikj . e_lj = a_ikj . (x_l - c) - a_ikj . (m_j - c) - t_l a_ikj . dm_j,
+
+        one (n K J, D) x (D, m) matrix product (``c`` the mean memory) and a
+        contraction over ``j``: ``O(n K J m (D + K'))`` instead of forming
+        ``m K' J D`` gradients and an ``O(n K m K' J D)`` product. Pairs where
+        the expansion cancels (``x_l`` near ``mu_lj``, the factors' ``near``
+        mask) are summed from explicit differences. With one output per row
+        (``K' = 1``) both forms take about the same products, and the
+        materialised one fewer passes over memory: it is used then, and for
+        cosine and integrated factors.
+        """
+        rows, shared = factors.rows, factors.shared
+        if (
+            self.module.kernel == "cosine"
+            or "sigma_t" in rows
+            or "sigma" not in rows
+            or rows["sigma"].shape[1] == 1
+        ):
+            return _contract(dense, self._materialise(factors), mode)
+        x, m, dm, t = rows["x"], shared["m"], shared["dm"], rows.get("t")
+        (n_memories, width), n, n_outputs = m.shape, dense.shape[0], dense.shape[1]
+        a = dense[..., : n_memories * width].reshape(n, n_outputs, n_memories, width)
+        centre = m.mean(0)
+        # (n, K, J, m): a_ikj . e_lj
+        dots = (a.reshape(-1, width) @ (x - centre).T).view(n, n_outputs, n_memories, -1)
+        dots -= (a * (m - centre)).sum(-1)[..., None]
+        if t is not None:
+            dots -= (a * dm).sum(-1)[..., None] * t
+        near_rows, near_memories = torch.nonzero(rows["near"], as_tuple=True)
+        if near_rows.numel():
+            mu = m[near_memories]
+            if t is not None:
+                mu = mu + t[near_rows, None] * dm[near_memories]
+            exact = (a[:, :, near_memories] * (x[near_rows] - mu)).sum(-1)
+            dots[:, :, near_memories, near_rows] = exact
+        sigma = rows["sigma"]  # (m, K', J)
+        if mode == "trace":
+            out = torch.einsum("ikjl,lkj->il", dots, sigma)
+        else:  # per training row l: (n K, J) x (J, K')
+            out = torch.bmm(
+                dots.permute(3, 0, 1, 2).reshape(-1, n * n_outputs, n_memories),
+                sigma.transpose(1, 2),
+            )
+            out = out.view(-1, n, n_outputs, sigma.shape[1]).permute(1, 0, 2, 3)
+        rest = [rows[key] for key in ("c_b", "c_lg") if key in rows]
+        if rest:
+            out = out + _contract(dense[..., n_memories * width :], torch.cat(rest, 2), mode)
+        return out
+
     # -- directional derivatives ---------------------------------------------------------
 
     def directional(self, factors, direction):
@@ -591,20 +650,22 @@ class DistanceRule(LayerRule):
         rows, shared = factors.rows, factors.shared
         x, m, dm, t = rows["x"], shared["m"], shared["dm"], rows.get("t")
         n, D = x.shape
-        parts = []
-        if "memories" in self.names:
-            mu = m.expand(n, -1, -1) if t is None else _memories_at(m, dm, t)
+        extra = [rows[key] for key in ("c_b", "c_lg") if key in rows]
+        n_outputs, n_memories = extra[0].shape[1:] if extra else rows["sigma"].shape[1:]
+        memory_width = n_memories * D if "memories" in self.names else 0
+        # Written in place into one buffer (no concatenation pass over it).
+        out = x.new_empty((n, n_outputs, memory_width + n_memories * len(extra)))
+        if memory_width:
+            grads = out[..., :memory_width].view(n, n_outputs, n_memories, D)
+            mu = m[None] if t is None else _memories_at(m, dm, t)
             if self.module.kernel == "cosine":
-                grads = (
-                    rows["alpha"][..., None] * x[:, None, None, :]
-                    + rows["beta"][..., None] * mu[:, None]
-                )
+                torch.mul(rows["alpha"][..., None], x[:, None, None, :], out=grads)
+                grads.addcmul_(rows["beta"][..., None], mu[:, None])
             else:
-                grads = rows["sigma"][..., None] * (x[:, None, :] - mu)[:, None]
+                torch.mul(rows["sigma"][..., None], (x[:, None, :] - mu)[:, None], out=grads)
                 if "sigma_t" in rows:  # integrated: S (x - m) - T dm
-                    grads = grads - rows["sigma_t"][..., None] * dm
-            parts.append(grads.flatten(2))
-        for key in ("c_b", "c_lg"):
-            if key in rows:
-                parts.append(rows[key])
-        return torch.cat(parts, 2)
+                    grads.sub_(rows["sigma_t"][..., None] * dm)
+        for index, values in enumerate(extra):
+            begin = memory_width + index * n_memories
+            out[..., begin : begin + n_memories] = values
+        return out

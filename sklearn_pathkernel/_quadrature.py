@@ -16,9 +16,20 @@ import torch
 from ._kinks import SwitchState, locate_kinks, switch_state
 
 # Points of the kink search evaluated in one forward pass (for all rows): the
-# default grid's ends and midpoint; finer grids take several passes, which bounds
-# a pass's memory to that of three evaluations of the rows.
-POINTS_PER_PASS = 3
+# default grid's ends and the two points at a third and two thirds of the step;
+# finer grids take several passes, which bounds a pass's memory to that of four
+# evaluations of the rows.
+POINTS_PER_PASS = 4
+# Switching values sampled at u = 0, 1/3, 2/3, 1 of an interval are taken as
+# polynomials in u (linear or quadratic) when the differences that vanish for
+# such polynomials vanish to this fraction of the values' magnitude. Values are
+# computed to a few eps (2.2e-16) of the terms they are summed from, so a true
+# polynomial passes with a ~1000-fold margin wherever the values are at least
+# ~1e-3 of those terms (others are searched instead: slower, equally exact); a
+# function that passes deviates from its fitted polynomial by at most about this
+# fraction of its values on the interval, so a root moves by about that much
+# over the slope, which the certificate would see above ~1e-11.
+POLYNOMIAL_RTOL = 1e-12
 
 
 @dataclass
@@ -117,11 +128,12 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     def evaluate(subset, t):
         return switch_state(probe, start, direction, X_rows[subset], t)
 
-    # The grid points and the midpoints between them (which tell which switching
-    # values are linear in t), all rows at up to POINTS_PER_PASS points per pass.
+    # The grid points and the thirds between them (which tell which switching values
+    # are linear or quadratic in t), all rows at up to POINTS_PER_PASS points per pass.
     grid = np.asarray(grid, dtype=float)
-    points = np.empty(2 * grid.size - 1)
-    points[0::2], points[1::2] = grid, 0.5 * (grid[:-1] + grid[1:])
+    points = np.empty(3 * grid.size - 2)
+    points[0::3] = grid
+    points[1::3], points[2::3] = (2 * grid[:-1] + grid[1:]) / 3, (grid[:-1] + 2 * grid[1:]) / 3
     states = []
     for begin in range(0, points.size, POINTS_PER_PASS):
         part = points[begin : begin + POINTS_PER_PASS]
@@ -135,14 +147,15 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     # Kinks as flat (row position, t) pairs, the inner grid points first.
     kink_rows = [np.repeat(np.arange(n), grid.size - 2)]
     kink_t = [np.tile(grid[1:-1], n)]
-    for left, middle, right in zip(states[:-2:2], states[1::2], states[2::2], strict=True):
-        linear = _linear_switches(left, middle, right, kink_rows, kink_t)
-        left, right = _without(left, linear), _without(right, linear)
-        if left.same_piece(right).all():  # every kink was linear: nothing to search
+    for begin in range(0, len(states) - 1, 3):
+        left, right = states[begin], states[begin + 3]
+        solved = _polynomial_switches(states[begin : begin + 4], kink_rows, kink_t)
+        left, right = _without(left, solved), _without(right, solved)
+        if left.same_piece(right).all():  # every kink was solved: nothing to search
             continue
 
-        def evaluate_rest(subset, t, linear=linear):
-            return _without(evaluate(subset, t), [mask[subset] for mask in linear])
+        def evaluate_rest(subset, t, solved=solved):
+            return _without(evaluate(subset, t), [mask[subset] for mask in solved])
 
         found = locate_kinks(evaluate_rest, left, right)
         kink_rows.append(np.repeat(np.arange(n), [len(row) for row in found]))
@@ -156,27 +169,67 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     return [kink_t[begin:end] for begin, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _linear_switches(left, middle, right, kink_rows, kink_t):
-    """Roots of the switching values that are linear in ``t`` between two states.
+def _polynomial_switches(states, kink_rows, kink_t):
+    """Roots of the switching values that are linear or quadratic in ``t`` on an interval.
 
-    A first layer's pre-activations are linear in ``t`` along a step, so all of
-    their kinks follow from the two end values at once (no search); they are
-    appended to ``kink_rows`` (row positions) and ``kink_t``. Returns, per
-    switch tensor, the mask of those units, to be ignored by the search.
-    Linearity is checked at the ``middle`` state.
+    ``states`` are the rows' states at ``u = 0, 1/3, 2/3, 1`` of their interval
+    ``[lo, hi]`` (``t = lo + u (hi - lo)``), with values ``z_0 .. z_3`` per entry.
+    A first layer's pre-activations are linear in ``t`` along a step, a first
+    distance layer's outputs (a squared distance to memories that move linearly,
+    plus a bias) quadratic, so their kinks follow from these four values at once
+    (no search); they are appended to ``kink_rows`` (row positions) and ``kink_t``.
+
+    An entry is linear when both interior values lie on the chord,
+    ``|z_1 - (2 z_0 + z_3) / 3|`` and ``|z_2 - (z_0 + 2 z_3) / 3|`` at most
+    ``POLYNOMIAL_RTOL (|z_0| + |z_3|)``; its root is ``u = z_0 / (z_0 - z_3)``.
+    It is quadratic when the third difference, zero for every quadratic,
+    vanishes: ``|z_3 - 3 z_2 + 3 z_1 - z_0| <= POLYNOMIAL_RTOL (|z_0| + 3 |z_1| +
+    3 |z_2| + |z_3|)``. Then ``z(u) = a + b u + c u^2`` with the curvature from
+    the mean of the two second differences (each ``2 c / 9``),
+    ``c = 9 (z_3 - z_2 - z_1 + z_0) / 4``, and ``a = z_0``, ``b = z_3 - z_0 - c``
+    through the ends (so that a sign change between the ends always has a root);
+    its roots ``(-b -+ sqrt(b^2 - 4 a c)) / (2 c)`` are taken in the cancellation-free
+    form ``q / c`` and ``a / q``, ``q = -(b + sign(b) sqrt(b^2 - 4 a c)) / 2``,
+    and kept in ``(0, 1)``. Both crossings of a value that leaves its piece and
+    comes back within the interval are found, which the end signs cannot show.
+
+    Returns, per switch tensor, the mask of the solved entries (to be ignored by
+    the search).
     """
+    lo, hi = states[0].t, states[-1].t
     masks = []
-    lo, hi = left.t[:, None], right.t[:, None]
-    for z_lo, z_hi, z_mid in zip(left.switches, right.switches, middle.switches, strict=True):
-        linear = (z_mid - 0.5 * (z_lo + z_hi)).abs() <= 1e-12 * (z_lo.abs() + z_hi.abs())
-        masks.append(linear)
-        crossing = linear & ((z_lo > 0) != (z_hi > 0))
-        if crossing.any():
-            row, unit = torch.nonzero(crossing, as_tuple=True)
-            roots = (lo + (hi - lo) * z_lo / (z_lo - z_hi))[row, unit]
+    for z0, z1, z2, z3 in zip(*(state.switches for state in states), strict=True):
+        ends = z0.abs() + z3.abs()
+        linear = ((z1 - (2 * z0 + z3) / 3).abs() <= POLYNOMIAL_RTOL * ends) & (
+            (z2 - (z0 + 2 * z3) / 3).abs() <= POLYNOMIAL_RTOL * ends
+        )
+        scale = ends + 3 * (z1.abs() + z2.abs())
+        quadratic = ~linear & ((z3 - 3 * z2 + 3 * z1 - z0).abs() <= POLYNOMIAL_RTOL * scale)
+        masks.append(linear | quadratic)
+        row, unit = torch.nonzero(linear & ((z0 > 0) != (z3 > 0)), as_tuple=True)
+        a, d = z0[row, unit], z3[row, unit]
+        roots = [(row, a / (a - d))]
+        row, unit = torch.nonzero(quadratic, as_tuple=True)
+        a, c = z0[row, unit], 2.25 * (z3 - z2 - z1 + z0)[row, unit]
+        roots += [(row, u) for u in _quadratic_roots(a, z3[row, unit] - a - c, c)]
+        for row, u in roots:
+            inside = (u > 0) & (u < 1)  # (nan and +-inf fail both tests)
+            row, u = row[inside], u[inside]
             kink_rows.append(row.cpu().numpy())
-            kink_t.append(roots.cpu().numpy())
+            kink_t.append((lo[row] + (hi[row] - lo[row]) * u).cpu().numpy())
     return masks
+
+
+def _quadratic_roots(a, b, c):
+    """Both real roots of ``a + b u + c u^2`` per entry, cancellation-free.
+
+    ``q = -(b + sign(b) sqrt(b^2 - 4 a c)) / 2`` and the roots ``q / c``, ``a / q``;
+    nan where the roots are complex, inf for a missing root (``c = 0``).
+    """
+    discriminant = b * b - 4 * a * c
+    root = torch.sqrt(discriminant)  # nan below 0: no real root
+    q = -0.5 * (b + torch.where(b >= 0, root, -root))
+    return q / c, a / q
 
 
 def _without(state, masks):
