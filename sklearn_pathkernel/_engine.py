@@ -778,14 +778,16 @@ class PathKernelEngine:
         return self._row_bytes
 
     def _pass_rows(self):
-        """Rows per forward and backward pass of the probe.
+        """Rows per forward and backward pass of the probe: as many as
+        ``PASS_BUDGET_BYTES`` of factors (small networks get few, large passes;
+        each pass has a fixed cost), and on a GPU at least ``_block_size()``."""
+        rows = max(1, _memory.PASS_BUDGET_BYTES // self._factor_row_bytes())
+        return max(rows, self._block_size()) if self.device.type == "cuda" else rows
 
-        At least ``_block_size()``, and as many as the block budget holds at
-        about four times a row's factors (activations, the batched backward
-        pass's gradients, the factors): a pass has a fixed cost worth thousands
-        of rows of a small network, so small networks get few, large passes.
-        """
-        return max(self._block_size(), _memory.BLOCK_BUDGET_BYTES // (4 * self._factor_row_bytes()))
+    def _passes(self, n_rows):
+        """Consecutive slices of ``_pass_rows()`` rows."""
+        size = self._pass_rows()
+        return [slice(begin, min(begin + size, n_rows)) for begin in range(0, n_rows, size)]
 
     def _query_tiles(self, n_rows, row_bytes, nodes_per_row):
         """Tiles of query rows, one per task of ``decompose`` or ``diag``: as many
@@ -820,11 +822,7 @@ class PathKernelEngine:
     def _factors_of(self, start, X):
         """Training-copy factors of every row of ``X`` (every output) at ``start``,
         computed in passes of ``_pass_rows()`` rows and joined per layer."""
-        size = self._pass_rows()
-        parts = [
-            self.probe.factors(start, X[begin : begin + size])[1]
-            for begin in range(0, X.shape[0], size)
-        ]
+        parts = [self.probe.factors(start, X[rows])[1] for rows in self._passes(X.shape[0])]
         if len(parts) == 1:
             return parts[0]
         return [type(layer[0]).cat(layer) for layer in zip(*parts, strict=True)]
@@ -837,7 +835,7 @@ class PathKernelEngine:
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
         probe = self.probe
-        q_tiles = self._tiles(Q.shape[0])
+        q_tiles = self._tiles(Q.shape[0]) if kind == "test" else self._passes(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start, metric = self._step(step)[0], self._metric(step)
             right = None
