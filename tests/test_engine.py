@@ -453,3 +453,28 @@ def test_gram_tasks_split_by_the_working_budget(relu_case, monkeypatch):
     assert len(engine._task_tiles("discrete", X.shape[0], X.shape[0], 1)) > 2
     for actual, reference in zip(grams(engine), expected, strict=True):
         np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
+
+
+def test_results_do_not_depend_on_the_pass_size(relu_case, monkeypatch):
+    """One row per forward and backward pass (a tiny pass budget) gives the same
+    Grams, diagonal and decomposition as the default passes."""
+    from sklearn_pathkernel import _memory
+
+    module, path, X, y, A = relu_case
+
+    def results(engine):
+        parts = engine.decompose(A)
+        return [
+            engine.gram(X, a_train=True),
+            engine.gram(A, X, b_train=True, output="full"),
+            engine.diag(A),
+            parts.contributions,
+            parts.residual,
+        ]
+
+    expected = results(engine_for(module, path, X, y))
+    monkeypatch.setattr(_memory, "PASS_BUDGET_BYTES", 1)
+    engine = engine_for(module, path, X, y)
+    assert engine._pass_rows() == 1
+    for actual, reference in zip(results(engine), expected, strict=True):
+        np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
