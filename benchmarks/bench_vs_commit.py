@@ -31,8 +31,11 @@ the fastest of ``--repeats`` calls. Problems:
     (which touches each row once per epoch). Reports the cross Gram of the
     queries against that floor; ``decompose`` needs only each step's batch.
 ``distance``
-    ``DistanceKernelClassifier()`` with its defaults, M=1000 rows of the same
-    data: ``decompose`` and the cross Gram of the queries, per query.
+    ``DistanceKernelClassifier``, M=1000 rows of the same data: ``decompose`` and
+    the cross Gram of the queries, per query, for the same network in both
+    commits (``solver="sgd", learning_rate=1.5``: 68eeedd's defaults) and for
+    each commit's own defaults (full-batch Adam now: a different network, so
+    the results are not compared).
 
 Exactness: the largest relative difference between the two commits' results,
 and the current ``decompose``'s certificate (max over rows of
@@ -64,6 +67,13 @@ QUICK = {"sizes": (500,), "steps": 10, "queries": 20, "repeats": 2}
 MINIBATCH = {"n_train": 2000, "batch_size": 64, "epochs": 20}
 MINIBATCH_QUICK = {"n_train": 300, "batch_size": 64, "epochs": 4}
 DISTANCE = {"n_train": 1000}
+# The same network in both commits (68eeedd's defaults: full-batch gradient
+# descent), then each commit's own defaults (now full-batch Adam; 68eeedd had
+# no Adam): those two train different networks, so their results are not compared.
+DISTANCE_SETTINGS = {
+    "solver='sgd', learning_rate=1.5": {"solver": "sgd", "learning_rate": 1.5},
+    "each commit's defaults": {},
+}
 DISTANCE_QUICK = {"n_train": 200}
 
 
@@ -289,47 +299,45 @@ def minibatch(packages, sizes, n_queries, repeats):
 
 
 def distance(packages, sizes, n_queries, repeats):
-    n = sizes["n_train"]
+    """Both settings: the same network in both commits, then each commit's defaults."""
+    for label, params in DISTANCE_SETTINGS.items():
+        distance_setting(packages, sizes["n_train"], n_queries, repeats, label, params)
 
+
+def distance_setting(packages, n, n_queries, repeats, label, params):
     def make(package):
-        return package.DistanceKernelClassifier(random_state=0)
+        return package.DistanceKernelClassifier(random_state=0, **params)
 
     X, y = scale_data(n + n_queries, seed=0)
     fits = {name: fitted(package, make, X[:n], y[:n]) for name, package in packages.items()}
-    fit_time = fits["new"][1]
+    same = bool(params)  # the same network in both commits: results compared
     header(
-        f"DistanceKernelClassifier() defaults, M={n}, {n_queries} queries (fit {fit_time:.2f} s)",
+        f"DistanceKernelClassifier, {label}, M={n}, {n_queries} queries "
+        f"(fit: base {fits['base'][1]:.2f} s, now {fits['new'][1]:.2f} s)",
         unit="ms",
     )
     times, parts = side_by_side(
         {name: lambda c=c: c.decompose(X[n:]) for name, (c, _) in fits.items()}, repeats
     )
     per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    difference = relative_difference(parts["base"].contributions, parts["new"].contributions)
-    print(
-        row(
-            "decompose, per query",
-            per_query,
-            f"diff {difference:.1e}; certificate {parts['new'].residual.max():.1e}",
-        )
+    certificate = parts["new"].residual.max()
+    difference = (
+        f"diff {relative_difference(parts['base'].contributions, parts['new'].contributions):.1e}; "
+        if same
+        else ""
     )
+    print(row("decompose, per query", per_query, f"{difference}certificate {certificate:.1e}"))
+    queries = torch.tensor(X[n:], dtype=torch.float64)
+    engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
     times, grams = side_by_side(
-        {
-            name: lambda c=c: c.kernel_.engine.gram(
-                torch.tensor(X[n:]), c.kernel_.engine.X_train, b_train=True
-            )
-            for name, (c, _) in fits.items()
-        },
+        {name: lambda e=e: e.gram(queries, e.X_train, b_train=True) for name, e in engines.items()},
         repeats,
     )
     per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    print(
-        row(
-            "cross Gram, per query",
-            per_query,
-            f"diff {relative_difference(grams['base'], grams['new']):.1e}",
-        )
+    difference = (
+        f"diff {relative_difference(grams['base'], grams['new']):.1e}" if same else "not compared"
     )
+    print(row("cross Gram, per query", per_query, difference))
     print()
 
 
