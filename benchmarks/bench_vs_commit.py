@@ -184,6 +184,39 @@ def mlp(packages, sizes, steps, n_queries, repeats):
     print()
 
 
+def cross_gram(fits, X_queries, repeats, compare=True):
+    """Times of ``gram(queries, X_train, b_train=True)`` and the commits' difference."""
+    queries = torch.tensor(X_queries, dtype=torch.float64)
+    engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
+    times, grams = side_by_side(
+        {name: lambda e=e: e.gram(queries, e.X_train, b_train=True) for name, e in engines.items()},
+        repeats,
+    )
+    difference = relative_difference(grams["base"], grams["new"]) if compare else None
+    return times, difference
+
+
+def decompose(fits, X_queries, repeats, compare=True):
+    """Times of ``decompose(queries)``, the commits' difference and the current certificate."""
+    times, parts = side_by_side(
+        {name: lambda c=c: c.decompose(X_queries) for name, (c, _) in fits.items()}, repeats
+    )
+    difference = (
+        relative_difference(parts["base"].contributions, parts["new"].contributions)
+        if compare
+        else None
+    )
+    return times, difference, parts["new"].residual.max()
+
+
+def per_query(times, n_queries):
+    return {name: 1e3 * t / n_queries for name, t in times.items()}
+
+
+def compared(difference):
+    return "not compared" if difference is None else f"diff {difference:.1e}"
+
+
 def mlp_size(packages, n, steps, n_queries, repeats):
     """The three tasks at one size; returns the roofline's (M, flops, GEMM s, engine s)."""
 
@@ -195,15 +228,13 @@ def mlp_size(packages, n, steps, n_queries, repeats):
     X, y = scale_data(n + n_queries, seed=0)
     fits = {name: fitted(package, make, X[:n], y[:n]) for name, package in packages.items()}
     engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
-    X_train = engines["new"].X_train
-    Q = torch.tensor(X[n:], dtype=torch.float64)
     fit_time = fits["new"][1]
     header(
         f"MLP 64-128-128-10, M={n}, {steps} full-batch steps, {n_queries} queries "
         f"(fit {fit_time:.2f} s)"
     )
     times, grams = side_by_side(
-        {name: lambda e=e: e.gram(X_train, a_train=True) for name, e in engines.items()},
+        {name: lambda e=e: e.gram(e.X_train, a_train=True) for name, e in engines.items()},
         repeats,
     )
     difference = relative_difference(grams["base"], grams["new"])
@@ -215,30 +246,22 @@ def mlp_size(packages, n, steps, n_queries, repeats):
         )
     )
     train_time = times["new"]
-    times, grams = side_by_side(
-        {name: lambda e=e: e.gram(Q, X_train, b_train=True) for name, e in engines.items()},
-        repeats,
-    )
-    per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    difference = relative_difference(grams["base"], grams["new"])
+    times, difference = cross_gram(fits, X[n:], repeats)
+    times = per_query(times, n_queries)
+    share = 100 * times["new"] / 1e3 / fit_time
     print(
         row(
             "cross Gram, per query (ms)",
-            per_query,
-            f"diff {difference:.1e}; per query / fit "
-            f"{100 * per_query['new'] / 1e3 / fit_time:.2f}%",
+            times,
+            f"{compared(difference)}; per query / fit {share:.2f}%",
         )
     )
-    times, parts = side_by_side(
-        {name: lambda c=c: c.decompose(X[n:]) for name, (c, _) in fits.items()}, repeats
-    )
-    per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    difference = relative_difference(parts["base"].contributions, parts["new"].contributions)
+    times, difference, certificate = decompose(fits, X[n:], repeats)
     print(
         row(
             "decompose, per query (ms)",
-            per_query,
-            f"diff {difference:.1e}; certificate {parts['new'].residual.max():.1e}",
+            per_query(times, n_queries),
+            f"{compared(difference)}; certificate {certificate:.1e}",
         )
     )
     print()
@@ -263,35 +286,20 @@ def minibatch(packages, sizes, n_queries, repeats):
     fits = {name: fitted(package, make, X[:n], y[:n]) for name, package in packages.items()}
     fit_time = fits["new"][1]
     floor = steps_per_epoch * fit_time
-    engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
-    X_train = engines["new"].X_train
-    Q = torch.tensor(X[n:], dtype=torch.float64)
     header(
         f"Mini-batch MLP 64-128-128-10, M={n}, batch {batch}, {epochs} epochs "
         f"({steps_per_epoch * epochs} steps), {n_queries} queries (fit {fit_time:.2f} s; "
         f"Gram floor = {steps_per_epoch} steps per epoch x fit = {floor:.1f} s)"
     )
-    times, grams = side_by_side(
-        {name: lambda e=e: e.gram(Q, X_train, b_train=True) for name, e in engines.items()},
-        repeats,
-    )
-    print(
-        row(
-            "cross Gram (s)",
-            times,
-            f"diff {relative_difference(grams['base'], grams['new']):.1e}; "
-            f"/ floor: base {times['base'] / floor:.2f}x, now {times['new'] / floor:.2f}x",
-        )
-    )
-    times, parts = side_by_side(
-        {name: lambda c=c: c.decompose(X[n:]) for name, (c, _) in fits.items()}, repeats
-    )
-    difference = relative_difference(parts["base"].contributions, parts["new"].contributions)
+    times, difference = cross_gram(fits, X[n:], repeats)
+    ratios = f"base {times['base'] / floor:.2f}x, now {times['new'] / floor:.2f}x"
+    print(row("cross Gram (s)", times, f"{compared(difference)}; / floor: {ratios}"))
+    times, difference, certificate = decompose(fits, X[n:], repeats)
     print(
         row(
             "decompose (s)",
             times,
-            f"diff {difference:.1e}; certificate {parts['new'].residual.max():.1e}; "
+            f"{compared(difference)}; certificate {certificate:.1e}; "
             f"/ floor {times['new'] / floor:.2f}x",
         )
     )
@@ -316,28 +324,16 @@ def distance_setting(packages, n, n_queries, repeats, label, params):
         f"(fit: base {fits['base'][1]:.2f} s, now {fits['new'][1]:.2f} s)",
         unit="ms",
     )
-    times, parts = side_by_side(
-        {name: lambda c=c: c.decompose(X[n:]) for name, (c, _) in fits.items()}, repeats
+    times, difference, certificate = decompose(fits, X[n:], repeats, compare=same)
+    print(
+        row(
+            "decompose, per query",
+            per_query(times, n_queries),
+            f"{compared(difference)}; certificate {certificate:.1e}",
+        )
     )
-    per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    certificate = parts["new"].residual.max()
-    difference = (
-        f"diff {relative_difference(parts['base'].contributions, parts['new'].contributions):.1e}; "
-        if same
-        else ""
-    )
-    print(row("decompose, per query", per_query, f"{difference}certificate {certificate:.1e}"))
-    queries = torch.tensor(X[n:], dtype=torch.float64)
-    engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
-    times, grams = side_by_side(
-        {name: lambda e=e: e.gram(queries, e.X_train, b_train=True) for name, e in engines.items()},
-        repeats,
-    )
-    per_query = {name: 1e3 * t / n_queries for name, t in times.items()}
-    difference = (
-        f"diff {relative_difference(grams['base'], grams['new']):.1e}" if same else "not compared"
-    )
-    print(row("cross Gram, per query", per_query, difference))
+    times, difference = cross_gram(fits, X[n:], repeats, compare=same)
+    print(row("cross Gram, per query", per_query(times, n_queries), compared(difference)))
     print()
 
 
