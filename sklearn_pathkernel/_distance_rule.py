@@ -175,9 +175,29 @@ def _weighted(matrix, left, right, mode):
 
 
 def _row_sums(rows, weights, values, n_rows):
-    """``out[r] = sum of weights[e] * values[e] over the e with rows[e] == r``."""
-    scaled = weights.view(-1, *([1] * (values.ndim - 1))) * values
-    return values.new_zeros((n_rows, *values.shape[1:])).index_add_(0, rows, scaled)
+    """``out[r] = sum of weights[e] * values[e] over the e with rows[e] == r``.
+
+    ``weights`` (E,) or (P, E) for P weightings at once -> (n_rows, ...) or
+    (P, n_rows, ...). Each row's entries are gathered into a zero-padded block
+    and summed by one batched matrix product, ``O(E)`` work per value (on a CPU
+    several times faster than scaling and scattering with ``index_add_``).
+    """
+    weights = weights if weights.ndim == 2 else weights[None]
+    n_weightings, n_entries = weights.shape
+    counts = torch.bincount(rows, minlength=n_rows)
+    order = torch.argsort(rows, stable=True)
+    sorted_rows = rows[order]
+    offsets = torch.cumsum(counts, 0) - counts
+    position = torch.arange(n_entries, device=rows.device) - offsets[sorted_rows]
+    width = int(counts.max()) if n_entries else 0
+    flat = values.reshape(n_entries, -1)
+    padded = flat.new_zeros((n_rows, width, flat.shape[1]))
+    padded[sorted_rows, position] = flat[order]
+    padded_weights = weights.new_zeros((n_rows, n_weightings, width))
+    padded_weights[sorted_rows, :, position] = weights[:, order].T
+    sums = torch.bmm(padded_weights, padded).transpose(0, 1)  # (P, n_rows, F)
+    sums = sums.reshape(n_weightings, n_rows, *values.shape[1:])
+    return sums if n_weightings > 1 else sums[0]
 
 
 def _first_of_rows(rows, n_rows):
@@ -447,15 +467,18 @@ class DistanceRule(LayerRule):
             return None
         node_rows, shared = factors.rows, factors.shared
         integrated = {"x": x[first]}
-        for key in ("sigma", "c_b", "c_lg"):
-            if key in node_rows:
-                integrated[key] = _row_sums(rows, weights, node_rows[key], n_rows)
+        keys = [key for key in ("sigma", "c_b", "c_lg") if key in node_rows]
+        moving = "sigma" in node_rows and "t" in node_rows
+        if moving:  # both weightings in one product: S (and the rest), T
+            weights = torch.stack([weights, weights * node_rows["t"]])
+        sums = _row_sums(rows, weights, torch.stack([node_rows[key] for key in keys], 1), n_rows)
+        if moving:
+            integrated["sigma_t"] = sums[1][:, keys.index("sigma")]
+            sums = sums[0]
+        integrated.update((key, sums[:, index]) for index, key in enumerate(keys))
         if "sigma" in node_rows:
             squared, integrated["near"] = _sq_distances(integrated["x"], shared["m"])
             integrated["h"] = 0.5 * squared
-            if "t" in node_rows:
-                t_weights = weights * node_rows["t"]
-                integrated["sigma_t"] = _row_sums(rows, t_weights, node_rows["sigma"], n_rows)
         return DistanceFactors(integrated, dict(shared, row_keys=()))
 
     # -- inner products -----------------------------------------------------------------
