@@ -115,8 +115,11 @@ def same_nodes(rows, nodes, weights):
 def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), ends=None):
     """Kinks of each row in ``rows`` along ``w(t) = start + t * direction``.
 
-    The pieces are first compared at the points of ``grid``; kinks are located
-    between grid points whose pieces differ. A finer grid finds pairs of kinks
+    Each interval of ``grid`` is evaluated at its ends and thirds, in the same
+    passes: switching values linear or quadratic in ``t`` there (a first layer's
+    pre-activations, a first distance layer's outputs) have their kinks solved in
+    closed form (:func:`_polynomial_switches`); the others are compared at the grid
+    points, and located between grid points whose pieces differ. A finer grid finds pairs of kinks
     that cancel between two coarse points. Grid points are returned as
     breakpoints too (harmless: a finer partition of a smooth piece).
     Returns one sorted array of kinks per row.
