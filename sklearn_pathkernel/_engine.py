@@ -631,7 +631,7 @@ class PathKernelEngine:
         ``rows`` whose factors (output gradients as cotangents) are ``train``: their
         per-example gradients are materialised, one matrix product per layer."""
         block = sum(
-            _contract(p, rule.materialise(f), "pairs")
+            rule.dense_inner(p, f, "pairs")
             for p, rule, f in zip(psi, self.probe.rules, train, strict=True)
         )  # (n, rows, K, 1)
         contributions.index_add_(1, rows, block[..., 0].contiguous())
@@ -859,7 +859,7 @@ class PathKernelEngine:
                     features.add_inner(right, mode, block[:, tile])
                 else:
                     block[:, tile] += sum(
-                        _contract(a.grads, rule.materialise(b), mode)
+                        rule.dense_inner(a.grads, b, mode)
                         for rule, a, b in zip(probe.rules, left, right, strict=True)
                     )
         return block.cpu().numpy()

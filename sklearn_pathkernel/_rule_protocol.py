@@ -3,6 +3,8 @@
 import enum
 from abc import ABC, abstractmethod
 
+from ._contract import contract
+
 
 class RowEvaluation(enum.Enum):
     """How the probe evaluates a layer with every row at its own point ``t_i`` of a step.
@@ -62,6 +64,14 @@ class LayerRule(ABC):
         weights into it."""
         values = self.inner(nodes, right, mode)
         return values * weights.view(-1, *([1] * (values.ndim - 1)))
+
+    def dense_inner(self, dense, factors, mode):
+        """Inner products of weight-space vectors with the per-example gradients of
+        ``factors``: ``dense`` (n, K, W_layer), in the layout of
+        :meth:`materialise` (e.g. Adam's preconditioned features), ``mode``
+        "trace" or "pairs". Rules that can do it without forming the gradients
+        override this."""
+        return contract(dense, self.materialise(factors), mode)
 
     @abstractmethod
     def directional(self, factors, direction):
