@@ -34,8 +34,8 @@ the fastest of ``--repeats`` calls. Problems:
     ``DistanceKernelClassifier``, M=1000 rows of the same data: ``decompose`` and
     the cross Gram of the queries, per query, for the same network in both
     commits (``solver="sgd", learning_rate=1.5``: 68eeedd's defaults) and for
-    each commit's own defaults (full-batch Adam now: a different network, so
-    the results are not compared).
+    each commit's own defaults (``--distance-settings sgd,defaults``; full-batch
+    Adam now: a different network, so the results are not compared).
 
 Exactness: the largest relative difference between the two commits' results,
 and the current ``decompose``'s certificate (max over rows of
@@ -71,8 +71,8 @@ DISTANCE = {"n_train": 1000}
 # descent), then each commit's own defaults (now full-batch Adam; 68eeedd had
 # no Adam): those two train different networks, so their results are not compared.
 DISTANCE_SETTINGS = {
-    "solver='sgd', learning_rate=1.5": {"solver": "sgd", "learning_rate": 1.5},
-    "each commit's defaults": {},
+    "sgd": ("solver='sgd', learning_rate=1.5", {"solver": "sgd", "learning_rate": 1.5}),
+    "defaults": ("each commit's defaults", {}),
 }
 DISTANCE_QUICK = {"n_train": 200}
 
@@ -306,9 +306,10 @@ def minibatch(packages, sizes, n_queries, repeats):
     print()
 
 
-def distance(packages, sizes, n_queries, repeats):
-    """Both settings: the same network in both commits, then each commit's defaults."""
-    for label, params in DISTANCE_SETTINGS.items():
+def distance(packages, sizes, n_queries, repeats, settings):
+    """``settings``: keys of ``DISTANCE_SETTINGS``."""
+    for setting in settings:
+        label, params = DISTANCE_SETTINGS[setting]
         distance_setting(packages, sizes["n_train"], n_queries, repeats, label, params)
 
 
@@ -344,6 +345,12 @@ def main():
     parser.add_argument(
         "--problems", default="mlp,minibatch,distance", help="comma-separated subset"
     )
+    parser.add_argument(
+        "--distance-settings",
+        default="sgd",
+        help="comma-separated: sgd (the same network in both commits), defaults (each "
+        "commit's own; now Adam, whose materialised products make it far slower)",
+    )
     parser.add_argument("--sizes", type=int, nargs="+", help="training rows of the MLP problem")
     parser.add_argument("--steps", type=int, help="full-batch steps of the MLP problem")
     parser.add_argument("--queries", type=int, help="query rows")
@@ -368,7 +375,8 @@ def main():
         minibatch(packages, sizes, min(config["queries"], 20), config["repeats"])
     if "distance" in problems:
         sizes = DISTANCE_QUICK if args.quick else DISTANCE
-        distance(packages, sizes, min(config["queries"], 20), config["repeats"])
+        settings = args.distance_settings.split(",")
+        distance(packages, sizes, min(config["queries"], 20), config["repeats"], settings)
     print(f"load at the end: {os.getloadavg()[0]:.1f}")
 
 

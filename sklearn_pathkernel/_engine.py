@@ -835,7 +835,7 @@ class PathKernelEngine:
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
         probe = self.probe
-        q_tiles = self._tiles(Q.shape[0]) if kind == "test" else self._passes(Q.shape[0])
+        q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start, metric = self._step(step)[0], self._metric(step)
             right = None
@@ -854,7 +854,7 @@ class PathKernelEngine:
                     block[:, tile] += self._test_test(step, P, Q[tile], mode, metric)
                     continue
                 if right is None or tile is not q_tiles[0]:
-                    right = probe.factors(start, Q[tile])[1]
+                    right = self._factors_of(start, Q[tile])
                 if metric is None:
                     features.add_inner(right, mode, block[:, tile])
                 else:

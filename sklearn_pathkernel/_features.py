@@ -45,8 +45,12 @@ class StepFeatures:
         self.layers = []
         for index, rule in enumerate(rules):
             chunks = [(rows, weights, factors[index]) for rows, weights, factors in evaluated]
-            integral = _integrate(rule, chunks, n_rows, outputs_per_pair)
-            self.layers.append(chunks if integral is None else [(None, None, integral)])
+            joined = _joined(chunks)
+            integral = None if joined is None else rule.integrate(*joined, n_rows, outputs_per_pair)
+            if integral is not None:
+                self.layers.append([(None, None, integral)])
+            else:  # one chunk of every node: the products are cut to the budget later
+                self.layers.append([] if joined is None else [joined])
 
     def add_inner(self, right, mode, out):
         """Add ``<phi_s(row), g(right row)>`` per pair to ``out`` and return it.
@@ -126,13 +130,14 @@ def _product_chunks(chunks, out):
             yield rows[part], weights[part], factors.take(part)
 
 
-def _integrate(rule, chunks, n_rows, outputs_per_pair):
+def _joined(chunks):
+    """The chunks as one ``(rows, weights, factors)``, or None without nodes."""
+    chunks = [chunk for chunk in chunks if chunk[0].numel()]
     if not chunks:
         return None
+    if len(chunks) == 1:
+        return chunks[0]
     rows = torch.cat([chunk[0] for chunk in chunks])
-    if rows.numel() == 0:
-        return None
     weights = torch.cat([chunk[1] for chunk in chunks])
     factors = [chunk[2] for chunk in chunks]
-    factors = factors[0] if len(factors) == 1 else type(factors[0]).cat(factors)
-    return rule.integrate(rows, weights, factors, n_rows, outputs_per_pair)
+    return rows, weights, type(factors[0]).cat(factors)
