@@ -6,10 +6,9 @@ import os
 BLOCK_BUDGET_BYTES = 256 * 2**20
 # The factors one forward and backward pass of the probe produces. A pass has a
 # fixed cost worth thousands of rows of a small network, but a batched backward
-# pass over many outputs slows down once its gradients leave the cache. For an MLP
-# 64-128-128-10 with 10 outputs (24 KiB of factors a row: 512 rows a pass), the
-# cross Gram of a 128-step mini-batch run took 9.2 s at 12 MiB, 10.4 s at 4 MiB
-# and 13.0 s at 1 MiB (two threads).
+# pass over many outputs slows down once its gradients leave the cache; for an MLP
+# 64-128-128-10 with 10 outputs (24 KiB of factors a row) this is 512 rows a pass,
+# which was faster in a mini-batch run's cross Gram than 4 MiB or 1 MiB passes.
 PASS_BUDGET_BYTES = 12 * 2**20
 # What one step-major Gram task may hold on the host (its output block and one
 # step's factors): at most this, and at most a quarter of the available memory.
