@@ -33,9 +33,15 @@ the fastest of ``--repeats`` calls. Problems:
 ``distance``
     ``DistanceKernelClassifier``, M=1000 rows of the same data: ``decompose`` and
     the cross Gram of the queries, per query, for the same network in both
-    commits (``solver="sgd", learning_rate=1.5``: 68eeedd's defaults) and for
-    each commit's own defaults (``--distance-settings sgd,defaults``; full-batch
-    Adam now: a different network, so the results are not compared).
+    commits (``solver="sgd", learning_rate=1.5``: 68eeedd's defaults), for
+    each commit's own defaults (full-batch Adam now: a different network from
+    68eeedd's, so the results are not compared), and for ``solver="adam"`` in
+    both (``--distance-settings sgd,defaults,adam``; "adam" needs a base that
+    has Adam, e.g. ``--base be800fe``).
+``adam``
+    The MLP of ``mlp`` trained by full-batch Adam (lr 1e-3), M = the first of
+    ``--sizes``: the training Gram, the cross Gram and ``decompose`` of Adam's
+    preconditioned kernel. Needs a base that has Adam (``--base be800fe``).
 
 Exactness: the largest relative difference between the two commits' results,
 and the current ``decompose``'s certificate (max over rows of
@@ -73,6 +79,7 @@ DISTANCE = {"n_train": 1000}
 DISTANCE_SETTINGS = {
     "sgd": ("solver='sgd', learning_rate=1.5", {"solver": "sgd", "learning_rate": 1.5}),
     "defaults": ("each commit's defaults", {}),
+    "adam": ("solver='adam'", {"solver": "adam"}),
 }
 DISTANCE_QUICK = {"n_train": 200}
 
@@ -233,6 +240,16 @@ def mlp_size(packages, n, steps, n_queries, repeats):
         f"MLP 64-128-128-10, M={n}, {steps} full-batch steps, {n_queries} queries "
         f"(fit {fit_time:.2f} s)"
     )
+    train_time = three_tasks(fits, X[n:], repeats)
+    widths = linear_widths(fits["new"][0].module_, engines["new"].n_outputs)
+    return n, gram_flops(n, widths, steps), gemm_seconds(n, widths, steps), train_time
+
+
+def three_tasks(fits, X_queries, repeats):
+    """Training Gram, cross Gram and ``decompose`` printed side by side; returns the
+    current training Gram's time."""
+    engines = {name: engine_of(clf) for name, (clf, _) in fits.items()}
+    fit_time, n_queries = fits["new"][1], X_queries.shape[0]
     times, grams = side_by_side(
         {name: lambda e=e: e.gram(e.X_train, a_train=True) for name, e in engines.items()},
         repeats,
@@ -246,7 +263,7 @@ def mlp_size(packages, n, steps, n_queries, repeats):
         )
     )
     train_time = times["new"]
-    times, difference = cross_gram(fits, X[n:], repeats)
+    times, difference = cross_gram(fits, X_queries, repeats)
     times = per_query(times, n_queries)
     share = 100 * times["new"] / 1e3 / fit_time
     print(
@@ -256,7 +273,7 @@ def mlp_size(packages, n, steps, n_queries, repeats):
             f"{compared(difference)}; per query / fit {share:.2f}%",
         )
     )
-    times, difference, certificate = decompose(fits, X[n:], repeats)
+    times, difference, certificate = decompose(fits, X_queries, repeats)
     print(
         row(
             "decompose, per query (ms)",
@@ -265,8 +282,28 @@ def mlp_size(packages, n, steps, n_queries, repeats):
         )
     )
     print()
-    widths = linear_widths(fits["new"][0].module_, engines["new"].n_outputs)
-    return n, gram_flops(n, widths, steps), gemm_seconds(n, widths, steps), train_time
+    return train_time
+
+
+def adam(packages, n, steps, n_queries, repeats):
+    """The MLP trained by Adam: the preconditioned kernel's three tasks."""
+
+    def make(package):
+        return package.ExactPathKernelClassifier(
+            hidden_layer_sizes=(128, 128),
+            solver="adam",
+            learning_rate=1e-3,
+            max_iter=steps,
+            random_state=0,
+        )
+
+    X, y = scale_data(n + n_queries, seed=0)
+    fits = {name: fitted(package, make, X[:n], y[:n]) for name, package in packages.items()}
+    header(
+        f"MLP 64-128-128-10, Adam, M={n}, {steps} full-batch steps, {n_queries} queries "
+        f"(fit {fits['new'][1]:.2f} s)"
+    )
+    three_tasks(fits, X[n:], repeats)
 
 
 def minibatch(packages, sizes, n_queries, repeats):
@@ -349,7 +386,7 @@ def main():
         "--distance-settings",
         default="sgd",
         help="comma-separated: sgd (the same network in both commits), defaults (each "
-        "commit's own; now Adam, whose materialised products make it far slower)",
+        "commit's own; now Adam), adam (needs a base with Adam)",
     )
     parser.add_argument("--sizes", type=int, nargs="+", help="training rows of the MLP problem")
     parser.add_argument("--steps", type=int, help="full-batch steps of the MLP problem")
@@ -373,6 +410,8 @@ def main():
     if "minibatch" in problems:
         sizes = MINIBATCH_QUICK if args.quick else MINIBATCH
         minibatch(packages, sizes, min(config["queries"], 20), config["repeats"])
+    if "adam" in problems:
+        adam(packages, config["sizes"][0], config["steps"], config["queries"], config["repeats"])
     if "distance" in problems:
         sizes = DISTANCE_QUICK if args.quick else DISTANCE
         settings = args.distance_settings.split(",")

@@ -66,6 +66,7 @@ import torch
 
 from ._contract import contract as _contract
 from ._distance import COSINE_EPS, DistanceLayer
+from ._memory import rows_per_tile
 from ._rule_protocol import LayerRule, RowEvaluation
 
 # Kernels with a factored rule ("laplacian" keeps the generic torch.func rule:
@@ -632,6 +633,80 @@ class DistanceRule(LayerRule):
         rest = [rows[key] for key in ("c_b", "c_lg") if key in rows]
         if rest:
             out = out + _contract(dense[..., n_memories * width :], torch.cat(rest, 2), mode)
+        return out
+
+    def metric_inner(self, left, right, scale, mode):
+        """``<g(left row), scale * g(right row)>``, contracted per memory.
+
+        With ``P_j`` memory ``j``'s block of ``scale`` (Adam's preconditioner),
+        the squared-distance kernels' memory gradients ``sigma_ikj e_ij`` (minus
+        ``T_ikj dm_j`` for integrated factors, see :meth:`integrate`) give, in
+        "trace" mode,
+
+            sum_j (sum_k sigma_ikj sigma'_lkj) (e_ij . P_j e'_lj)
+              - sum_kj T_ikj sigma'_lkj (dm_j . P_j e'_lj):
+
+        per block of memories, one (J n, D) x (D, m) product for the weighted
+        distances and a batched (n, K) x (K, m) product per memory, then one
+        pass over (J, n, m): ``O(n m J (D + K))`` instead of the materialised
+        ``O(n m K J D)``. ``e'_lj`` is expanded about the mean memory and summed
+        from explicit differences where that cancels (the right factors'
+        ``near`` pairs), as in :meth:`dense_inner`. Other modes, cosine, and
+        one or two outputs (where materialising costs no more) take the default.
+        """
+        L, R = left.rows, right.rows
+        if (
+            mode != "trace"
+            or self.module.kernel == "cosine"
+            or "sigma" not in L
+            or "sigma_t" in R
+            or not self._compatible(left, right)
+        ):
+            return super().metric_inner(left, right, scale, mode)
+        m = left.shared["m"]
+        dm = left.shared["dm"] if left.shared["dm"] is not None else right.shared["dm"]
+        (n_memories, width), (n, n_outputs) = m.shape, L["sigma"].shape[:2]
+        if n_outputs * width <= width + 2 * n_outputs:
+            return super().metric_inner(left, right, scale, mode)
+        x, t, x_r, t_r = L["x"], L.get("t"), R["x"], R.get("t")
+        sigma, sigma_r = L["sigma"], R["sigma"]
+        memory_width = n_memories * width
+        p = scale[:memory_width].view(n_memories, width)
+        centre = m.mean(0)
+        x_rc = x_r - centre
+        out = x.new_zeros(n, x_r.shape[0])
+        step = rows_per_tile(n_memories, 2 * x.element_size() * n * x_r.shape[0])
+        for begin in range(0, n_memories, step):
+            chunk = slice(begin, begin + step)
+            mu, weight = m[chunk], p[chunk][:, None]
+            u = x[None] - mu[:, None]  # (c, n, D): P_j e_ij
+            if t is not None:
+                u -= t[None, :, None] * dm[chunk][:, None]
+            u *= weight
+            # (c, n, m): P_j e_ij . e'_lj with e'_lj = (x'_l - c) - (m_j - c) - t'_l dm_j
+            dots = (u.reshape(-1, width) @ x_rc.T).view(u.shape[0], n, -1)
+            dots -= (u * (mu - centre)[:, None]).sum(-1)[..., None]
+            if t_r is not None:
+                dots -= (u * dm[chunk][:, None]).sum(-1)[..., None] * t_r
+            near_rows, near_memories = torch.nonzero(R["near"][:, chunk], as_tuple=True)
+            if near_rows.numel():
+                mu_near = mu[near_memories]
+                if t_r is not None:
+                    mu_near = mu_near + t_r[near_rows, None] * dm[chunk][near_memories]
+                exact = (u[near_memories] * (x_r[near_rows] - mu_near)[:, None]).sum(-1)
+                dots[near_memories, :, near_rows] = exact
+            products = torch.bmm(
+                sigma[:, :, chunk].permute(2, 0, 1), sigma_r[:, :, chunk].permute(2, 1, 0)
+            )
+            out += products.mul_(dots).sum(0)
+        if "sigma_t" in L:  # - T_ikj sigma'_lkj (e'_lj . P_j dm_j)
+            steps = _memory_dots(x_r, m, dm, t_r, p * dm, R["near"])
+            moved = (sigma_r * steps[:, None]).reshape(x_r.shape[0], -1)
+            out -= L["sigma_t"].reshape(n, -1) @ moved.T
+        rest = [key for key in ("c_b", "c_lg") if key in L]
+        if rest:
+            scaled = torch.cat([L[key] for key in rest], 2) * scale[memory_width:]
+            out += _contract(scaled, torch.cat([R[key] for key in rest], 2), mode)
         return out
 
     # -- directional derivatives ---------------------------------------------------------

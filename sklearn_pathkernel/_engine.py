@@ -30,10 +30,8 @@ from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
 from . import _memory
-from ._contract import contract as _contract
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
-from ._layer_rules import Factors
 from ._losses import log_softmax
 from ._memory import check_fits, rows_per_tile, working_budget
 from ._probe import NetworkProbe
@@ -220,14 +218,15 @@ class PathKernelEngine:
     def _inner(self, left, right, mode, metric):
         """``sum_layers <g_left, P g_right>`` of two factor lists (``metric`` None: P = 1).
 
-        A preconditioner breaks the factored forms: both sides are materialised.
+        A preconditioner breaks the factored forms of ``inner``: each rule's
+        ``metric_inner`` takes it.
         """
         rules = self.probe.rules
         if metric is None:
             pairs = zip(rules, left, right, strict=True)
             return sum(rule.inner(a, b, mode) for rule, a, b in pairs)
         return sum(
-            _contract(rule.materialise(a) * scale, rule.materialise(b), mode)
+            rule.metric_inner(a, b, scale, mode)
             for rule, a, b, scale in zip(rules, left, right, metric, strict=True)
         )
 
@@ -834,7 +833,6 @@ class PathKernelEngine:
             return self._training_block(P, Q, steps, mode, prefix)
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
-        probe = self.probe
         q_tiles = self._tiles(Q.shape[0])
         for step in range(steps.start, steps.stop):
             start, metric = self._step(step)[0], self._metric(step)
@@ -844,24 +842,15 @@ class PathKernelEngine:
                 features, right = self._test_features(
                     step, P, outputs_per_pair=pairs, with_rows=(Q[q_tiles[0]], None)
                 )
-                if metric is not None:  # phi_s P_s, materialised once for every tile of Q
-                    left = [
-                        Factors(grads=layer * scale)
-                        for layer, scale in zip(features.materialised(), metric, strict=True)
-                    ]
+                if metric is not None:  # P_s phi_s, once for every tile of Q
+                    features = features.scaled(metric)
             for tile in q_tiles:
                 if kind == "test":
                     block[:, tile] += self._test_test(step, P, Q[tile], mode, metric)
                     continue
                 if right is None or tile is not q_tiles[0]:
                     right = self._factors_of(start, Q[tile])
-                if metric is None:
-                    features.add_inner(right, mode, block[:, tile])
-                else:
-                    block[:, tile] += sum(
-                        rule.dense_inner(a.grads, b, mode)
-                        for rule, a, b in zip(probe.rules, left, right, strict=True)
-                    )
+                features.add_inner(right, mode, block[:, tile])
         return block.cpu().numpy()
 
     def _training_block(self, P, Q, steps, mode, prefix):

@@ -90,16 +90,15 @@ class StepFeatures:
         (Adam's preconditioner) or are accumulated over steps (momentum).
         Costs n_rows x K x W numbers.
         """
-        out = []
-        for rule, chunks in zip(self.rules, self.layers, strict=True):
-            total = 0.0
-            for rows, weights, factors in chunks:
-                grads = rule.materialise(factors)
-                total = total + (
-                    grads if rows is None else row_sums(rows, weights, grads, self.n_rows)
-                )
-            out.append(total)
-        return out
+        return [
+            _materialised(rule, chunks, self.n_rows)
+            for rule, chunks in zip(self.rules, self.layers, strict=True)
+        ]
+
+    def scaled(self, metric):
+        """``P_s phi_s`` for the elementwise metric ``metric`` (one scale per rule,
+        in the rules' ``flatten`` layout): see :class:`ScaledFeatures`."""
+        return ScaledFeatures(self, metric)
 
     def directional(self, direction):
         """``<phi_s(row), direction>`` per row and output: (n_rows, K).
@@ -114,6 +113,52 @@ class StepFeatures:
                     slope if rows is None else row_sums(rows, weights, slope, self.n_rows)
                 )
         return total
+
+
+class ScaledFeatures:
+    """``P_s phi_s``: the test copy of one step under an elementwise metric.
+
+    Adam's kernel weighs weight space by its preconditioner ``P_s``. A layer
+    whose nodes were integrated into one set of factors per row keeps them, and
+    its rule's ``metric_inner`` applies the metric (per output unit, for the
+    rules that can). A layer that keeps its nodes is summed over them and scaled
+    once (n_rows x K x W numbers), and meets the other rows through its rule's
+    ``dense_inner``.
+
+    Parameters
+    ----------
+    features : StepFeatures
+    metric : list of torch.Tensor
+        Per rule, the metric in the rule's ``flatten`` layout.
+    """
+
+    def __init__(self, features, metric):
+        self.rules = features.rules
+        self.layers = []  # per rule: (integrated factors, scale) or (dense, None)
+        for rule, chunks, scale in zip(features.rules, features.layers, metric, strict=True):
+            if len(chunks) == 1 and chunks[0][0] is None:
+                self.layers.append((chunks[0][2], scale))
+            else:
+                self.layers.append((_materialised(rule, chunks, features.n_rows) * scale, None))
+
+    def add_inner(self, right, mode, out):
+        """Add ``<P_s phi_s(row), g(right row)>`` per pair to ``out`` and return it
+        (``mode`` and shapes as in :meth:`StepFeatures.add_inner`)."""
+        for rule, (left, scale), right_factors in zip(self.rules, self.layers, right, strict=True):
+            if scale is None:
+                out += rule.dense_inner(left, right_factors, mode)
+            else:
+                out += rule.metric_inner(left, right_factors, scale, mode)
+        return out
+
+
+def _materialised(rule, chunks, n_rows):
+    """A layer's features summed over each row's nodes: (n_rows, K, W_layer)."""
+    total = 0.0
+    for rows, weights, factors in chunks:
+        grads = rule.materialise(factors)
+        total = total + (grads if rows is None else row_sums(rows, weights, grads, n_rows))
+    return total
 
 
 def _product_chunks(chunks, out):

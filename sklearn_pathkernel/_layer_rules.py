@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 from ._contract import contract as _contract
 from ._distance_rule import make_distance_rule
+from ._memory import rows_per_tile
 from ._rule_protocol import LayerRule, RowEvaluation
 
 
@@ -227,6 +228,49 @@ class LinearRule(LayerRule):
         if mode == "pairs":
             return delta_gram.mul_(input_gram[:, :, None, None])
         return delta_gram.mul_(input_gram)
+
+    def metric_inner(self, left, right, scale, mode):
+        """``<g(left row), scale * g(right row)>``, contracted per output unit.
+
+        The gradient of output ``k`` is ``delta_k a^T`` (and ``delta_k`` for the
+        bias), so with ``P_o`` and ``p_o`` unit ``o``'s rows of ``scale`` (Adam's
+        preconditioner), in "trace" mode
+
+            sum_o (sum_k delta_iko delta'_lko) (a_i . P_o a'_l + p_o):
+
+        per block of units, one (d_out n, d_in) x (d_in, m) product of weighted
+        inputs, a batched (n, K) x (K, m) product per unit, then one pass over
+        (d_out, n, m): ``O(n m d_out (d_in + K))`` instead of the materialised
+        ``O(n m K d_out d_in)``. Other modes, materialised factors, a layer
+        without its weight in the path, and one or two outputs (where
+        materialising costs no more) take the default.
+        """
+        if (
+            mode != "trace"
+            or left.grads is not None
+            or right.grads is not None
+            or self.weight_name is None
+        ):
+            return super().metric_inner(left, right, scale, mode)
+        a, b, deltas, deltas_r = left.inputs, right.inputs, left.deltas, right.deltas
+        (n, n_outputs, d_out), d_in = deltas.shape, a.shape[1]
+        if n_outputs * d_in <= d_in + 2 * n_outputs:
+            return super().metric_inner(left, right, scale, mode)
+        weight = scale[: d_out * d_in].view(d_out, d_in)
+        bias = scale[d_out * d_in :] if self.bias_name is not None else None
+        out = a.new_zeros(n, b.shape[0])
+        step = rows_per_tile(d_out, 2 * a.element_size() * n * b.shape[0])
+        for begin in range(0, d_out, step):
+            units = slice(begin, begin + step)
+            weighted = (a[None] * weight[units][:, None]).reshape(-1, d_in)
+            inputs = (weighted @ b.T).view(-1, n, b.shape[0])  # (c, n, m)
+            if bias is not None:
+                inputs += bias[units][:, None, None]
+            products = torch.bmm(
+                deltas[:, :, units].permute(2, 0, 1), deltas_r[:, :, units].permute(2, 1, 0)
+            )
+            out += products.mul_(inputs).sum(0)
+        return out
 
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output: (n, K)."""

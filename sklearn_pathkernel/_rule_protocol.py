@@ -73,6 +73,21 @@ class LayerRule(ABC):
         override this."""
         return contract(dense, self.materialise(factors), mode)
 
+    def metric_inner(self, left, right, scale, mode):
+        """Inner products under an elementwise metric of weight space,
+        ``<g(left row), scale * g(right row)>``; ``scale`` (W_layer,) is in the
+        layout of :meth:`flatten` (Adam's preconditioner ``P_s``, positive), and
+        ``mode`` as in :meth:`inner`.
+
+        The metric breaks the factored form of :meth:`inner`: by default the left
+        gradients are materialised and scaled, and meet the right ones through
+        :meth:`dense_inner`, ``O(n m K W)``. Rules whose gradients factor per
+        output unit override this with a contraction per unit.
+        """
+        if mode == "diag":
+            return contract(self.materialise(left) * scale, self.materialise(right), mode)
+        return self.dense_inner(self.materialise(left) * scale, right, mode)
+
     @abstractmethod
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output, (n, K); ``direction`` is a
