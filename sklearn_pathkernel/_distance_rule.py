@@ -674,6 +674,10 @@ class DistanceRule(LayerRule):
         p = scale[:memory_width].view(n_memories, width)
         centre = m.mean(0)
         x_rc = x_r - centre
+        # memory-major and contiguous, for the batched products (several times
+        # faster than on the strided views)
+        by_memory = sigma.permute(2, 0, 1).contiguous()  # (J, n, K)
+        by_memory_r = sigma_r.permute(2, 1, 0).contiguous()  # (J, K, m)
         out = x.new_zeros(n, x_r.shape[0])
         step = rows_per_tile(n_memories, 2 * x.element_size() * n * x_r.shape[0])
         for begin in range(0, n_memories, step):
@@ -695,10 +699,7 @@ class DistanceRule(LayerRule):
                     mu_near = mu_near + t_r[near_rows, None] * dm[chunk][near_memories]
                 exact = (u[near_memories] * (x_r[near_rows] - mu_near)[:, None]).sum(-1)
                 dots[near_memories, :, near_rows] = exact
-            products = torch.bmm(
-                sigma[:, :, chunk].permute(2, 0, 1), sigma_r[:, :, chunk].permute(2, 1, 0)
-            )
-            out += products.mul_(dots).sum(0)
+            out += torch.bmm(by_memory[chunk], by_memory_r[chunk]).mul_(dots).sum(0)
         if "sigma_t" in L:  # - T_ikj sigma'_lkj (e'_lj . P_j dm_j)
             steps = _memory_dots(x_r, m, dm, t_r, p * dm, R["near"])
             moved = (sigma_r * steps[:, None]).reshape(x_r.shape[0], -1)

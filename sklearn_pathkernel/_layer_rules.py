@@ -229,6 +229,35 @@ class LinearRule(LayerRule):
             return delta_gram.mul_(input_gram[:, :, None, None])
         return delta_gram.mul_(input_gram)
 
+    def dense_inner(self, dense, factors, mode):
+        """Dense weight-space vectors ``dense`` (n, K, W_layer) against the factored
+        gradients ``delta'_k [a', 1]^T`` of m rows.
+
+        Each vector meets the inputs first, ``v_ko = dense_ko . [a', 1]``, one
+        (m, d_in) x (d_in, n K d_out) product, then the deltas per row: the same
+        flops as materialising the m K' W gradients, but n K d_out m values
+        written instead of m K' d_out d_in. Used when that is less (n K < K'
+        d_in: a few query rows against many training rows); otherwise the default.
+        """
+        if factors.grads is not None or mode == "diag":
+            return super().dense_inner(dense, factors, mode)
+        a, deltas = factors.inputs, factors.deltas
+        (m, k_right, d_out), d_in = deltas.shape, a.shape[1]
+        n, k_left = dense.shape[:2]
+        if n * k_left >= k_right * d_in:
+            return super().dense_inner(dense, factors, mode)
+        moved = a.new_zeros((m, n * k_left, d_out))
+        if self.weight_name is not None:
+            weight = dense[..., : d_out * d_in].reshape(-1, d_in)
+            moved += (a @ weight.T).view(m, n * k_left, d_out)
+        if self.bias_name is not None:
+            moved += dense[..., -d_out:].reshape(n * k_left, d_out)
+        if mode == "trace":  # (m, n, K d_out) x (m, K d_out, 1)
+            out = torch.matmul(moved.view(m, n, -1), deltas.reshape(m, -1, 1))
+            return out.view(m, n).T
+        out = torch.matmul(moved, deltas.transpose(1, 2))  # (m, n K, K')
+        return out.view(m, n, k_left, k_right).permute(1, 0, 2, 3)
+
     def metric_inner(self, left, right, scale, mode):
         """``<g(left row), scale * g(right row)>``, contracted per output unit.
 
@@ -259,6 +288,9 @@ class LinearRule(LayerRule):
         weight = scale[: d_out * d_in].view(d_out, d_in)
         bias = scale[d_out * d_in :] if self.bias_name is not None else None
         out = a.new_zeros(n, b.shape[0])
+        # unit-major and contiguous, for the batched products
+        by_unit = deltas.permute(2, 0, 1).contiguous()  # (d_out, n, K)
+        by_unit_r = deltas_r.permute(2, 1, 0).contiguous()  # (d_out, K, m)
         step = rows_per_tile(d_out, 2 * a.element_size() * n * b.shape[0])
         for begin in range(0, d_out, step):
             units = slice(begin, begin + step)
@@ -266,10 +298,7 @@ class LinearRule(LayerRule):
             inputs = (weighted @ b.T).view(-1, n, b.shape[0])  # (c, n, m)
             if bias is not None:
                 inputs += bias[units][:, None, None]
-            products = torch.bmm(
-                deltas[:, :, units].permute(2, 0, 1), deltas_r[:, :, units].permute(2, 1, 0)
-            )
-            out += products.mul_(inputs).sum(0)
+            out += torch.bmm(by_unit[units], by_unit_r[units]).mul_(inputs).sum(0)
         return out
 
     def directional(self, factors, direction):

@@ -101,6 +101,25 @@ def test_linear_metric_inner_in_blocks_of_units(monkeypatch):
     assert_close(whole, expected(grads, scale, grads, "trace"))
 
 
+@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
+@pytest.mark.parametrize("n_dense", [2, 9])
+def test_linear_dense_inner_against_autograd(names, n_dense):
+    """Dense vectors (Adam's scaled features) against factored gradients: through
+    the inputs first (2 rows) or materialised (9 rows), for 3 and 1 right outputs."""
+    gen = torch.Generator().manual_seed(2)
+    layer = nn.Linear(8, 4).to(DTYPE)
+    rule = LinearRule(layer, *names)
+    path = [name for name in names if name is not None]
+    for k_right, modes in ((3, ("trace", "pairs")), (1, ("pairs",))):
+        x = torch.randn(7, 8, generator=gen, dtype=DTYPE)
+        delta = torch.randn(7, k_right, 4, generator=gen, dtype=DTYPE)
+        grads = per_example_gradients(layer, path, x, delta)
+        dense = torch.randn(n_dense, 3, grads.shape[2], generator=gen, dtype=DTYPE)
+        for mode in modes:
+            actual = rule.dense_inner(dense, Factors(inputs=x, deltas=delta), mode)
+            assert_close(actual, contract(dense, grads, mode))
+
+
 # -- distance layers ----------------------------------------------------------------
 
 
