@@ -860,8 +860,10 @@ class PathKernelEngine:
         prefix) are computed once, in passes of ``tile_size`` rows; the block is
         then accumulated in products of ``tile_size`` x ``tile_size`` rows. With
         ``prefix``, products below the diagonal are not computed but mirrored.
-        On a preconditioned path both sides are materialised per product, so
-        products get fewer rows.
+        On a preconditioned path products get fewer rows (about 60 for an MLP
+        64-128-128-10): the rules' ``metric_inner`` either materialises both
+        sides or holds (units, rows, rows) temporaries, which are fastest while
+        they stay in cache (for that MLP, blocks of 256 or 512 rows were slower).
         """
         n_outputs = (self.n_outputs,) * 2 if mode == "pairs" else ()
         block = torch.zeros((P.shape[0], Q.shape[0]) + n_outputs, dtype=P.dtype, device=P.device)
