@@ -23,28 +23,6 @@ DTYPE = torch.float64
 MODES = ("trace", "pairs", "diag")
 
 
-def per_example_gradients(layer, names, x, delta, steps=None, t=None):
-    """(n, K, W) gradients of ``delta_k . layer(x)`` by autograd, in ``names`` order,
-    row ``i`` at the layer's weights plus ``t_i steps``."""
-    out = []
-    for i in range(x.shape[0]):
-        params = {
-            name: (
-                p.detach() + (0.0 if t is None else t[i] * steps[name])
-            ).requires_grad_(True)
-            for name, p in layer.named_parameters()
-        }
-        value = torch.func.functional_call(layer, params, (x[i : i + 1],))[0]
-        rows = []
-        for k in range(delta.shape[1]):
-            grads = torch.autograd.grad(
-                (delta[i, k] * value).sum(), [params[n] for n in names], retain_graph=True
-            )
-            rows.append(torch.cat([g.reshape(-1) for g in grads]))
-        out.append(torch.stack(rows))
-    return torch.stack(out)
-
-
 def expected(g_left, scale, g_right, mode):
     return contract(g_left * scale, g_right, mode)
 
@@ -60,7 +38,7 @@ def assert_close(actual, reference):
 
 @pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
 @pytest.mark.parametrize("n_outputs", [1, 3])
-def test_linear_metric_inner_against_autograd(names, n_outputs):
+def test_linear_metric_inner_against_autograd(names, n_outputs, per_example_gradients):
     """Per-unit contraction (3 outputs) and the default (1 output, no weight)."""
     gen = torch.Generator().manual_seed(0)
     layer = nn.Linear(4, 5).to(DTYPE)
@@ -85,7 +63,7 @@ def test_linear_metric_inner_against_autograd(names, n_outputs):
         assert_close(rule.metric_inner(dense, other, scale, mode), reference)
 
 
-def test_linear_metric_inner_in_blocks_of_units(monkeypatch):
+def test_linear_metric_inner_in_blocks_of_units(monkeypatch, per_example_gradients):
     """Blocks of one unit (a tiny budget) give the same contraction."""
     gen = torch.Generator().manual_seed(1)
     layer = nn.Linear(3, 4).to(DTYPE)
@@ -103,7 +81,7 @@ def test_linear_metric_inner_in_blocks_of_units(monkeypatch):
 
 @pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
 @pytest.mark.parametrize("n_dense", [2, 9])
-def test_linear_dense_inner_against_autograd(names, n_dense):
+def test_linear_dense_inner_against_autograd(names, n_dense, per_example_gradients):
     """Dense vectors (Adam's scaled features) against factored gradients: through
     the inputs first (2 rows) or materialised (9 rows), for 3 and 1 right outputs."""
     gen = torch.Generator().manual_seed(2)
@@ -150,7 +128,7 @@ def distance_rows(layer, n, n_outputs, seed):
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf", "cosine"])
 @pytest.mark.parametrize("n_outputs", [1, 3])
-def test_distance_metric_inner_against_autograd(kernel, n_outputs):
+def test_distance_metric_inner_against_autograd(kernel, n_outputs, per_example_gradients):
     """Both sides at the step's start or at their own points of it."""
     layer, names, rule, params, steps = distance_case(kernel)
     x, dx, tx = distance_rows(layer, 6, n_outputs, seed=1)
@@ -174,7 +152,7 @@ def test_distance_metric_inner_against_autograd(kernel, n_outputs):
 
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
-def test_distance_metric_inner_of_integrated_features(kernel, monkeypatch):
+def test_distance_metric_inner_of_integrated_features(kernel, monkeypatch, per_example_gradients):
     """A first layer's features summed over each row's nodes in closed form
     (``S (x - m) - T dm``) against the per-node autograd gradients summed."""
     layer, names, rule, params, steps = distance_case(kernel, seed=4)

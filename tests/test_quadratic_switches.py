@@ -157,35 +157,16 @@ def test_integrated_features_match_per_node_products(kernel, solver, monkeypatch
     np.testing.assert_allclose(gram, per_node_gram, atol=1e-13 * np.abs(gram).max())
 
 
-def _per_example_gradients(layer, x, delta, t, steps):
-    """(n, K, W) by autograd, row by row, in the rule's layout (memories, bias, log_gamma)."""
-    names = [name for name, _ in layer.named_parameters()]
-    out = []
-    for i in range(x.shape[0]):
-        params = {
-            name: (p.detach() + t[i] * steps[name]).requires_grad_(True)
-            for name, p in layer.named_parameters()
-        }
-        value = torch.func.functional_call(layer, params, (x[i : i + 1],))[0]
-        rows = []
-        for k in range(delta.shape[1]):
-            grads = torch.autograd.grad(
-                (delta[i, k] * value).sum(), [params[n] for n in names], retain_graph=True
-            )
-            rows.append(torch.cat([g.reshape(-1) for g in grads]))
-        out.append(torch.stack(rows))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
 @pytest.mark.parametrize("mode", ["trace", "pairs"])
-def test_dense_inner_against_autograd(kernel, mode):
+def test_dense_inner_against_autograd(kernel, mode, per_example_gradients):
     torch.manual_seed(0)
     layer = DistanceLayer(5, 4, kernel, dtype=torch.float64)
     x = torch.randn(6, 5, dtype=torch.float64)
     with torch.no_grad():
         layer.memories[1] = x[2]  # a memory on an input: the expansion cancels there
-    rule = DistanceRule(layer, {name: name for name, _ in layer.named_parameters()})
+    names = [name for name, _ in layer.named_parameters()]
+    rule = DistanceRule(layer, {name: name for name in names})
     params = {name: p.detach() for name, p in layer.named_parameters()}
     steps = {name: 0.1 * torch.randn_like(p) for name, p in params.items()}
     t = torch.rand(6, dtype=torch.float64)
@@ -194,6 +175,6 @@ def test_dense_inner_against_autograd(kernel, mode):
     factors = rule.factors((x,), delta, params, steps, t)
     dense = torch.randn(7, 3 if mode == "trace" else 2, 4 * 5 + 4 * (2 if kernel == "rbf" else 1))
     dense = dense.to(torch.float64)
-    expected = contract(dense, _per_example_gradients(layer, x, delta, t, steps), mode)
+    expected = contract(dense, per_example_gradients(layer, names, x, delta, steps, t), mode)
     got = rule.dense_inner(dense, factors, mode)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
