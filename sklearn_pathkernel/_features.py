@@ -156,8 +156,11 @@ def _materialised(rule, chunks, n_rows):
     """A layer's features summed over each row's nodes: (n_rows, K, W_layer)."""
     total = 0.0
     for rows, weights, factors in chunks:
-        grads = rule.materialise(factors)
-        total = total + (grads if rows is None else row_sums(rows, weights, grads, n_rows))
+        total = total + (
+            rule.materialise(factors)
+            if rows is None
+            else rule.materialise_sums(rows, weights, factors, n_rows)
+        )
     return total
 
 

@@ -166,6 +166,14 @@ class LinearRule(LayerRule):
             parts.append(sums[..., -1])
         return torch.cat(parts, dim=2)
 
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' gradients, from the factors: one
+        padded (K d_out, nodes) x (nodes, d_in + 1) product per row, no per-node
+        gradient formed."""
+        if factors.grads is not None:
+            return super().materialise_sums(rows, weights, factors, n_rows)
+        return self._integrated_gradients(rows, weights, factors, n_rows)
+
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Factors of each row's weighted sum of gradients over its nodes, or None.
 
@@ -246,14 +254,15 @@ class LinearRule(LayerRule):
         n, k_left = dense.shape[:2]
         if n * k_left >= k_right * d_in:
             return super().dense_inner(dense, factors, mode)
-        moved = a.new_zeros((m, n * k_left, d_out))
         if self.weight_name is not None:
             weight = dense[..., : d_out * d_in].reshape(-1, d_in)
-            moved += (a @ weight.T).view(m, n * k_left, d_out)
-        if self.bias_name is not None:
-            moved += dense[..., -d_out:].reshape(n * k_left, d_out)
+            moved = (a @ weight.T).view(m, n * k_left, d_out)
+            if self.bias_name is not None:
+                moved += dense[..., -d_out:].reshape(n * k_left, d_out)
+        else:
+            moved = dense.reshape(1, n * k_left, d_out).expand(m, -1, -1)
         if mode == "trace":  # (m, n, K d_out) x (m, K d_out, 1)
-            out = torch.matmul(moved.view(m, n, -1), deltas.reshape(m, -1, 1))
+            out = torch.matmul(moved.reshape(m, n, -1), deltas.reshape(m, -1, 1))
             return out.view(m, n).T
         out = torch.matmul(moved, deltas.transpose(1, 2))  # (m, n K, K')
         return out.view(m, n, k_left, k_right).permute(1, 0, 2, 3)

@@ -97,6 +97,15 @@ class LayerRule(ABC):
     def materialise(self, factors):
         """The per-example gradients themselves, (n, K, W_layer), in this rule's layout."""
 
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' per-example gradients,
+        (n_rows, K, W_layer): node ``e`` belongs to row ``rows[e]`` with weight
+        ``weights[e]``. By default the node gradients are materialised first
+        (E x K x W numbers); rules that can sum their factors directly override it."""
+        grads = self.materialise(factors)
+        scaled = weights.view(-1, *([1] * (grads.ndim - 1))) * grads
+        return grads.new_zeros((n_rows, *grads.shape[1:])).index_add_(0, rows, scaled)
+
     @abstractmethod
     def flatten(self, weights):
         """The layer's part of a ``{path name: tensor}`` weight-space vector, (W_layer,),

@@ -85,6 +85,21 @@ def test_linear_integrate_takes_the_expected_form(case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_materialised_sums_match_autograd(case):
+    """``materialise_sums`` (the linear rule's padded products, and the protocol's
+    default through per-node gradients) and ``StepFeatures.materialised``."""
+    layer, rows, weights, factors, n_rows = linear_case(**CASES[case], nodes_per_row=[2, 4, 3])
+    rule = LinearRule(layer, "weight", "bias")
+    expected = integrated_gradients(layer, rows, weights, factors, n_rows)
+    for sums in (
+        rule.materialise_sums(rows, weights, factors, n_rows),
+        super(LinearRule, rule).materialise_sums(rows, weights, factors, n_rows),
+        StepFeatures([rule], [(rows, weights, [factors])], n_rows).materialised()[0],
+    ):
+        torch.testing.assert_close(sums, expected, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["trace", "pairs"])
 def test_step_features_inner_and_directional_match_autograd(case, mode):
     nodes_per_row = [6, 5, 7] if case == "materialised" else [2, 1, 3]
