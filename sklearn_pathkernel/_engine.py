@@ -877,10 +877,11 @@ class PathKernelEngine:
             start = self._at(step)
             metric = self._metric(step)
             right = self._factors_of(start, Q)
+            left = None if prefix else self._factors_of(start, P)
+            if mode == "trace" and metric is None:
+                right, left = self._in_output_subspaces(right, left, P.shape[0])
             if prefix:
                 left = [f.take(slice(0, P.shape[0])) for f in right]
-            else:
-                left = self._factors_of(start, P)
             for a, b in products:
                 block[a, b] += self._inner(
                     [f.take(a) for f in left], [f.take(b) for f in right], mode, metric
@@ -889,6 +890,22 @@ class PathKernelEngine:
             for a, b in ((a, b) for a in p_blocks for b in q_blocks if b.start < a.start):
                 block[a, b] = _swap(block[b, a], mode)
         return block.cpu().numpy()
+
+    def _in_output_subspaces(self, right, left, n_left):
+        """Training factors of both sides projected, per rule, onto the right
+        rows' output subspace where the rule finds one (``left`` None: the left
+        rows are a prefix of the right ones). Trace products are unchanged, with
+        fewer outputs: two per unit for the last two layers of a classifier."""
+        rules = self.probe.rules
+        subspaces = [rule.output_subspace(f, n_left) for rule, f in zip(rules, right, strict=True)]
+
+        def projected(factors):
+            return [
+                f if subspace is None else rule.project_outputs(f, subspace)
+                for rule, f, subspace in zip(rules, factors, subspaces, strict=True)
+            ]
+
+        return projected(right), None if left is None else projected(left)
 
     def _test_test(self, step, A, B, mode, metric=None):
         """``sum_q nu_q <g(a; w_s(t_q)), P_s g(b; w_s(t_q))>``, nodes shared by all rows."""

@@ -64,6 +64,8 @@ class StepFeatures:
         """
         by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
         for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
+            if mode == "trace":
+                chunks, right_factors = _in_output_subspace(rule, chunks, right_factors)
             for rows, weights, factors in _product_chunks(chunks, out):
                 if rows is None:
                     out += rule.inner(factors, right_factors, mode)
@@ -150,6 +152,18 @@ class ScaledFeatures:
             else:
                 out += rule.metric_inner(left, right_factors, scale, mode)
         return out
+
+
+def _in_output_subspace(rule, chunks, right):
+    """A layer's chunks and the other rows' factors, projected onto the other
+    rows' output subspace where the rule finds one (trace products only: the
+    products are unchanged, with fewer outputs)."""
+    n_left = sum(1 if rows is None else rows.numel() for rows, _, _ in chunks)
+    subspace = rule.output_subspace(right, n_left)
+    if subspace is None:
+        return chunks, right
+    projected = [(rows, weights, rule.project_outputs(f, subspace)) for rows, weights, f in chunks]
+    return projected, rule.project_outputs(right, subspace)
 
 
 def _materialised(rule, chunks, n_rows):

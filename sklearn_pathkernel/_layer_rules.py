@@ -23,6 +23,7 @@ from torch.func import functional_call, grad, vmap
 from ._contract import contract as _contract
 from ._distance_rule import make_distance_rule
 from ._memory import rows_per_tile
+from ._output_subspace import OutputSubspace
 from ._rule_protocol import LayerRule, RowEvaluation
 
 
@@ -266,6 +267,30 @@ class LinearRule(LayerRule):
             return out.view(m, n).T
         out = torch.matmul(moved, deltas.transpose(1, 2))  # (m, n K, K')
         return out.view(m, n, k_left, k_right).permute(1, 0, 2, 3)
+
+    def output_subspace(self, factors, n_left):
+        """The span of each unit's K-vectors ``delta[:, o]`` over these rows (see
+        :mod:`~sklearn_pathkernel._output_subspace`): two directions per unit
+        for the last two layers of a classifier, whatever ``K``."""
+        if factors.grads is not None:
+            return None
+        return OutputSubspace.of(factors.deltas, n_left)
+
+    def project_outputs(self, factors, subspace):
+        """Deltas, or materialised gradients (weight then bias, per unit), projected
+        unit by unit."""
+        if factors.grads is None:
+            return Factors(inputs=factors.inputs, deltas=subspace.project(factors.deltas))
+        grads = factors.grads
+        n, n_outputs = grads.shape[:2]
+        d_out = self.module.out_features
+        parts = []
+        if self.weight_name is not None:
+            weight = grads[..., : d_out * self.module.in_features].view(n, n_outputs, d_out, -1)
+            parts.append(subspace.project(weight).flatten(2))
+        if self.bias_name is not None:
+            parts.append(subspace.project(grads[..., -d_out:]))
+        return Factors(grads=torch.cat(parts, dim=2))
 
     def metric_inner(self, left, right, scale, mode):
         """``<g(left row), scale * g(right row)>``, contracted per output unit.

@@ -88,6 +88,21 @@ class LayerRule(ABC):
             return contract(self.materialise(left) * scale, self.materialise(right), mode)
         return self.dense_inner(self.materialise(left) * scale, right, mode)
 
+    def output_subspace(self, factors, n_left):
+        """For trace products: an
+        :class:`~sklearn_pathkernel._output_subspace.OutputSubspace` that the
+        per-unit output vectors of these rows' gradients lie in, or None (the
+        default: no reduction). ``n_left``: rows on the other side of the
+        products, to weigh the cost of finding it."""
+        return None
+
+    def project_outputs(self, factors, subspace):
+        """``factors`` with their outputs projected onto ``subspace`` (one this
+        rule's :meth:`output_subspace` returned): their trace products with the
+        rows the subspace was found for are those of the unprojected factors.
+        Rules that return a subspace implement this."""
+        raise NotImplementedError(f"{type(self).__name__} has no output subspaces.")
+
     @abstractmethod
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output, (n, K); ``direction`` is a

@@ -1,0 +1,176 @@
+"""Output subspaces: trace products with fewer outputs, against independent references.
+
+The references: the unprojected products, materialised per-example Jacobians
+(``torch.func``) for the training Gram, and the engine's every-output-pair
+("full") cross Gram, which never projects.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from sklearn_pathkernel import _output_subspace
+from sklearn_pathkernel._engine import PathKernelEngine
+from sklearn_pathkernel._layer_rules import Factors
+from sklearn_pathkernel._losses import SquaredError
+from sklearn_pathkernel._output_subspace import RANK_RTOL, OutputSubspace
+from sklearn_pathkernel._probe import NetworkProbe
+from sklearn_pathkernel._training import train_module
+
+DTYPE = torch.float64
+N_CLASSES = 6
+
+
+def _mlp(sizes, activation=nn.ReLU):
+    torch.manual_seed(0)
+    layers = []
+    for width_in, width_out in zip(sizes[:-2], sizes[1:-1], strict=True):
+        layers += [nn.Linear(width_in, width_out), activation()]
+    return nn.Sequential(*layers, nn.Linear(sizes[-2], sizes[-1])).to(DTYPE)
+
+
+def _data(n=40, n_features=5, seed=0):
+    rng = np.random.RandomState(seed)
+    centers = 2.0 * rng.randn(N_CLASSES, n_features)
+    y = rng.randint(0, N_CLASSES, n)
+    return torch.tensor(centers[y] + rng.randn(n, n_features)), torch.tensor(y)
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    """A ReLU MLP 5-16-12-6 trained for a few full-batch steps."""
+    module = _mlp([5, 16, 12, N_CLASSES])
+    X, y = _data()
+    path = train_module(module, X, y, learning_rate=0.5, max_iter=6, random_state=0).path
+    return module, path, X, y
+
+
+@pytest.fixture(autouse=True)
+def always_reduce(monkeypatch):
+    """Reduce however small the products (the tests' networks are tiny)."""
+    monkeypatch.setattr(_output_subspace, "_MIN_PRODUCT", 0)
+
+
+def _probe_factors(module, path, X, step=0, link=None):
+    probe = NetworkProbe(module, path, X[:1], **({} if link is None else {"link": link}))
+    return probe, probe.factors(path.weights[step], X)[1]
+
+
+def test_top_two_layers_of_a_classifier_have_two_directions_per_unit(classifier):
+    module, path, X, _ = classifier
+    probe, factors = _probe_factors(module, path, X, step=3)
+    ranks = [
+        None if s is None else s.rank
+        for s in (rule.output_subspace(f, len(X)) for rule, f in zip(probe.rules, factors))
+    ]
+    # first layer: its units mix through the next one (all K directions); the
+    # layer before the head and the head: span(V[:, o], 1) and span(e_o, 1)
+    assert ranks == [None, 2, 2]
+
+
+def test_a_regressor_s_top_two_layers_have_one_direction_per_unit():
+    module = _mlp([5, 16, 12, 3], nn.Tanh)
+    X, _ = _data()
+    targets = torch.tensor(np.random.RandomState(0).randn(len(X), 3))
+    loss = SquaredError()
+    path = train_module(module, X, targets, loss=loss, learning_rate=0.1, max_iter=4).path
+    probe, factors = _probe_factors(module, path, X, step=2, link=loss.link)
+    ranks = [
+        None if s is None else s.rank
+        for s in (rule.output_subspace(f, len(X)) for rule, f in zip(probe.rules, factors))
+    ]
+    assert ranks == [None, 1, 1]
+
+
+def test_projection_keeps_trace_products_with_rows_outside_the_subspace(classifier):
+    """Only the right side must lie in the span: left rows at other weights (the
+    test copy's nodes, half-way through a step), deltas or materialised gradients."""
+    module, path, X, _ = classifier
+    probe, right = _probe_factors(module, path, X, step=3)
+    queries = torch.tensor(np.random.RandomState(1).randn(9, 5) * 1.5)
+    halfway = 0.5 * (path.weights[3] + path.weights[4])
+    left = probe.factors(halfway, queries)[1]
+    projected_any = False
+    for rule, a, b in zip(probe.rules, left, right, strict=True):
+        subspace = rule.output_subspace(b, len(queries))
+        if subspace is None:
+            continue
+        projected_any = True
+        expected = rule.inner(a, b, "trace")
+        projected_b = rule.project_outputs(b, subspace)
+        for left_form in (a, Factors(grads=rule.materialise(a))):
+            got = rule.inner(rule.project_outputs(left_form, subspace), projected_b, "trace")
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13 * expected.abs().max())
+    assert projected_any
+
+
+def _synthetic(n=50, n_outputs=7, d_out=4, rank=2, extra=0.0, seed=0):
+    """Deltas whose unit-o vectors lie in a random rank-``rank`` span, plus ``extra``
+    times a direction outside it."""
+    generator = torch.Generator().manual_seed(seed)
+    bases = torch.linalg.qr(torch.randn(d_out, n_outputs, rank + 1, generator=generator, dtype=DTYPE))[0]
+    coefficients = torch.randn(d_out, n, rank + 1, generator=generator, dtype=DTYPE)
+    coefficients[..., rank] *= extra
+    return torch.einsum("okr,onr->nko", bases, coefficients)
+
+
+def test_directions_are_dropped_only_below_the_tolerance():
+    exact = _synthetic()
+    assert OutputSubspace.of(exact, n_left=50).rank == 2
+    # a third direction at rounding level is dropped ...
+    assert OutputSubspace.of(_synthetic(extra=1e-15), n_left=50).rank == 2
+    # ... one that would change the products above RANK_RTOL is kept, and exactly
+    kept = _synthetic(extra=100 * RANK_RTOL)
+    subspace = OutputSubspace.of(kept, n_left=50)
+    assert subspace.rank == 3
+    left = torch.randn(11, 7, 4, dtype=DTYPE)
+    expected = left.flatten(1) @ kept.flatten(1).T
+    got = subspace.project(left).flatten(1) @ subspace.project(kept).flatten(1).T
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_nothing_to_gain_gives_no_subspace():
+    full_rank = torch.randn(50, 7, 4, dtype=DTYPE)
+    assert OutputSubspace.of(full_rank, n_left=50) is None
+    assert OutputSubspace.of(_synthetic(), n_left=6) is None  # fewer left rows than outputs
+    assert OutputSubspace.of(_synthetic(n_outputs=1, rank=0), n_left=50) is None
+    assert OutputSubspace.of(torch.zeros(50, 7, 4, dtype=DTYPE), n_left=50) is None
+
+
+def _training_gram_by_jacobians(module, path, X):
+    def f(w, x):
+        return F.log_softmax(functional_call(module, path.unflatten(w), (x[None],)), 1)[0]
+
+    gram = torch.zeros(len(X), len(X), dtype=DTYPE)
+    for step in range(path.n_steps):
+        J = vmap(jacrev(f), in_dims=(None, 0))(path.weights[step], X).flatten(1)
+        gram += J @ J.T
+    return gram.numpy()
+
+
+@pytest.mark.parametrize("tile_size", [512, 7])
+def test_engine_grams_with_subspaces_match_independent_references(classifier, tile_size):
+    module, path, X, y = classifier
+    engine = PathKernelEngine(module, path, X, tile_size=tile_size)
+    gram = engine.gram(X, a_train=True)
+    expected = _training_gram_by_jacobians(module, path, X)
+    np.testing.assert_allclose(gram, expected, rtol=1e-12, atol=1e-13 * np.abs(expected).max())
+    queries = torch.tensor(np.random.RandomState(2).randn(12, 5) * 1.5)
+    trace = engine.gram(queries, X, b_train=True)
+    full = engine.gram(queries, X, b_train=True, output="full")  # never projected
+    np.testing.assert_allclose(trace, np.einsum("nmkk->nm", full), rtol=1e-12, atol=1e-14)
+
+
+def test_results_do_not_depend_on_whether_outputs_are_projected(classifier, monkeypatch):
+    module, path, X, y = classifier
+    queries = torch.tensor(np.random.RandomState(3).randn(12, 5))
+    results = []
+    for minimum in (0, np.inf):  # always, never
+        monkeypatch.setattr(_output_subspace, "_MIN_PRODUCT", minimum)
+        engine = PathKernelEngine(module, path, X)
+        results.append((engine.gram(X, a_train=True), engine.gram(queries, X, b_train=True)))
+    for projected, plain in zip(*results, strict=True):
+        np.testing.assert_allclose(projected, plain, rtol=1e-12, atol=1e-14 * np.abs(plain).max())
