@@ -59,13 +59,19 @@ def _probe_factors(module, path, X, step=0, link=None):
     return probe, probe.factors(path.weights[step], X)[1]
 
 
+def _ranks(probe, factors):
+    """Per rule, the rank of its output subspace for ``factors`` (None: no subspace)."""
+    subspaces = (
+        rule.output_subspace(f, f.deltas.shape[0])
+        for rule, f in zip(probe.rules, factors, strict=True)
+    )
+    return [None if subspace is None else subspace.rank for subspace in subspaces]
+
+
 def test_top_two_layers_of_a_classifier_have_two_directions_per_unit(classifier):
     module, path, X, _ = classifier
     probe, factors = _probe_factors(module, path, X, step=3)
-    ranks = [
-        None if s is None else s.rank
-        for s in (rule.output_subspace(f, len(X)) for rule, f in zip(probe.rules, factors))
-    ]
+    ranks = _ranks(probe, factors)
     # first layer: its units mix through the next one (all K directions); the
     # layer before the head and the head: span(V[:, o], 1) and span(e_o, 1)
     assert ranks == [None, 2, 2]
@@ -78,10 +84,7 @@ def test_a_regressor_s_top_two_layers_have_one_direction_per_unit():
     loss = SquaredError()
     path = train_module(module, X, targets, loss=loss, learning_rate=0.1, max_iter=4).path
     probe, factors = _probe_factors(module, path, X, step=2, link=loss.link)
-    ranks = [
-        None if s is None else s.rank
-        for s in (rule.output_subspace(f, len(X)) for rule, f in zip(probe.rules, factors))
-    ]
+    ranks = _ranks(probe, factors)
     assert ranks == [None, 1, 1]
 
 
@@ -111,7 +114,8 @@ def _synthetic(n=50, n_outputs=7, d_out=4, rank=2, extra=0.0, seed=0):
     """Deltas whose unit-o vectors lie in a random rank-``rank`` span, plus ``extra``
     times a direction outside it."""
     generator = torch.Generator().manual_seed(seed)
-    bases = torch.linalg.qr(torch.randn(d_out, n_outputs, rank + 1, generator=generator, dtype=DTYPE))[0]
+    directions = torch.randn(d_out, n_outputs, rank + 1, generator=generator, dtype=DTYPE)
+    bases = torch.linalg.qr(directions)[0]
     coefficients = torch.randn(d_out, n, rank + 1, generator=generator, dtype=DTYPE)
     coefficients[..., rank] *= extra
     return torch.einsum("okr,onr->nko", bases, coefficients)
