@@ -20,10 +20,12 @@ the fastest of ``--repeats`` calls. Problems:
     Gram ``gram(X, a_train=True)`` (M x M), the cross Gram
     ``gram(Q, X, b_train=True)`` and ``decompose(Q)``, per query.
     Then the roofline of the current training Gram: the flops of its products,
-    ``sum_steps sum_layers 2 (M (M + 1) / 2) (d_in + 1 + K d_out)`` (the
-    factored Linear rule, one triangle), against the time this machine's GEMM
-    takes for the same products (random factors of the same shapes, in the
-    same blocks of rows), as GFLOP/s.
+    ``sum_steps sum_layers 2 (M (M + 1) / 2) (d_in + 1 + r d_out)`` (the
+    factored Linear rule, one triangle; ``r`` the outputs left per unit after
+    projection onto the training rows' output subspace, 2 for the last two
+    layers, ``K`` = 10 before them; "GFLOP at K" counts every output), against
+    the time this machine's GEMM takes for the same products (random factors of
+    the same shapes, in the same blocks of rows), as GFLOP/s.
 ``minibatch``
     The same MLP trained by mini-batches (M=2000, batch 64, 20 epochs: 640
     steps). A Gram needs every training row's gradient at every step: its floor
@@ -139,6 +141,21 @@ def linear_widths(module, n_outputs):
     ]
 
 
+def projected_widths(engine):
+    """(d_in + 1, r d_out) of every Linear layer: the two Grams the engine
+    computes, ``r`` the outputs left after projection onto the training rows'
+    output subspace (``K`` where the rule finds none), at the first step."""
+    rows = engine.X_train[:512]
+    factors = engine.probe.factors(engine.path.weights[0], rows)[1]
+    widths = []
+    for rule, layer in zip(engine.probe.rules, factors, strict=True):
+        subspace = rule.output_subspace(layer, engine.n_train)
+        n_outputs, d_out = layer.deltas.shape[1:]
+        rank = n_outputs if subspace is None else subspace.rank
+        widths.append((layer.inputs.shape[1] + 1, rank * d_out))
+    return widths
+
+
 def gram_flops(n, widths, n_steps):
     return n_steps * sum(2 * (n * (n + 1) // 2) * (a + d) for a, d in widths)
 
@@ -182,10 +199,13 @@ def mlp(packages, sizes, steps, n_queries, repeats):
         f"Roofline of the training Gram (this machine's GEMM: {rate:.0f} GFLOP/s "
         "on 4000 x 1280 x 4000)"
     )
-    print(f"{'M':>6}{'GFLOP':>9}{'GEMM s':>9}{'engine s':>10}{'GFLOP/s':>9}{'engine / GEMM':>15}")
-    for n, flops, gemm, engine_time in roofline:
+    print(
+        f"{'M':>6}{'GFLOP at K':>12}{'GFLOP':>9}{'GEMM s':>9}{'engine s':>10}"
+        f"{'GFLOP/s':>9}{'engine / GEMM':>15}"
+    )
+    for n, all_outputs, flops, gemm, engine_time in roofline:
         print(
-            f"{n:>6}{flops / 1e9:>9.0f}{gemm:>9.1f}{engine_time:>10.1f}"
+            f"{n:>6}{all_outputs / 1e9:>12.0f}{flops / 1e9:>9.0f}{gemm:>9.1f}{engine_time:>10.1f}"
             f"{flops / engine_time / 1e9:>9.1f}{engine_time / gemm:>14.2f}x"
         )
     print()
@@ -225,7 +245,8 @@ def compared(difference):
 
 
 def mlp_size(packages, n, steps, n_queries, repeats):
-    """The three tasks at one size; returns the roofline's (M, flops, GEMM s, engine s)."""
+    """The three tasks at one size; returns the roofline's (M, flops with every output,
+    flops of the products computed, GEMM s, engine s)."""
 
     def make(package):
         return package.ExactPathKernelClassifier(
@@ -241,8 +262,11 @@ def mlp_size(packages, n, steps, n_queries, repeats):
         f"(fit {fit_time:.2f} s)"
     )
     train_time = three_tasks(fits, X[n:], repeats)
-    widths = linear_widths(fits["new"][0].module_, engines["new"].n_outputs)
-    return n, gram_flops(n, widths, steps), gemm_seconds(n, widths, steps), train_time
+    widths = projected_widths(engines["new"])
+    every_output = linear_widths(fits["new"][0].module_, engines["new"].n_outputs)
+    all_outputs = gram_flops(n, every_output, steps)
+    flops = gram_flops(n, widths, steps)
+    return n, all_outputs, flops, gemm_seconds(n, widths, steps), train_time
 
 
 def three_tasks(fits, X_queries, repeats):
