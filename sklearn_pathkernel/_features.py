@@ -65,7 +65,9 @@ class StepFeatures:
         by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
         for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
             if mode == "trace":
-                chunks, right_factors = _in_output_subspace(rule, chunks, right_factors)
+                chunks, right_factors = _in_output_subspace(
+                    rule, chunks, right_factors, self.n_rows
+                )
             for rows, weights, factors in _product_chunks(chunks, out):
                 if rows is None:
                     out += rule.inner(factors, right_factors, mode)
@@ -154,11 +156,11 @@ class ScaledFeatures:
         return out
 
 
-def _in_output_subspace(rule, chunks, right):
-    """A layer's chunks and the other rows' factors, projected onto the other
-    rows' output subspace where the rule finds one (trace products only: the
-    products are unchanged, with fewer outputs)."""
-    n_left = sum(1 if rows is None else rows.numel() for rows, _, _ in chunks)
+def _in_output_subspace(rule, chunks, right, n_rows):
+    """A layer's chunks (of ``n_rows`` rows) and the other rows' factors, projected
+    onto the other rows' output subspace where the rule finds one (trace products
+    only: the products are unchanged, with fewer outputs)."""
+    n_left = sum(n_rows if rows is None else rows.numel() for rows, _, _ in chunks)
     subspace = rule.output_subspace(right, n_left)
     if subspace is None:
         return chunks, right
