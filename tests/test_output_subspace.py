@@ -14,7 +14,7 @@ from torch.func import functional_call, jacrev, vmap
 
 from sklearn_pathkernel import _output_subspace
 from sklearn_pathkernel._engine import PathKernelEngine
-from sklearn_pathkernel._layer_rules import Factors
+from sklearn_pathkernel._layer_rules import Factors, LinearRule
 from sklearn_pathkernel._losses import SquaredError
 from sklearn_pathkernel._output_subspace import RANK_RTOL, OutputSubspace
 from sklearn_pathkernel._probe import NetworkProbe
@@ -155,17 +155,39 @@ def _training_gram_by_jacobians(module, path, X):
     return gram.numpy()
 
 
-@pytest.mark.parametrize("tile_size", [512, 7])
-def test_engine_grams_with_subspaces_match_independent_references(classifier, tile_size):
+@pytest.mark.parametrize("split", ["one task", "products of 7 rows", "tasks of 10 rows"])
+def test_engine_grams_with_subspaces_match_independent_references(classifier, split, monkeypatch):
+    """Products of a tile with rows beyond it (a task's columns, another task's
+    rows, a block that is not symmetric) are projected onto the other side's
+    subspace too."""
     module, path, X, y = classifier
-    engine = PathKernelEngine(module, path, X, tile_size=tile_size)
-    gram = engine.gram(X, a_train=True)
+    if split == "tasks of 10 rows":
+        monkeypatch.setattr(
+            PathKernelEngine,
+            "_task_tiles",
+            lambda self, kind, n, *args: [slice(i, min(i + 10, n)) for i in range(0, n, 10)],
+        )
+    projected = []
+    project = LinearRule.project_outputs
+    monkeypatch.setattr(
+        LinearRule,
+        "project_outputs",
+        lambda rule, factors, subspace: projected.append(subspace.rank)
+        or project(rule, factors, subspace),
+    )
+    engine = PathKernelEngine(module, path, X, tile_size=512 if split == "one task" else 7)
     expected = _training_gram_by_jacobians(module, path, X)
-    np.testing.assert_allclose(gram, expected, rtol=1e-12, atol=1e-13 * np.abs(expected).max())
+    atol = 1e-13 * np.abs(expected).max()
+    np.testing.assert_allclose(engine.gram(X, a_train=True), expected, rtol=1e-12, atol=atol)
+    block = engine.gram(X[:15], X, a_train=True, b_train=True)  # not symmetric
+    np.testing.assert_allclose(block, expected[:15], rtol=1e-12, atol=atol)
     queries = torch.tensor(np.random.RandomState(2).randn(12, 5) * 1.5)
     trace = engine.gram(queries, X, b_train=True)
     full = engine.gram(queries, X, b_train=True, output="full")  # never projected
     np.testing.assert_allclose(trace, np.einsum("nmkk->nm", full), rtol=1e-12, atol=1e-14)
+    # the products above went through projections: two directions per unit at
+    # the top, fewer than K elsewhere when a tile has fewer rows than outputs
+    assert 2 in projected and max(projected) < N_CLASSES
 
 
 def test_results_do_not_depend_on_whether_outputs_are_projected(classifier, monkeypatch):
