@@ -892,10 +892,10 @@ class PathKernelEngine:
         return block.cpu().numpy()
 
     def _in_output_subspaces(self, right, left, n_left):
-        """Training factors of both sides projected, per rule, onto the right
-        rows' output subspace where the rule finds one (``left`` None: the left
-        rows are a prefix of the right ones). Trace products are unchanged, with
-        fewer outputs: two per unit for the last two layers of a classifier."""
+        """Factors of both sides projected, per rule, onto the right rows' output
+        subspace where the rule finds one (``left`` None: the left rows are a
+        prefix of the right ones). Trace products are unchanged, with fewer
+        outputs: two per unit for the last two layers of a classifier."""
         rules = self.probe.rules
         subspaces = [rule.output_subspace(f, n_left) for rule, f in zip(rules, right, strict=True)]
 
@@ -927,9 +927,13 @@ class PathKernelEngine:
         for q in range(n_nodes):
             rows_a = slice(q * A.shape[0], (q + 1) * A.shape[0])
             rows_b = slice(q * B.shape[0], (q + 1) * B.shape[0])
-            total = total + nu[q] * self._inner(
-                [f.take(rows_a) for f in left], [f.take(rows_b) for f in right], mode, metric
-            )
+            node_left = [f.take(rows_a) for f in left]
+            node_right = [f.take(rows_b) for f in right]
+            if mode == "trace" and metric is None:  # both sides at the same weights
+                node_right, node_left = self._in_output_subspaces(
+                    node_right, node_left, A.shape[0]
+                )
+            total = total + nu[q] * self._inner(node_left, node_right, mode, metric)
         return total
 
     def _shared_nodes(self, step, X):

@@ -185,6 +185,9 @@ def test_engine_grams_with_subspaces_match_independent_references(classifier, sp
     trace = engine.gram(queries, X, b_train=True)
     full = engine.gram(queries, X, b_train=True, output="full")  # never projected
     np.testing.assert_allclose(trace, np.einsum("nmkk->nm", full), rtol=1e-12, atol=1e-14)
+    gram = engine.gram(queries)  # test x test: each node's rows projected
+    np.testing.assert_allclose(np.diag(gram), engine.diag(queries), rtol=1e-12)  # never projected
+    assert np.linalg.eigvalsh(gram).min() > -1e-12 * np.abs(gram).max()
     # the products above went through projections: two directions per unit at
     # the top, fewer than K elsewhere when a tile has fewer rows than outputs
     assert 2 in projected and max(projected) < N_CLASSES
@@ -197,6 +200,12 @@ def test_results_do_not_depend_on_whether_outputs_are_projected(classifier, monk
     for minimum in (0, np.inf):  # always, never
         monkeypatch.setattr(_output_subspace, "_MIN_PRODUCT", minimum)
         engine = PathKernelEngine(module, path, X)
-        results.append((engine.gram(X, a_train=True), engine.gram(queries, X, b_train=True)))
+        results.append(
+            (
+                engine.gram(X, a_train=True),
+                engine.gram(queries, X, b_train=True),
+                engine.gram(queries),
+            )
+        )
     for projected, plain in zip(*results, strict=True):
         np.testing.assert_allclose(projected, plain, rtol=1e-12, atol=1e-14 * np.abs(plain).max())
