@@ -32,17 +32,19 @@ multiply-adds over the three layers.
 
 The span is found, not assumed: per unit, a QR factorisation of the right
 rows' (n, K) matrix and the singular values of its ``R`` factor say how many
-directions carry them. Directions whose singular value is below ``RANK_RTOL``
-times the largest entry of the vectors are dropped, which changes each unit's
-inner products by at most that fraction of ``|u| max |v|``; the structural zeros
-above sit at rounding level (about ``1e-16 sqrt(n)`` of it). Cost: ``O(n K^2 d_out)``
+directions carry them, each vector scaled to unit norm first (which leaves the
+span as it is). Directions whose singular value is below ``RANK_RTOL`` are
+dropped: each right vector ``v`` then loses at most that fraction of its own norm,
+and a unit's inner product ``<u, v>`` changes by at most ``RANK_RTOL |u| |v|``,
+the form (if not the size) of a matrix product's own rounding error. The
+structural zeros above sit at rounding level (about ``1e-16 sqrt(n)``). Cost: ``O(n K^2 d_out)``
 per layer and step, against the ``O(n' n K d_out)`` of the products it shrinks.
 """
 
 import torch
 
-#: Singular values of a unit's K-vectors below this fraction of their largest
-#: entry are taken as zero (see the module docstring).
+#: Singular values of a unit's K-vectors, each scaled to unit norm, below this
+#: are taken as zero (see the module docstring).
 RANK_RTOL = 1e-12
 
 #: Rows whose span is checked first: when a few rows already span every output
@@ -87,15 +89,18 @@ class OutputSubspace:
         n, n_outputs, d_out = deltas.shape
         if n_outputs < 2 or n_left < n_outputs or n_left * n * n_outputs * d_out < _MIN_PRODUCT:
             return None
-        # The largest entry bounds every K-vector's norm from below.
-        tolerance = rtol * deltas.abs().amax()
-        if tolerance == 0:
+        # Each K-vector scaled to unit norm (zero ones stay zero): the span is the
+        # same, and a dropped direction is then small next to every row's own
+        # vector, not only next to the largest one.
+        norms = deltas.square().sum(1, keepdim=True).sqrt_()
+        if not bool((norms > 0).any()):
             return None
-        head = deltas[: _PROBE_ROWS_PER_OUTPUT * n_outputs]
-        if head.shape[0] < n and _rank(_row_space(head)[0], tolerance) == n_outputs:
+        unit = deltas / norms.clamp_min(torch.finfo(deltas.dtype).tiny)
+        head = unit[: _PROBE_ROWS_PER_OUTPUT * n_outputs]
+        if head.shape[0] < n and _rank(_row_space(head)[0], rtol) == n_outputs:
             return None
-        values, directions = _row_space(deltas)
-        rank = _rank(values, tolerance)
+        values, directions = _row_space(unit)
+        rank = _rank(values, rtol)
         if rank >= n_outputs:
             return None
         # (d_out, K, r): each unit's leading right singular vectors

@@ -136,6 +136,19 @@ def test_directions_are_dropped_only_below_the_tolerance():
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
 
 
+def test_small_rows_keep_their_own_directions():
+    """A direction carried only by rows 1e14 times smaller than the rest is not
+    rounding: it is kept, and their products stay exact relative to them."""
+    deltas = _synthetic()  # in the first two directions of each unit's basis
+    small = 1e-14 * _synthetic(n=55, extra=1.0)[50:]  # the same bases, all three
+    subspace = OutputSubspace.of(torch.cat([deltas, small]), n_left=50)
+    assert subspace.rank == 3
+    left = torch.randn(11, 7, 4, dtype=DTYPE)
+    expected = left.flatten(1) @ small.flatten(1).T
+    got = subspace.project(left).flatten(1) @ subspace.project(small).flatten(1).T
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12 * expected.abs().max())
+
+
 def test_nothing_to_gain_gives_no_subspace():
     full_rank = torch.randn(50, 7, 4, dtype=DTYPE)
     assert OutputSubspace.of(full_rank, n_left=50) is None
