@@ -51,7 +51,7 @@ def classifier():
 @pytest.fixture(autouse=True)
 def always_reduce(monkeypatch):
     """Reduce however small the products (the tests' networks are tiny)."""
-    monkeypatch.setattr(_output_subspace, "_MIN_PRODUCT", 0)
+    monkeypatch.setattr(_output_subspace, "_MIN_LEFT_ROWS_PER_OUTPUT", 0)
 
 
 def _probe_factors(module, path, X, step=0, link=None):
@@ -149,12 +149,20 @@ def test_small_rows_keep_their_own_directions():
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12 * expected.abs().max())
 
 
-def test_nothing_to_gain_gives_no_subspace():
+def test_nothing_to_gain_gives_no_subspace(monkeypatch):
     full_rank = torch.randn(50, 7, 4, dtype=DTYPE)
     assert OutputSubspace.of(full_rank, n_left=50) is None
-    assert OutputSubspace.of(_synthetic(), n_left=6) is None  # fewer left rows than outputs
     assert OutputSubspace.of(_synthetic(n_outputs=1, rank=0), n_left=50) is None
-    assert OutputSubspace.of(torch.zeros(50, 7, 4, dtype=DTYPE), n_left=50) is None
+    monkeypatch.setattr(_output_subspace, "_MIN_LEFT_ROWS_PER_OUTPUT", 1)
+    assert OutputSubspace.of(_synthetic(), n_left=6) is None  # fewer left rows than outputs
+
+
+def test_zero_gradients_take_one_direction():
+    """A layer whose gradients all vanish (behind a head that starts at zero)."""
+    subspace = OutputSubspace.of(torch.zeros(50, 7, 4, dtype=DTYPE), n_left=50)
+    assert subspace.rank == 1
+    projected = subspace.project(torch.randn(11, 7, 4, dtype=DTYPE))
+    assert projected.shape == (11, 1, 4)
 
 
 def _training_gram_by_jacobians(module, path, X):
@@ -210,8 +218,8 @@ def test_results_do_not_depend_on_whether_outputs_are_projected(classifier, monk
     module, path, X, y = classifier
     queries = torch.tensor(np.random.RandomState(3).randn(12, 5))
     results = []
-    for minimum in (0, np.inf):  # always, never
-        monkeypatch.setattr(_output_subspace, "_MIN_PRODUCT", minimum)
+    for minimum in (0, 10**9):  # always, never
+        monkeypatch.setattr(_output_subspace, "_MIN_LEFT_ROWS_PER_OUTPUT", minimum)
         engine = PathKernelEngine(module, path, X)
         results.append(
             (
