@@ -144,9 +144,10 @@ def linear_widths(module, n_outputs):
 def projected_widths(engine):
     """(d_in + 1, r d_out) of every Linear layer: the two Grams the engine
     computes, ``r`` the outputs left after projection onto the training rows'
-    output subspace (``K`` where the rule finds none), at the first step."""
+    output subspace (``K`` where the rule finds none), at the last step (at the
+    first, a head that starts at zero leaves the layer below it no gradient)."""
     rows = engine.X_train[:512]
-    factors = engine.probe.factors(engine.path.weights[0], rows)[1]
+    factors = engine.probe.factors(engine.path.weights[engine.path.n_steps - 1], rows)[1]
     widths = []
     for rule, layer in zip(engine.probe.rules, factors, strict=True):
         subspace = rule.output_subspace(layer, engine.n_train)
