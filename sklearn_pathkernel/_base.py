@@ -157,7 +157,8 @@ class BasePathEstimator(BaseEstimator):
             X_t, targets.n_outputs, rng.randint(np.iinfo(np.int32).max), device
         )
         X_t = X_t.to(device)
-        y_t = torch.as_tensor(targets.values, device=device)
+        # a copy: the targets may be the user's read-only array (a memmap)
+        y_t = torch.tensor(targets.values, device=device)
         # Refused with the reason, or left in eval mode (the mode it is trained in).
         check_module(
             module, X_t, targets.n_outputs, classifier=isinstance(self._loss, CrossEntropy)

@@ -7,6 +7,8 @@ explicit double sum over steps) for the contributions, and the network's own
 prediction for the sum identity.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -220,3 +222,17 @@ def test_bad_targets_are_refused(data):
     X, y = data
     with pytest.raises(ValueError, match="NaN|infinity"):
         ExactPathKernelRegressor(max_iter=2).fit(X, np.r_[np.nan, y[1:]])
+
+
+def test_read_only_targets_are_copied_without_warning():
+    """Read-only targets (a memmap): no "non-writable array" warning from torch,
+    and the fit equals one on a writable copy."""
+    X, y = make_friedman1(n_samples=40, n_features=5, random_state=0)
+    y_read_only = y.copy()
+    y_read_only.flags.writeable = False
+    make = dict(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        reg = ExactPathKernelRegressor(**make).fit(X, y_read_only)
+    ref = ExactPathKernelRegressor(**make).fit(X, y)
+    assert torch.equal(reg.path_.weights, ref.path_.weights)
