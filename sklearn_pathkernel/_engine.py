@@ -34,6 +34,7 @@ from ._device import loadable_device, on_host
 from ._features import StepFeatures
 from ._losses import log_softmax
 from ._memory import check_fits, rows_per_tile, working_budget
+from ._output_subspace import in_output_subspace
 from ._probe import NetworkProbe
 from ._quadrature import (
     Nodes,
@@ -896,16 +897,13 @@ class PathKernelEngine:
         subspace where the rule finds one (``left`` None: the left rows are a
         prefix of the right ones). Trace products are unchanged, with fewer
         outputs: two per unit for the last two layers of a classifier."""
-        rules = self.probe.rules
-        subspaces = [rule.output_subspace(f, n_left) for rule, f in zip(rules, right, strict=True)]
-
-        def projected(factors):
-            return [
-                f if subspace is None else rule.project_outputs(f, subspace)
-                for rule, f, subspace in zip(rules, factors, subspaces, strict=True)
-            ]
-
-        return projected(right), None if left is None else projected(left)
+        lefts = [[] for _ in right] if left is None else [[f] for f in left]
+        pairs = [
+            in_output_subspace(rule, r, ls, n_left)
+            for rule, r, ls in zip(self.probe.rules, right, lefts, strict=True)
+        ]
+        projected_right = [r for r, _ in pairs]
+        return projected_right, None if left is None else [ls[0] for _, ls in pairs]
 
     def _test_test(self, step, A, B, mode, metric=None):
         """``sum_q nu_q <g(a; w_s(t_q)), P_s g(b; w_s(t_q))>``, nodes shared by all rows."""

@@ -13,6 +13,7 @@ import torch
 
 from ._layer_rules import row_sums
 from ._memory import rows_per_tile
+from ._output_subspace import in_output_subspace
 
 
 class StepFeatures:
@@ -158,14 +159,10 @@ class ScaledFeatures:
 
 def _in_output_subspace(rule, chunks, right, n_rows):
     """A layer's chunks (of ``n_rows`` rows) and the other rows' factors, projected
-    onto the other rows' output subspace where the rule finds one (trace products
-    only: the products are unchanged, with fewer outputs)."""
+    onto the other rows' output subspace (see ``in_output_subspace``)."""
     n_left = sum(n_rows if rows is None else rows.numel() for rows, _, _ in chunks)
-    subspace = rule.output_subspace(right, n_left)
-    if subspace is None:
-        return chunks, right
-    projected = [(rows, weights, rule.project_outputs(f, subspace)) for rows, weights, f in chunks]
-    return projected, rule.project_outputs(right, subspace)
+    right, lefts = in_output_subspace(rule, right, [f for _, _, f in chunks], n_left)
+    return [(rows, weights, f) for (rows, weights, _), f in zip(chunks, lefts, strict=True)], right
 
 
 def _materialised(rule, chunks, n_rows):

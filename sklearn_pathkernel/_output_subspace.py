@@ -132,6 +132,20 @@ class OutputSubspace:
         return out
 
 
+def in_output_subspace(rule, right, lefts, n_left):
+    """``right`` and every factors of ``lefts`` (one rule's) projected onto the
+    output subspace of ``right``'s rows, where ``rule`` finds one (else as they
+    are). For trace products only: those between ``right`` and any of ``lefts``
+    are unchanged, with fewer outputs."""
+    subspace = rule.output_subspace(right, n_left)
+    if subspace is None:
+        return right, lefts
+    return (
+        rule.project_outputs(right, subspace),
+        [rule.project_outputs(left, subspace) for left in lefts],
+    )
+
+
 def _row_space(deltas):
     """Per unit, the singular values (d_out, k) and right singular vectors
     (d_out, k, K) of the (n, K) matrix of the rows' K-vectors, ``k = min(n, K)``:
