@@ -42,8 +42,8 @@ structural zeros above sit at rounding level (about ``1e-16 sqrt(n)``).
 Cost: ``O(n K^2 d_out)`` per layer and step and a few memory passes over the
 right rows' deltas, against the ``O(n' n K d_out)`` of the products it shrinks:
 it is looked for only where there are enough left rows ``n'`` to pay (the
-training Gram of a thousand rows or more; a cross Gram of a few hundred queries
-or more).
+training Gram of two thousand rows or more; a cross Gram of about 500 queries or
+more).
 """
 
 import torch
@@ -57,11 +57,11 @@ RANK_RTOL = 1e-12
 _PROBE_ROWS_PER_OUTPUT = 2
 
 #: Left rows per output below which a subspace is not looked for. Finding it
-#: and projecting the right rows costs about 7 ns per right value (n K d_out) on
-#: a 2-core CPU, mostly the QR factorisation; each left row saves ``2 (K - r) /
-#: K`` flops per right value of products, about 27 ps at GEMM speed for K = 10,
-#: r = 2: break-even near 260 left rows; 100 K of them save about 4x the cost.
-_MIN_LEFT_ROWS_PER_OUTPUT = 100
+#: and projecting the right rows cost 7 to 12 ns per right value (n K d_out) on a
+#: 2-core CPU, mostly the QR factorisation, and pay for themselves from about
+#: 400 to 850 left rows (K = 10, d_out = 128; ``python
+#: benchmarks/bench_output_subspace.py``): 200 K left rows keep a margin.
+_MIN_LEFT_ROWS_PER_OUTPUT = 200
 
 
 class OutputSubspace:
@@ -119,9 +119,9 @@ class OutputSubspace:
         Only for trace products (sums over matching outputs): the projected
         outputs are directions of the subspace, not the network's outputs.
         Trailing axes (a materialised gradient's inputs) are carried along. One
-        multiply-add per output over contiguous (n, d_out, ...) slabs, which is
-        about ten times faster than a batched product per unit over strided
-        views.
+        multiply-add per output over contiguous (n, d_out, ...) slabs: several
+        times faster than a batched product per unit over strided views
+        (``python benchmarks/bench_output_subspace.py``).
         """
         n, n_outputs, d_out = values.shape[:3]
         trailing = values.shape[3:]
