@@ -149,6 +149,19 @@ def test_small_rows_keep_their_own_directions():
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12 * expected.abs().max())
 
 
+def test_a_direction_only_beyond_the_first_rows_is_found():
+    """The span of the first rows is checked against every row: a direction that
+    only later rows carry sends it to the factorisation of all of them."""
+    later = _synthetic(n=80, extra=1.0)  # three directions ...
+    deltas = torch.cat([_synthetic(n=60), later[60:]])  # ... in the last 20 rows only
+    subspace = OutputSubspace.of(deltas, n_left=50)
+    assert subspace.rank == 3
+    left = torch.randn(11, 7, 4, dtype=DTYPE)
+    expected = left.flatten(1) @ deltas.flatten(1).T
+    got = subspace.project(left).flatten(1) @ subspace.project(deltas).flatten(1).T
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13 * expected.abs().max())
+
+
 def test_nothing_to_gain_gives_no_subspace(monkeypatch):
     full_rank = torch.randn(50, 7, 4, dtype=DTYPE)
     assert OutputSubspace.of(full_rank, n_left=50) is None
