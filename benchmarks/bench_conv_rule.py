@@ -26,7 +26,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelClassifier
-from sklearn_pathkernel._layer_rules import Conv2dRule
+from sklearn_pathkernel._engine.rules._layer_rules import Conv2dRule
 
 
 class DigitsCNN(nn.Module):

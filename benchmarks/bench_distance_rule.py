@@ -31,7 +31,8 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
-from sklearn_pathkernel import DistanceKernelClassifier, _layer_rules
+from sklearn_pathkernel import DistanceKernelClassifier
+from sklearn_pathkernel._engine.rules import _layer_rules
 
 
 def fitted(args):

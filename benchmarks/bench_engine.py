@@ -101,7 +101,7 @@ def fitted(problem, sizes):
 
 def truncated(path, n_steps):
     """The first ``n_steps`` steps of a path."""
-    from sklearn_pathkernel._path import WeightPath
+    from sklearn_pathkernel._training._path import WeightPath
 
     return WeightPath(
         path.weights[: n_steps + 1],
@@ -118,10 +118,12 @@ def make_engine(name, clf, n_steps=None):
     path = clf.path_ if n_steps is None else truncated(clf.path_, n_steps)
     args = (clf.module_, path, clf._fit_X)
     if name == "fast":
-        from sklearn_pathkernel._engine import PathKernelEngine
+        from sklearn_pathkernel._engine._facade import PathKernelEngine
 
         return PathKernelEngine(*args)
-    from sklearn_pathkernel._reference import NaivePathKernelEngine
+    # Algorithm 1 lives with the tests (it is not part of the installed package).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _reference import NaivePathKernelEngine
 
     return NaivePathKernelEngine(*args, **NAIVE_RULE)
 
@@ -216,7 +218,7 @@ def run_child(spec, timeout):
 
 def fast_engine_available():
     try:
-        import sklearn_pathkernel._engine  # noqa: F401
+        import sklearn_pathkernel._engine._facade  # noqa: F401
     except ImportError as error:
         print(f"PathKernelEngine not importable ({error}); timing the naive engine only.\n")
         return False

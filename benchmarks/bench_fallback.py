@@ -8,7 +8,7 @@ Usage::
 Networks the per-layer hooks cannot follow (a layer applied twice, tied weights,
 ``nn.MultiheadAttention``, parameters used in a parent's ``forward``) are
 differentiated as a whole: per-sample Jacobians of ``log_softmax(module(x))``
-by ``torch.func`` (:class:`~sklearn_pathkernel._jacobian_rule.JacobianRule`).
+by ``torch.func`` (:class:`~sklearn_pathkernel._engine.rules._jacobian.JacobianRule`).
 To price that, one ReLU MLP that the factored rules handle is timed both ways
 in one run: ``decompose`` of held-out queries and the training Gram, with the
 engine's own probe and with a probe forced through the ``JacobianRule``. The
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from sklearn_pathkernel._engine import PathKernelEngine
-from sklearn_pathkernel._probe import NetworkProbe
-from sklearn_pathkernel._training import train_module
+from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._engine._probe import NetworkProbe
+from sklearn_pathkernel._training._loop import train_module
 
 
 def blobs(n, n_features, n_classes, seed):

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from sklearn_pathkernel import _output_subspace
-from sklearn_pathkernel._output_subspace import OutputSubspace
+from sklearn_pathkernel._engine import _output_subspace as _output_subspace
+from sklearn_pathkernel._engine._output_subspace import OutputSubspace
 
 
 def best_of(fn, repeats=5):

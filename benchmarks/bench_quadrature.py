@@ -15,8 +15,9 @@ import time
 import numpy as np
 import torch
 
-from sklearn_pathkernel import ExactPathKernelClassifier, _kinks, _quadrature
-from sklearn_pathkernel._engine import PathKernelEngine
+from sklearn_pathkernel import ExactPathKernelClassifier
+from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._engine.integration import _kinks, _quadrature
 
 
 def paper_toy(n_train=300, n_queries=60, seed=0):

@@ -106,7 +106,7 @@ def small_cnn(n_features, n_classes):
 
 def distance_available():
     try:
-        from sklearn_pathkernel._distance_classifier import DistanceKernelClassifier  # noqa: F401
+        from sklearn_pathkernel._estimators._distance_classifier import DistanceKernelClassifier  # noqa: F401
     except Exception:  # noqa: BLE001 - any failure means "not available yet"
         return False
     return True
@@ -115,7 +115,7 @@ def distance_available():
 def make_classifier(arch, steps):
     common = {"max_iter": steps, "random_state": 0, "learning_rate": 0.05}
     if arch == "distance":
-        from sklearn_pathkernel._distance_classifier import DistanceKernelClassifier
+        from sklearn_pathkernel._estimators._distance_classifier import DistanceKernelClassifier
 
         return DistanceKernelClassifier(hidden_layer_sizes=(32,), **common)
     from sklearn_pathkernel import ExactPathKernelClassifier
@@ -130,7 +130,7 @@ def make_classifier(arch, steps):
 
 def truncated(path, n_steps):
     """The first ``n_steps`` steps of a path (the naive engine's share)."""
-    from sklearn_pathkernel._path import WeightPath
+    from sklearn_pathkernel._training._path import WeightPath
 
     return WeightPath(
         path.weights[: n_steps + 1],
@@ -147,10 +147,12 @@ def make_engine(name, clf, n_steps=None):
     path = clf.path_ if n_steps is None else truncated(clf.path_, n_steps)
     args = (clf.module_, path, clf._fit_X)
     if name == "fast":
-        from sklearn_pathkernel._engine import PathKernelEngine
+        from sklearn_pathkernel._engine._facade import PathKernelEngine
 
         return PathKernelEngine(*args)
-    from sklearn_pathkernel._reference import NaivePathKernelEngine
+    # Algorithm 1 lives with the tests (it is not part of the installed package).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _reference import NaivePathKernelEngine
 
     return NaivePathKernelEngine(*args, **NAIVE_RULE)
 

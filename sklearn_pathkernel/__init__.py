@@ -18,13 +18,13 @@ DistanceLayer
     The distance layer, for building your own networks.
 """
 
-from ._classifier import ExactPathKernelClassifier
-from ._distance import DistanceLayer
-from ._distance_classifier import DistanceKernelClassifier
-from ._distance_regressor import DistanceKernelRegressor
-from ._kernel import ExactPathKernel
-from ._regressor import ExactPathKernelRegressor
-from ._transformer import PathKernelTransformer
+from ._estimators._classifier import ExactPathKernelClassifier
+from ._estimators._distance_classifier import DistanceKernelClassifier
+from ._estimators._distance_regressor import DistanceKernelRegressor
+from ._estimators._kernel import ExactPathKernel
+from ._estimators._regressor import ExactPathKernelRegressor
+from ._estimators._transformer import PathKernelTransformer
+from ._nn._distance import DistanceLayer
 
 __all__ = [
     "DistanceKernelClassifier",

@@ -1,0 +1,204 @@
+"""The test copy of one step, ``phi_s(x)``, held as the layer rules' factors.
+
+The quadrature gives row ``r``'s feature as a weighted sum over its nodes,
+``phi_s(x_r) = sum_e weights_e g(x_r; w_s(t_e))``. Its inner product with a
+training row is then one inner product per node. Where a layer's rule can sum
+its factors over each row's nodes first (``rule.integrate``: a first layer, whose
+input does not move along the step, or a small layer whose gradient is cheap to
+materialise), the integral is taken once, before the inner products with every
+training row, instead of after.
+"""
+
+import torch
+
+from ._output_subspace import in_output_subspace
+from ._planning import rows_per_tile
+from .rules._layer_rules import row_sums
+
+
+class StepFeatures:
+    """``phi_s`` of ``n_rows`` rows, layer by layer.
+
+    Parameters
+    ----------
+    rules : list
+        The network probe's layer rules.
+    evaluated : list of (rows, weights, factors)
+        The quadrature's nodes, in chunks: node ``e`` of a chunk belongs to row
+        ``rows[e]`` with weight ``weights[e]``; ``factors`` has one entry per rule.
+    n_rows : int
+    outputs_per_pair : int, default=1
+        Values per pair of rows of the inner products these features are for
+        (1 for a trace, K K' for every output pair): rules weigh the cost of
+        materialising a layer's sums against it.
+
+    Attributes
+    ----------
+    nodes : list of (rows, weights, factors)
+        ``evaluated``, per node (for the same-``t`` products of the test x test kernel).
+    layers : list
+        Per rule, chunks ``(rows, weights, factors)``; ``rows`` None when the
+        factors hold one integral per row.
+    """
+
+    def __init__(self, rules, evaluated, n_rows, outputs_per_pair=1):
+        self.rules, self.nodes, self.n_rows = rules, evaluated, n_rows
+        self.layers = []
+        for index, rule in enumerate(rules):
+            chunks = [(rows, weights, factors[index]) for rows, weights, factors in evaluated]
+            joined = _joined(chunks)
+            integral = None if joined is None else rule.integrate(*joined, n_rows, outputs_per_pair)
+            if integral is not None:
+                self.layers.append([(None, None, integral)])
+            else:  # one chunk of every node: the products are cut to the budget later
+                self.layers.append([] if joined is None else [joined])
+
+    def add_inner(self, right, mode, out):
+        """Add ``<phi_s(row), g(right row)>`` per pair to ``out`` and return it.
+
+        ``right`` holds the factors of the other rows (one entry per rule);
+        ``out`` has shape (n_rows, m) for ``mode="trace"``, (n_rows, m, K, K')
+        for ``"pairs"``. Per-node products are weighted by the rules
+        (``node_inner``) and summed into their rows; in "pairs" mode the sums
+        are taken in the (n_rows, K, m, K') layout of the rules' matrix
+        products, so that no node-sized array is copied to another layout.
+        """
+        by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
+        for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
+            if mode == "trace":
+                chunks, right_factors = _in_output_subspace(
+                    rule, chunks, right_factors, self.n_rows
+                )
+            for rows, weights, factors in _product_chunks(chunks, out):
+                if rows is None:
+                    out += rule.inner(factors, right_factors, mode)
+                    continue
+                values = rule.node_inner(factors, weights, right_factors, mode)
+                if mode != "pairs":
+                    out.index_add_(0, rows, values)
+                    continue
+                if by_output is None:
+                    by_output = out.new_zeros(
+                        (out.shape[0], out.shape[2], out.shape[1], out.shape[3])
+                    )
+                # (contiguous for a rule's matrix product: index_add_ is several
+                # times faster from a contiguous source)
+                by_output.index_add_(0, rows, values.transpose(1, 2).contiguous())
+        if by_output is not None:
+            out += by_output.transpose(1, 2)
+        return out
+
+    def materialised(self):
+        """``phi_s`` itself, per rule: (n_rows, K, W_layer) in the rule's layout.
+
+        Needed where the features meet an elementwise weighting of weight space
+        (Adam's preconditioner) or are accumulated over steps (momentum).
+        Costs n_rows x K x W numbers.
+        """
+        return [
+            _materialised(rule, chunks, self.n_rows)
+            for rule, chunks in zip(self.rules, self.layers, strict=True)
+        ]
+
+    def scaled(self, metric):
+        """``P_s phi_s`` for the elementwise metric ``metric`` (one scale per rule,
+        in the rules' ``flatten`` layout): see :class:`ScaledFeatures`."""
+        return ScaledFeatures(self, metric)
+
+    def directional(self, direction):
+        """``<phi_s(row), direction>`` per row and output: (n_rows, K).
+
+        ``direction`` holds one tensor per parameter name (a weight change).
+        """
+        total = 0.0
+        for rule, chunks in zip(self.rules, self.layers, strict=True):
+            for rows, weights, factors in chunks:
+                slope = rule.directional(factors, direction)
+                total = total + (
+                    slope if rows is None else row_sums(rows, weights, slope, self.n_rows)
+                )
+        return total
+
+
+class ScaledFeatures:
+    """``P_s phi_s``: the test copy of one step under an elementwise metric.
+
+    Adam's kernel weighs weight space by its preconditioner ``P_s``. A layer
+    whose nodes were integrated into one set of factors per row keeps them, and
+    its rule's ``metric_inner`` applies the metric (per output unit, for the
+    rules that can). A layer that keeps its nodes is summed over them and scaled
+    once (n_rows x K x W numbers), and meets the other rows through its rule's
+    ``dense_inner``.
+
+    Parameters
+    ----------
+    features : StepFeatures
+    metric : list of torch.Tensor
+        Per rule, the metric in the rule's ``flatten`` layout.
+    """
+
+    def __init__(self, features, metric):
+        self.rules = features.rules
+        self.layers = []  # per rule: (integrated factors, scale) or (dense, None)
+        for rule, chunks, scale in zip(features.rules, features.layers, metric, strict=True):
+            if len(chunks) == 1 and chunks[0][0] is None:
+                self.layers.append((chunks[0][2], scale))
+            else:
+                self.layers.append((_materialised(rule, chunks, features.n_rows) * scale, None))
+
+    def add_inner(self, right, mode, out):
+        """Add ``<P_s phi_s(row), g(right row)>`` per pair to ``out`` and return it
+        (``mode`` and shapes as in :meth:`StepFeatures.add_inner`)."""
+        for rule, (left, scale), right_factors in zip(self.rules, self.layers, right, strict=True):
+            if scale is None:
+                out += rule.dense_inner(left, right_factors, mode)
+            else:
+                out += rule.metric_inner(left, right_factors, scale, mode)
+        return out
+
+
+def _in_output_subspace(rule, chunks, right, n_rows):
+    """A layer's chunks (of ``n_rows`` rows) and the other rows' factors, projected
+    onto the other rows' output subspace (see ``in_output_subspace``)."""
+    n_left = sum(n_rows if rows is None else rows.numel() for rows, _, _ in chunks)
+    right, lefts = in_output_subspace(rule, right, [f for _, _, f in chunks], n_left)
+    return [(rows, weights, f) for (rows, weights, _), f in zip(chunks, lefts, strict=True)], right
+
+
+def _materialised(rule, chunks, n_rows):
+    """A layer's features summed over each row's nodes: (n_rows, K, W_layer)."""
+    total = 0.0
+    for rows, weights, factors in chunks:
+        total = total + (
+            rule.materialise(factors)
+            if rows is None
+            else rule.materialise_sums(rows, weights, factors, n_rows)
+        )
+    return total
+
+
+def _product_chunks(chunks, out):
+    """The node chunks cut so that one chunk's products with the other rows (and
+    their temporaries) stay within the block budget."""
+    node_bytes = 2 * 8 * out[0].numel()
+    for rows, weights, factors in chunks:
+        size = rows_per_tile(weights.numel() if rows is not None else 1, node_bytes)
+        if rows is None or size >= rows.numel():
+            yield rows, weights, factors
+            continue
+        for begin in range(0, rows.numel(), size):
+            part = slice(begin, begin + size)
+            yield rows[part], weights[part], factors.take(part)
+
+
+def _joined(chunks):
+    """The chunks as one ``(rows, weights, factors)``, or None without nodes."""
+    chunks = [chunk for chunk in chunks if chunk[0].numel()]
+    if not chunks:
+        return None
+    if len(chunks) == 1:
+        return chunks[0]
+    rows = torch.cat([chunk[0] for chunk in chunks])
+    weights = torch.cat([chunk[1] for chunk in chunks])
+    factors = [chunk[2] for chunk in chunks]
+    return rows, weights, type(factors[0]).cat(factors)

@@ -1,0 +1,206 @@
+"""The whole network as one rule: materialised per-sample Jacobians by ``torch.func``.
+
+The per-layer rules (``_layer_rules``) read each layer's input and back-propagated
+gradient from hooks on the layers that own parameters. That is right only when
+every such layer is called once per forward pass, returns a tensor, and is the
+only place its parameters are used. When a network breaks one of these (a layer
+applied twice, weights tied across modules, a parameter used in a parent's
+``forward``, ``nn.MultiheadAttention``...), the probe uses this rule instead: it
+needs nothing of the network but that a sample's output depends only on that
+sample and the parameters.
+
+For row ``x`` at flat path weights ``w``, the rule forms the Jacobian of
+``f(x; w) = link(module_w(x[None]))[0]`` with respect to ``w``: ``jacrev``
+of a ``functional_call`` of the whole module on one sample, ``vmap``-ed over the
+rows. Parameters outside the path (frozen ones) keep the module's own values.
+"""
+
+import logging
+
+import torch
+from torch.func import functional_call, grad, jacrev, vmap
+
+from ..._training._losses import log_softmax, output_cotangent
+from .._planning import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
+from ._contract import contract as _contract
+from ._layer_rules import Factors, row_sums
+from ._protocol import LayerRule, RowEvaluation
+
+# Bytes per Jacobian entry held while a tile is evaluated (an estimate): the
+# result, jacrev's vector-Jacobian products before they are stacked into it, and
+# about as much again for per-row weights and the vmapped activations.
+_BYTES_PER_ENTRY = 3 * 8
+
+logger = logging.getLogger(__name__)
+
+
+class JacobianRule(LayerRule):
+    """Every trainable parameter of a network at once, by per-sample Jacobians.
+
+    Factors are the materialised Jacobians ``Factors(grads=(n, K, W))`` in path
+    order (``W`` the number of weights in the path); inner products are matrix
+    products of them.
+
+    Cost: ``n K W`` numbers of memory per batch of ``n`` rows (the factored
+    per-layer rules hold ``n`` times the layers' widths instead), and about ``K``
+    backward passes per row (one with ``outputs``), each through a one-row
+    forward pass, batched over the rows by ``vmap``. Rows are evaluated in tiles
+    that keep the intermediate vector-Jacobian products within
+    ``BLOCK_BUDGET_BYTES``. A forward pass that ``vmap`` cannot batch
+    (data-dependent control flow, ``.item()``) is evaluated row by row instead:
+    the same numbers, one Python-level pass per row (``vmap_failure`` says why).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network; its own parameter values are used only for parameters
+        outside the path.
+    path : WeightPath
+        Names and shapes of the flat weights (the trainable parameters).
+    tie_weights : bool, default=False
+        Whether the module has tied parameters (one tensor under two names):
+        ``functional_call`` then substitutes the path's value for every name.
+    budget : int or None, default=None
+        Bytes of Jacobian per tile; ``None`` means ``BLOCK_BUDGET_BYTES``.
+    """
+
+    # The probe's own forward passes (kink search, log-probabilities) run the
+    # whole module at one scalar t per pass; ``factors`` takes per-row t itself.
+    row_evaluation = RowEvaluation.NONE
+
+    def __init__(self, module, path, *, tie_weights=False, budget=None, link=log_softmax):
+        self.module = module
+        self.link = link
+        self.path = path
+        self.path_names = list(path.param_names)
+        self.tie_weights = tie_weights
+        self.budget = BLOCK_BUDGET_BYTES if budget is None else budget
+        # Why vmap over rows failed on this module (then rows go one by one), or None.
+        self.vmap_failure = None
+
+    def _log_proba(self, flat, x):
+        """``link(module(x))`` of one sample at flat path weights, (K,)."""
+        out = functional_call(
+            self.module, self.path.unflatten(flat), (x[None],), tie_weights=self.tie_weights
+        )
+        return self.link(out)[0]
+
+    def factors(self, X, start, outputs=None, *, direction=None, t=None):
+        """Log-probabilities and per-sample Jacobians of the rows of ``X``.
+
+        Parameters
+        ----------
+        X : torch.Tensor of shape (n, ...)
+        start : torch.Tensor of shape (W,)
+            Flat path weights.
+        outputs : torch.Tensor of shape (n,) or (n, K), or None
+            ``None`` differentiates every output (grads (n, K, W)); a class code
+            or a cotangent per row differentiates that output, or ``sum_k
+            outputs[i, k] f_k``, only (grads (n, 1, W)).
+        direction : torch.Tensor of shape (W,) or None
+        t : float, torch.Tensor of shape (n,) or None
+            Row ``i`` is evaluated at ``start + t_i direction`` (all rows at
+            ``start`` when ``t`` is None). Per-row weights are formed tile by
+            tile, so one call evaluates every node of a step.
+
+        Returns
+        -------
+        log_proba : torch.Tensor of shape (n, K)
+        factors : Factors
+            ``grads`` holds the Jacobians, in path order.
+        """
+        start = start.detach()
+        per_row = torch.is_tensor(t) and t.ndim > 0
+        if t is not None and not per_row:
+            # The same point as the probe's forward pass at a scalar t.
+            start, t = start + float(t) * direction.detach(), None
+        n, n_weights = X.shape[0], start.shape[0]
+        if n == 0:
+            with torch.no_grad():
+                n_outputs = self._log_proba(start, X.new_zeros(X.shape[1:])).shape[0]
+            kept = n_outputs if outputs is None else 1
+            return X.new_zeros((0, n_outputs)), Factors(grads=X.new_zeros((0, kept, n_weights)))
+        with torch.no_grad():  # one row's output, to size the tiles
+            n_outputs = self._log_proba(start, X[0]).shape[0]
+        kept = n_outputs if outputs is None else 1
+        # The result is materialised whole: refuse clearly rather than swap.
+        check_fits(
+            8 * n * kept * n_weights,
+            f"Per-sample Jacobians of {n} rows x {kept} outputs x {n_weights} weights "
+            "(the whole-network fallback)",
+            "evaluate fewer rows at a time (the engine's tile_size, the training batch "
+            "size), or use a network whose parameterised layers are each called once per "
+            "forward pass (see the probe's fallback_reason).",
+        )
+        row_bytes = _BYTES_PER_ENTRY * kept * max(n_weights, 1)
+        size = rows_per_tile(n, row_bytes, self.budget)
+        log_proba, grads = [], []
+        for begin in range(0, n, size):
+            rows = slice(begin, begin + size)
+            weights = start
+            if per_row:
+                t_rows = t[rows].to(start.dtype)
+                weights = start + t_rows[:, None] * direction.detach()[None]
+            picked = None if outputs is None else outputs[rows]
+            values, jacobians = self._tile(X[rows], weights, picked, per_row, n_outputs)
+            log_proba.append(values)
+            grads.append(jacobians)
+        return torch.cat(log_proba), Factors(grads=torch.cat(grads))
+
+    def _tile(self, X, weights, outputs, per_row, n_outputs):
+        """``(log_proba, grads)`` of a tile: ``vmap`` over its rows, or a loop over
+        them once ``vmap`` has failed on this module."""
+        # Each row: its log-probabilities (aux) and the Jacobian of every output,
+        # or the gradient of its picked output or cotangent (one backward pass, not K).
+        if outputs is None:
+
+            def one_row(flat, x):
+                values = self._log_proba(flat, x)
+                return values, values.detach()
+
+            per_row_fn, args = jacrev(one_row, has_aux=True), (weights, X)
+        else:
+
+            def one_output(flat, x, cotangent):
+                values = self._log_proba(flat, x)
+                return (values * cotangent).sum(), values.detach()
+
+            pick = output_cotangent(outputs, n_outputs, X.dtype)
+            per_row_fn, args = grad(one_output, has_aux=True), (weights, X, pick)
+        in_dims = (0 if per_row else None, *([0] * (len(args) - 1)))
+        if self.vmap_failure is None:
+            try:
+                jacobians, log_proba = vmap(per_row_fn, in_dims=in_dims)(*args)
+                return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
+            except RuntimeError as error:
+                # E.g. data-dependent control flow or .item() in the forward pass,
+                # which vmap cannot batch: the same computation, row by row.
+                self.vmap_failure = str(error).splitlines()[0]
+                logger.debug("JacobianRule: vmap failed, rows one by one: %s", error)
+        rows = []
+        for i in range(X.shape[0]):
+            row_args = [
+                arg if dim is None else arg[i] for arg, dim in zip(args, in_dims, strict=True)
+            ]
+            rows.append(per_row_fn(*row_args))
+        jacobians = torch.stack([row[0] for row in rows])
+        log_proba = torch.stack([row[1] for row in rows])
+        return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
+
+    def inner(self, left, right, mode):
+        return _contract(left.grads, right.grads, mode)
+
+    def directional(self, factors, direction):
+        return factors.grads @ self.flatten(direction)
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Each row's weighted sum of its nodes' Jacobians (always cheaper than
+        keeping one inner product per node: the Jacobians are materialised anyway)."""
+        return Factors(grads=row_sums(rows, weights, factors.grads, n_rows))
+
+    def materialise(self, factors):
+        return factors.grads
+
+    def flatten(self, weights):
+        """The path's parameters of ``weights``, concatenated in path order."""
+        return torch.cat([weights[name].reshape(-1) for name in self.path_names])

@@ -1,0 +1,133 @@
+"""The layer rule protocol: what the engine needs of one parameterised layer."""
+
+import enum
+from abc import ABC, abstractmethod
+
+from ._contract import contract
+
+
+class RowEvaluation(enum.Enum):
+    """How the probe evaluates a layer with every row at its own point ``t_i`` of a step.
+
+    A batch of quadrature nodes or kink-search points holds rows at different
+    points ``w + t_i dw`` of the step; evaluating them in one pass needs every
+    layer to support per-row weights, in one of these ways:
+
+    ``MOVED_OUTPUT``
+        The layer is linear in its weights: its output at ``w + t dw`` is its
+        output at ``w`` plus ``t`` times its "moved" output, the layer applied
+        with ``dw`` (the rule's ``moved_output(inputs, steps)``).
+    ``OUTPUT_AT``
+        The rule computes the layer's output at per-row weights itself
+        (``output_at(inputs, params, steps, t)``), and its ``factors`` take the
+        step's start, its direction and the rows' ``t``.
+    ``NONE``
+        No per-row form: the probe evaluates one scalar ``t`` per pass.
+    """
+
+    MOVED_OUTPUT = "moved_output"
+    OUTPUT_AT = "output_at"
+    NONE = "none"
+
+
+class LayerRule(ABC):
+    """What the engine needs of one parameterised layer (the rule protocol).
+
+    A rule knows its layer's parameters in the weight path (``path_names``) and
+    turns the layer's captured input and back-propagated gradient into
+    *factors*, from which it computes inner products of per-example gradients
+    without forming them. Every rule can also form them (:meth:`materialise`),
+    in its own layout of the layer's weights (:meth:`flatten` gives any
+    weight-space vector, e.g. a preconditioner, in that layout): elementwise
+    weightings of the gradients (Adam's preconditioner) work on that form.
+
+    New layer types get a rule by subclassing this and being returned by
+    :func:`~sklearn_pathkernel._engine.rules._layer_rules.make_rule`, the one place rules
+    are chosen.
+    """
+
+    path_names: list
+    #: How a row is evaluated at its own ``t`` (see :class:`RowEvaluation`); every
+    #: rule class sets it. The default is the one that is always correct.
+    row_evaluation: RowEvaluation = RowEvaluation.NONE
+
+    @abstractmethod
+    def inner(self, left, right, mode):
+        """Inner products of the per-example gradients of two factor batches.
+
+        ``mode``: ``"trace"`` (n, m), ``"pairs"`` (n, m, K, K') or ``"diag"`` (n,).
+        """
+
+    def node_inner(self, nodes, weights, right, mode):
+        """``weights[e] * inner(node e, right row)``: the weighted inner products of
+        quadrature nodes with other rows, ``mode`` "trace" or "pairs" (see
+        :meth:`inner`). Rules whose products end in an elementwise pass fold the
+        weights into it."""
+        values = self.inner(nodes, right, mode)
+        return values * weights.view(-1, *([1] * (values.ndim - 1)))
+
+    def dense_inner(self, dense, factors, mode):
+        """Inner products of weight-space vectors with the per-example gradients of
+        ``factors``: ``dense`` (n, K, W_layer), in the layout of
+        :meth:`materialise` (e.g. Adam's preconditioned features), ``mode``
+        "trace" or "pairs". Rules that can do it without forming the gradients
+        override this."""
+        return contract(dense, self.materialise(factors), mode)
+
+    def metric_inner(self, left, right, scale, mode):
+        """Inner products under an elementwise metric of weight space,
+        ``<g(left row), scale * g(right row)>``; ``scale`` (W_layer,) is in the
+        layout of :meth:`flatten` (Adam's preconditioner ``P_s``, positive), and
+        ``mode`` as in :meth:`inner`.
+
+        The metric breaks the factored form of :meth:`inner`: by default the left
+        gradients are materialised and scaled, and meet the right ones through
+        :meth:`dense_inner`, ``O(n m K W)``. Rules whose gradients factor per
+        output unit override this with a contraction per unit.
+        """
+        if mode == "diag":
+            return contract(self.materialise(left) * scale, self.materialise(right), mode)
+        return self.dense_inner(self.materialise(left) * scale, right, mode)
+
+    def output_subspace(self, factors, n_left):
+        """For trace products: an
+        :class:`~sklearn_pathkernel._engine._output_subspace.OutputSubspace` that the
+        per-unit output vectors of these rows' gradients lie in, or None (the
+        default: no reduction). ``n_left``: rows on the other side of the
+        products, to weigh the cost of finding it."""
+        return None
+
+    def project_outputs(self, factors, subspace):
+        """``factors`` with their outputs projected onto ``subspace`` (one this
+        rule's :meth:`output_subspace` returned): their trace products with the
+        rows the subspace was found for are those of the unprojected factors.
+        Rules that return a subspace implement this."""
+        raise NotImplementedError(f"{type(self).__name__} has no output subspaces.")
+
+    @abstractmethod
+    def directional(self, factors, direction):
+        """``<g_k(x), direction>`` per row and output, (n, K); ``direction`` is a
+        ``{path name: tensor}`` weight change."""
+
+    @abstractmethod
+    def materialise(self, factors):
+        """The per-example gradients themselves, (n, K, W_layer), in this rule's layout."""
+
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' per-example gradients,
+        (n_rows, K, W_layer): node ``e`` belongs to row ``rows[e]`` with weight
+        ``weights[e]``. By default the node gradients are materialised first
+        (E x K x W numbers); rules that can sum their factors directly override it."""
+        grads = self.materialise(factors)
+        scaled = weights.view(-1, *([1] * (grads.ndim - 1))) * grads
+        return grads.new_zeros((n_rows, *grads.shape[1:])).index_add_(0, rows, scaled)
+
+    @abstractmethod
+    def flatten(self, weights):
+        """The layer's part of a ``{path name: tensor}`` weight-space vector, (W_layer,),
+        in the layout of :meth:`materialise`."""
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Factors of each row's weighted sum over its quadrature nodes, or None
+        (keep one inner product per node). See ``StepFeatures``."""
+        return None

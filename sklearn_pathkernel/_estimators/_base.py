@@ -1,0 +1,457 @@
+"""What the PyTorch estimators share: validation, training, the path-kernel
+accessors (``kernel_``, ``decompose``), and the classifier and regressor bases.
+
+:class:`BasePathEstimator` trains ``f = link(module(x))`` on a loss (see
+``_losses``); the two bases add what differs: the targets (class codes and
+``classes_``, or numeric outputs), the loss, and the predictions.
+"""
+
+import os
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, _fit_context
+from sklearn.utils import Bunch, check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
+
+from .._engine._device import CPU, loadable_device, on_host, resolve_device
+from .._training._loop import train_module
+from .._training._losses import CrossEntropy, SquaredError
+from .._training._module_checks import check_module
+from .._training._updates import UPDATE_RULES, SolverSettings
+
+DTYPE = torch.float64
+# Attributes validate_data(reset=True) sets on the estimator.
+_VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
+
+
+def as_tensor(X, device):
+    """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
+    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
+
+
+@dataclass
+class Targets:
+    """Validated training targets, as :meth:`BasePathEstimator._targets` returns them.
+
+    Attributes
+    ----------
+    values : ndarray
+        What the loss takes: class codes (n,) or outputs (n, n_outputs).
+    n_outputs : int
+        Width of the module's output.
+    attributes : dict
+        Fitted attributes to set once training succeeded (e.g. ``classes_``).
+    """
+
+    values: np.ndarray
+    n_outputs: int
+    attributes: dict = field(default_factory=dict)
+
+
+class BasePathEstimator(BaseEstimator):
+    """Base class: a torch module trained by gradient descent, path recorded.
+
+    Subclasses set the loss (``_loss``), validate the targets (:meth:`_targets`),
+    implement :meth:`_build_module` and list their own parameters.
+    """
+
+    #: The training loss (a ``_losses.Loss``); its link gives the function ``f``.
+    _loss = None
+    #: ``validate_data`` settings for ``y``.
+    _target_validation = {}
+
+    _parameter_constraints = {
+        "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
+        "max_iter": [Interval(Integral, 1, None, closed="left")],
+        "batch_size": [Interval(Integral, 1, None, closed="left"), None],
+        "solver": [StrOptions(set(UPDATE_RULES))],
+        "momentum": [Interval(Real, 0, 1, closed="left")],
+        "nesterovs_momentum": ["boolean"],
+        "beta_1": [Interval(Real, 0, 1, closed="left")],
+        "beta_2": [Interval(Real, 0, 1, closed="left")],
+        "epsilon": [Interval(Real, 0, None, closed="neither")],
+        "weight_decay": [Interval(Real, 0, None, closed="left")],
+        "shuffle": ["boolean"],
+        "tol": [Interval(Real, 0, None, closed="left"), None],
+        "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
+        "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
+        "n_points": [Interval(Integral, 1, None, closed="left")],
+        "n_jobs": [Integral, None],
+        "path_storage": [StrOptions({"memory", "disk"}), str, os.PathLike],
+        "device": [str, torch.device],
+        "random_state": ["random_state"],
+        "verbose": ["verbose"],
+    }
+
+    @abstractmethod
+    def _targets(self, y):
+        """Validate ``y`` (already through ``validate_data``); return :class:`Targets`."""
+
+    @abstractmethod
+    def _build_module(self, X, n_outputs):
+        """Return a fresh ``nn.Module`` mapping (n, n_features) to (n, n_outputs).
+
+        ``X`` is the float64 training data as a CPU tensor (for data-dependent
+        initialisation). Torch's global generator is seeded from
+        ``random_state`` while this runs.
+        """
+
+    def _initial_module(self, X, n_outputs, seed, device=CPU):
+        # Seed torch's initialisers without touching the user's global RNG state.
+        # Built on the CPU (its generator, its data), then moved: w_0 is the same
+        # on every device.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = self._build_module(X, n_outputs)
+        return module.to(device=device, dtype=DTYPE)
+
+    @_fit_context(prefer_skip_nested_validation=True)
+    def fit(self, X, y, sample_weight=None):
+        """Train the network by gradient descent, recording its weight path.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+            Training data, given to the network as float64 (scale it in a
+            :class:`~sklearn.pipeline.Pipeline` if needed).
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            Class labels (classifiers) or target values (regressors).
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of the samples in the mean loss.
+
+        Returns
+        -------
+        self : object
+            The fitted estimator.
+        """
+        # validate_data sets n_features_in_ / feature_names_in_ before training
+        # starts: a failed or interrupted fit puts back what was there before.
+        saved = {key: self.__dict__[key] for key in _VALIDATION_ATTRS if key in self.__dict__}
+        try:
+            return self._fit(X, y, sample_weight)
+        except BaseException:
+            for key in _VALIDATION_ATTRS:
+                self.__dict__.pop(key, None)
+            self.__dict__.update(saved)
+            raise
+
+    def _fit(self, X, y, sample_weight):
+        device = resolve_device(self.device)  # before any work: a clear error
+        X, y = validate_data(self, X, y, dtype=np.float64, **self._target_validation)
+        targets = self._targets(y)
+        sample_weight = _check_sample_weight(
+            sample_weight, X, dtype=np.float64, ensure_non_negative=True
+        )
+        if not sample_weight.sum() > 0:
+            raise ValueError("The sample weights must not all be zero.")
+
+        rng = check_random_state(self.random_state)
+        X_t = as_tensor(X, CPU)
+        module = self._initial_module(
+            X_t, targets.n_outputs, rng.randint(np.iinfo(np.int32).max), device
+        )
+        X_t = X_t.to(device)
+        # a copy: the targets may be the user's read-only array (a memmap)
+        y_t = torch.tensor(targets.values, device=device)
+        # Refused with the reason, or left in eval mode (the mode it is trained in).
+        check_module(
+            module, X_t, targets.n_outputs, classifier=isinstance(self._loss, CrossEntropy)
+        )
+        result = train_module(
+            module,
+            X_t,
+            y_t,
+            loss=self._loss,
+            sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
+            solver=SolverSettings(
+                solver=self.solver,
+                momentum=self.momentum,
+                nesterovs_momentum=self.nesterovs_momentum,
+                beta_1=self.beta_1,
+                beta_2=self.beta_2,
+                epsilon=self.epsilon,
+                weight_decay=self.weight_decay,
+            ),
+            learning_rate=self.learning_rate,
+            max_iter=self.max_iter,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            tol=self.tol,
+            n_iter_no_change=self.n_iter_no_change,
+            random_state=rng,
+            verbose=self.verbose,
+            path_storage=self.path_storage,
+        )
+        for param in module.parameters():
+            param.requires_grad_(False)
+
+        # Assign only once training succeeded: a failed fit leaves self as it was.
+        self.__dict__.update(targets.attributes)
+        self.device_ = device
+        self.module_ = module
+        self.n_iter_ = result.n_iter
+        self.n_steps_ = result.n_steps
+        self.loss_curve_ = result.loss_curve
+        self.path_ = result.path
+        self._fit_X = X_t
+        self.__dict__.pop("_kernel_cache", None)
+        return self
+
+    # -- the network -------------------------------------------------------
+
+    def _output(self, X):
+        """``f = link(module(X))`` of validated rows, on the host: (n, n_outputs)."""
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        with torch.no_grad():
+            return self._loss.link(self.module_(as_tensor(X, self.device_))).cpu().numpy()
+
+    # -- the path kernel ---------------------------------------------------
+
+    def _engine(self):
+        """The kernel engine of the fitted path (built once, shared by callers)."""
+        check_is_fitted(self)
+        cache = self.__dict__.get("_kernel_cache")
+        settings = (self.quadrature, self.n_points, self.n_jobs, self.verbose)
+        if cache is not None and settings != (
+            cache.quadrature,
+            cache.n_points,
+            cache.n_jobs,
+            cache.verbose,
+        ):
+            cache = None  # set_params after fit: the kernel follows the new settings
+        if cache is None:
+            from .._engine._facade import PathKernelEngine
+
+            cache = PathKernelEngine(
+                self.module_,
+                self.path_,
+                self._fit_X,
+                link=self._loss.link,
+                quadrature=self.quadrature,
+                n_points=self.n_points,
+                n_jobs=self.n_jobs,
+                verbose=self.verbose,
+            )
+            self.__dict__["_kernel_cache"] = cache
+        return cache
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state = dict(state)
+        state.pop("_kernel_cache", None)
+        # Host tensors only: the pickle loads on a machine without the device.
+        if "module_" in state:
+            state["module_"] = on_host(state["module_"])
+            if "_fit_X" in state:
+                state["_fit_X"] = state["_fit_X"].cpu()
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "module_" in self.__dict__:
+            # Back on the device it was fitted on, or on the CPU (with a warning)
+            # when this machine does not have it.
+            device = loadable_device(self.__dict__.get("device_"), type(self).__name__)
+            self.device_ = device
+            self.module_ = self.module_.to(device)
+            self._fit_X = self._fit_X.to(device)
+
+    @property
+    def kernel_(self):
+        """The learned exact path kernel, a scikit-learn ``Kernel``.
+
+        ``kernel_(A, B)`` is the EPK between the rows of ``A`` and ``B``; a row
+        equal to a training row is on the training copy (discrete gradients at
+        the start of each step), every other row on the test copy (gradients
+        integrated along each step). Use it in ``SVC(kernel=clf.kernel_)``,
+        ``GaussianProcessClassifier(kernel=clf.kernel_)`` and the like.
+        """
+        from ._kernel import ExactPathKernel
+
+        return ExactPathKernel(self._engine())
+
+    def decompose(self, X):
+        """Write the network's output on ``X`` as an exact sum over training points.
+
+        ``bias + contributions.sum(axis=1) + decay`` equals the network's output
+        ``f(X)`` (``predict_log_proba(X)`` for a classifier, ``predict(X)`` for a
+        regressor); ``residual`` says by how much it misses, measured against the
+        network's own output. ``X`` is always on the test copy, so the
+        identity holds at every point, training points included.
+
+        With momentum or Adam a step's update mixes the gradients of earlier
+        steps: training point ``i``'s contribution is then everything its
+        gradients moved, in every later step, weighed by the run's own
+        preconditioner (see the user guide, "Optimisers").
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        result : :class:`~sklearn.utils.Bunch`
+            ``contributions`` (n_samples, n_train, n_outputs): what training point
+            ``i`` added to output ``k`` over the whole run; ``bias`` (n_samples,
+            n_outputs): the initial network's output; ``decay`` (n_samples,
+            n_outputs): what weight decay moved (zeros without it); ``output``
+            (n_samples, n_outputs): the trained network's output (log-probabilities
+            of the classes, or the regressor's prediction). A regressor fitted on
+            a 1-d ``y`` drops the ``n_outputs`` axis, like its ``predict``;
+            ``residual`` (n_samples,): the exactness certificate, ``max_k |bias +
+            sum_i contributions + decay - output|``, with ``output`` evaluated by
+            the network itself (not by the kernel engine), so that no error of the
+            engine or of the recorded path can hide behind it;
+            ``quadrature_error`` (n_samples,): the part of it the quadrature
+            accounts for, summed over steps.
+        """
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        X_t = as_tensor(X, self.device_)
+        parts = self._engine().decompose(X_t)
+        with torch.no_grad():  # the module's own forward, at its own (final) weights
+            output = self._loss.link(self.module_(X_t)).cpu().numpy()
+        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+        result = Bunch(
+            contributions=parts.contributions,
+            bias=parts.bias,
+            decay=parts.decay,
+            output=output,
+            residual=np.abs(total - output).max(axis=1),
+            quadrature_error=parts.residual,
+        )
+        return self._outputs_as_fitted(result)
+
+    def _outputs_as_fitted(self, parts):
+        """The decomposition's output axes as the targets had them (identity here)."""
+        return parts
+
+
+class BasePathClassifier(ClassifierMixin, BasePathEstimator):
+    """Base of the classifiers: cross-entropy of ``f = log_softmax(module(x))``."""
+
+    _loss = CrossEntropy()
+
+    def _targets(self, y):
+        check_classification_targets(y)
+        classes, codes = np.unique(y, return_inverse=True)
+        if classes.shape[0] < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs samples of at least 2 classes in "
+                f"the data, but the data contain only one class: {classes.tolist()[0]!r}."
+            )
+        return Targets(codes.astype(np.int64), classes.shape[0], {"classes_": classes})
+
+    def predict_log_proba(self, X):
+        """Log-probabilities of the classes, ``log_softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return self._output(X)
+
+    def predict_proba(self, X):
+        """Class probabilities, ``softmax(module(X))``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        proba : ndarray of shape (n_samples, n_classes)
+            Columns follow ``classes_``.
+        """
+        return np.exp(self._output(X))
+
+    def decision_function(self, X):
+        """The network's log-probabilities (the function the path kernel reproduces).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        scores : ndarray of shape (n_samples, n_classes) or (n_samples,)
+            ``log_softmax(module(X))``, columns following ``classes_``. For two
+            classes, scikit-learn's convention: the log-odds of ``classes_[1]``,
+            ``f_1(x) - f_0(x)``, positive when ``classes_[1]`` is predicted.
+        """
+        log_proba = self._output(X)
+        if log_proba.shape[1] == 2:
+            return log_proba[:, 1] - log_proba[:, 0]
+        return log_proba
+
+    def predict(self, X):
+        """Predicted class labels.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,)
+        """
+        log_proba = self._output(X)
+        return self.classes_[np.argmax(log_proba, axis=1)]
+
+
+class BasePathRegressor(RegressorMixin, BasePathEstimator):
+    """Base of the regressors: squared error of ``f = module(x)`` (no link).
+
+    The loss is ``MLPRegressor``'s, half the mean squared error over the outputs,
+    averaged over each batch with the sample weights.
+    """
+
+    _loss = SquaredError()
+    _target_validation = {"multi_output": True, "y_numeric": True}
+
+    def _targets(self, y):
+        y = np.asarray(y, dtype=np.float64)
+        if not np.isfinite(y).all():
+            raise ValueError("The target y contains NaN or infinity.")
+        values = y.reshape(y.shape[0], -1)
+        return Targets(values, values.shape[1], {"n_outputs_": values.shape[1], "_y_ndim": y.ndim})
+
+    def predict(self, X):
+        """The network's prediction, ``module(X)`` (the function the path kernel reproduces).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,) or (n_samples, n_outputs)
+            1-d when the model was fitted on a 1-d ``y``.
+        """
+        output = self._output(X)
+        return output[:, 0] if self._y_ndim == 1 else output
+
+    def _outputs_as_fitted(self, parts):
+        if self._y_ndim != 1:
+            return parts
+        for key in ("contributions", "bias", "decay", "output"):
+            parts[key] = parts[key][..., 0]
+        return parts
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.multi_output = True
+        return tags
+

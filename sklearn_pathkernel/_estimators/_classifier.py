@@ -1,0 +1,128 @@
+"""ExactPathKernelClassifier: a network trained by gradient descent, as a kernel machine."""
+
+
+
+from ._base import BasePathClassifier
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS, fill_doc
+from ._networks import MLPNetworkMixin
+
+
+@fill_doc(
+    training_parameters=TRAINING_PARAMETERS,
+    path_parameters=PATH_PARAMETERS,
+    fitted_attributes=FITTED_ATTRIBUTES,
+    solver_default="sgd",
+)
+class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
+    """Neural network classifier that is exactly a kernel machine.
+
+    Trains a PyTorch network on the mean cross-entropy of its log-softmax by
+    gradient descent, records the weight path, and exposes the network's Exact
+    Path Kernel (EPK, Bell, Geyer et al.): per-training-point contributions
+    that add up to the network's output (:meth:`decompose`) and a
+    scikit-learn kernel (:attr:`kernel_`) for ``SVC``, Gaussian processes,
+    pipelines and grid search.
+
+    Parameters
+    ----------
+    module : None, torch.nn.Module or callable, default=None
+        The network, mapping X of shape (n_samples, n_features) to logits of
+        shape (n_samples, n_classes); the estimator adds the log-softmax.
+        ``None`` builds an MLP from ``hidden_layer_sizes`` and ``activation``
+        whose output layer starts at zero (so the kernel machine's bias is a
+        constant). A module instance is deep-copied and trained from its own
+        weights, which are ``w_0`` and stay untouched. A callable
+        ``module(n_features, n_classes) -> nn.Module`` is called at fit, with
+        torch's random number generator seeded from ``random_state``.
+    hidden_layer_sizes : tuple of int, default=(100,)
+        Widths of the hidden layers of the default MLP.
+    activation : {"relu", "tanh", "gelu", "softplus", "logistic", "identity"}, \
+            default="relu"
+        Activation of the default MLP.
+    learning_rate : float or callable, default=0.1
+        Step size, or a schedule ``learning_rate(step) -> float``.
+    max_iter : int, default=200
+        Number of epochs. With ``batch_size=None`` each epoch is one full-batch
+        gradient descent step: the training path of the EPK paper.
+    batch_size : int or None, default=None
+        Mini-batch size; ``None`` uses the whole training set at every step.
+    {training_parameters}
+    {path_parameters}
+
+    Attributes
+    ----------
+    classes_ : ndarray of shape (n_classes,)
+        Class labels; output ``k`` of the network belongs to ``classes_[k]``.
+    {fitted_attributes}
+
+    See Also
+    --------
+    DistanceKernelClassifier : A network of distance layers with the same kernel API.
+    PathKernelTransformer : The EPK Gram matrix as a pipeline step.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import make_blobs
+    >>> from sklearn_pathkernel import ExactPathKernelClassifier
+    >>> X, y = make_blobs(n_samples=60, centers=3, random_state=0)
+    >>> clf = ExactPathKernelClassifier(hidden_layer_sizes=(16,), max_iter=20,
+    ...                                 random_state=0).fit(X, y)
+    >>> parts = clf.decompose(X[:2])
+    >>> parts.contributions.shape
+    (2, 60, 3)
+    """
+
+    _parameter_constraints = {
+        **BasePathClassifier._parameter_constraints,
+        **MLPNetworkMixin._parameter_constraints,
+    }
+
+    def __init__(
+        self,
+        module=None,
+        hidden_layer_sizes=(100,),
+        activation="relu",
+        learning_rate=0.1,
+        max_iter=200,
+        batch_size=None,
+        solver="sgd",
+        momentum=0.0,
+        nesterovs_momentum=False,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-8,
+        weight_decay=0.0,
+        shuffle=True,
+        tol=None,
+        n_iter_no_change=10,
+        quadrature="exact",
+        n_points=100,
+        n_jobs=None,
+        path_storage="memory",
+        device="cpu",
+        random_state=None,
+        verbose=0,
+    ):
+        self.module = module
+        self.hidden_layer_sizes = hidden_layer_sizes
+        self.activation = activation
+        self.learning_rate = learning_rate
+        self.max_iter = max_iter
+        self.batch_size = batch_size
+        self.solver = solver
+        self.momentum = momentum
+        self.nesterovs_momentum = nesterovs_momentum
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.weight_decay = weight_decay
+        self.shuffle = shuffle
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.quadrature = quadrature
+        self.n_points = n_points
+        self.n_jobs = n_jobs
+        self.path_storage = path_storage
+        self.device = device
+        self.random_state = random_state
+        self.verbose = verbose

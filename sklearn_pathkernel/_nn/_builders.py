@@ -1,0 +1,68 @@
+"""Network builders: the default MLP and the distance networks of the estimators."""
+
+import torch
+from torch import nn
+
+from ._distance import DISTANCE_KERNELS, DistanceLayer, Negate, Transform, init_memories
+
+ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "gelu": nn.GELU,
+    "softplus": nn.Softplus,
+    "logistic": nn.Sigmoid,
+    "identity": nn.Identity,
+}
+
+
+def make_mlp(n_features, n_outputs, hidden_layer_sizes=(100,), activation="relu"):
+    """Linear layers of the given widths with ``activation`` between them.
+
+    The output layer starts at zero, so the initial network outputs the same
+    for every input (``log(1 / n_classes)`` for a classifier, 0 for a
+    regressor): the kernel machine's bias is a constant (the EPK paper's Remark 1).
+    """
+    layers, width = [], n_features
+    for size in hidden_layer_sizes:
+        layers += [nn.Linear(width, size), ACTIVATIONS[activation]()]
+        width = size
+    head = nn.Linear(width, n_outputs)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return nn.Sequential(*layers, head)
+
+HEADS = ("linear", "distance")
+
+
+def make_distance_network(
+    X, n_classes, hidden_layer_sizes, kernel, init, transform, head, gamma=1.0
+):
+    """Distance layers of the given widths, each followed by ``transform``, then a head.
+
+    Data-based initialisations see, for each layer, the training data as the
+    previous layers map it. ``head="linear"`` is an ``nn.Linear`` starting at
+    zero (so the kernel machine's bias ``f(x; w_0)`` is a constant);
+    ``head="distance"`` is a distance layer with one memory per class whose
+    logits are ``-k(h, c_k) + b_k`` for distance kernels and ``k(h, c_k) + b_k``
+    for similarities.
+    """
+    layers, width, H = [], X.shape[1], X
+    for size in hidden_layer_sizes:
+        layer = init_memories(
+            DistanceLayer(width, size, kernel, gamma=gamma, dtype=X.dtype, device=X.device), H, init
+        )
+        layers += [layer, Transform(transform)]
+        with torch.no_grad():
+            H = layers[-1](layer(H))
+        width = size
+    if head == "linear":
+        out = nn.Linear(width, n_classes, dtype=X.dtype, device=X.device)
+        nn.init.zeros_(out.weight)
+        nn.init.zeros_(out.bias)
+        layers.append(out)
+    else:
+        out = DistanceLayer(width, n_classes, kernel, gamma=gamma, dtype=X.dtype, device=X.device)
+        layers.append(out)  # uniform memories: _build_module does not see the labels
+        if kernel in DISTANCE_KERNELS:
+            layers.append(Negate())
+    return nn.Sequential(*layers)

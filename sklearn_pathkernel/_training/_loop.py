@@ -1,0 +1,252 @@
+"""Training core shared by the estimators: gradient descent that records its path.
+
+The loss is a sample-weighted mean over each batch of a per-sample loss of
+``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax, or
+squared error). Every step is taken by a torch.optim optimiser (plain SGD,
+momentum, Nesterov, Adam, AdamW, weight decay) and recorded as a
+:class:`~sklearn_pathkernel._training._path.WeightPath`: the weights of every step, each
+step's batch and output gradients ``-dL_s/df(x_i)``, and the update's linear form
+(:class:`~sklearn_pathkernel._training._updates.UpdateRecord`, with Adam's preconditioner
+taken from the run), which is all the exact path kernel needs.
+
+Only trainable parameters (``requires_grad=True``) are recorded: frozen ones are
+constants of the path, taken from the module itself.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.utils import check_random_state
+
+from ._losses import CrossEntropy
+from ._path import WeightPath, allocate_weights, flatten_parameters
+from ._updates import SolverSettings, UpdateRecord
+
+
+@dataclass
+class TrainingResult:
+    """What :func:`train_module` returns (the module itself is trained in place)."""
+
+    loss_curve: list
+    n_iter: int
+    n_steps: int
+    path: WeightPath | None
+    fit_time: float
+
+
+def learning_rate_at(learning_rate, step):
+    """The learning rate of ``step``: a constant, or ``learning_rate(step)``."""
+    lr = learning_rate(step) if callable(learning_rate) else learning_rate
+    lr = float(lr)
+    if not np.isfinite(lr) or lr <= 0:
+        raise ValueError(
+            f"The learning rate must be a positive finite number; the schedule "
+            f"returned {lr!r} at step {step}."
+        )
+    return lr
+
+
+def _batches(n_samples, batch_size, shuffle, rng):
+    """Index arrays of one epoch; full batch when ``batch_size`` is None."""
+    if batch_size is None or batch_size >= n_samples:
+        return None  # sentinel: the shared full-batch index array
+    order = rng.permutation(n_samples) if shuffle else np.arange(n_samples)
+    return [order[i : i + batch_size] for i in range(0, n_samples, batch_size)]
+
+
+def train_module(
+    module,
+    X,
+    y,
+    *,
+    loss=None,
+    sample_weight=None,
+    solver=None,
+    learning_rate=0.1,
+    max_iter=200,
+    batch_size=None,
+    shuffle=True,
+    tol=None,
+    n_iter_no_change=10,
+    random_state=None,
+    verbose=0,
+    path_storage="memory",
+):
+    """Train ``module`` in place on the sample-weighted mean of a per-sample loss.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Maps ``X`` of shape (n_samples, ...) to logits (n_samples, n_classes).
+        It is run in eval mode (no dropout, frozen normalisation statistics) so
+        that training and prediction evaluate one and the same function.
+        Training runs on the device of ``X``, where the module, ``y`` and
+        ``sample_weight`` must be too.
+    X : torch.Tensor of shape (n_samples, ...)
+    y : torch.Tensor
+        Targets as ``loss`` takes them: class codes (n_samples,), int64, for
+        the cross-entropy; (n_samples, n_outputs) floats for the squared error.
+    loss : Loss or None
+        The loss; None is the cross-entropy of the log-softmax.
+    sample_weight : torch.Tensor of shape (n_samples,), default=None
+    solver : SolverSettings or None
+        The optimiser and its settings; None is plain gradient descent.
+    learning_rate : float or callable
+        A constant, or ``learning_rate(step) -> float`` (a schedule over steps).
+    max_iter : int
+        Number of epochs. With ``batch_size=None`` an epoch is one full-batch step.
+    batch_size : int or None
+    shuffle : bool
+        Reshuffle the mini-batches every epoch (seeded by ``random_state``).
+    tol, n_iter_no_change : float or None, int
+        Stop when the epoch loss has not improved by ``tol`` for
+        ``n_iter_no_change`` epochs. ``tol=None`` always runs ``max_iter`` epochs.
+    random_state : int, RandomState or None
+        Seeds the batch order.
+    verbose : int
+    path_storage : "memory", "disk" or path-like
+        Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
+        (and Adam's preconditioners, as many numbers again) live: RAM, or a memory-mapped file (see
+        :func:`~sklearn_pathkernel._training._path.allocate_weights`). The values are the same.
+        The path is on the host whatever the device: each step's weights and
+        coefficients are copied from the device after the step.
+
+    Returns
+    -------
+    TrainingResult
+
+    Raises
+    ------
+    FloatingPointError
+        If the loss or the weights stop being finite; the message names the step.
+    MemoryError
+        Before training, if the weight path cannot fit in memory (or on disk).
+    """
+    start = time.perf_counter()
+    rng = check_random_state(random_state)
+    n_samples = X.shape[0]
+    if sample_weight is None:
+        sample_weight = torch.ones(n_samples, dtype=X.dtype, device=X.device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
+    rule = (solver or SolverSettings()).update_rule()
+    loss_fn = loss or CrossEntropy()
+    optimizer = rule.optimizer(params, learning_rate_at(learning_rate, 0))
+    module.eval()
+
+    full_batch = np.arange(n_samples)
+    n_batches = (
+        1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
+    )
+    n_rows = max_iter * n_batches + 1
+    flat0, names, shapes = flatten_parameters(module)
+    weights, storage = allocate_weights(n_rows, flat0.numel(), path_storage, dtype=flat0.dtype)
+    weights[0] = flat0.to(weights.device)
+    preconditioners = None
+    if rule.preconditioned:
+        preconditioners = allocate_weights(
+            n_rows - 1, flat0.numel(), path_storage, dtype=flat0.dtype
+        )[0]
+    path = WeightPath(weights, [], [], None, names, shapes, storage)
+    rates = []
+
+    loss_curve, learning_rates = [], []
+    best_loss, no_improvement, step = np.inf, 0, 0
+    for epoch in range(max_iter):
+        batches = _batches(n_samples, batch_size, shuffle, rng) or [full_batch]
+        epoch_loss = 0.0
+        for batch in batches:
+            lr = learning_rate_at(learning_rate, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            index = torch.as_tensor(batch, device=X.device)
+            batch_weight = sample_weight[index].sum()
+            # A batch whose points all weigh 0 has zero loss: its gradient is 0
+            # (the step may still move the weights: momentum, weight decay).
+            share = (
+                sample_weight[index] / batch_weight
+                if batch_weight > 0
+                else torch.zeros_like(sample_weight[index])
+            )
+
+            optimizer.zero_grad(set_to_none=False)
+            f = loss_fn.link(module(X[index]))
+            f.retain_grad()  # -dL/df: the output gradients the kernel needs
+            loss = (share * loss_fn.per_sample(f, y[index])).sum()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"The training loss became {loss.item()} at step {step} "
+                    f"(epoch {epoch}) with learning_rate={lr:g}; lower the "
+                    "learning rate or scale the input features."
+                )
+            loss.backward()
+            for param in params:
+                # A parameter the loss does not reach gets a zero gradient, not None,
+                # so that every optimiser updates it (momentum, weight decay) as the
+                # recorded linear form says.
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            optimizer.step()
+
+            with torch.no_grad():
+                flat = torch.nn.utils.parameters_to_vector(params)
+                weights[step + 1] = flat.to(weights.device)  # the path stays on the host
+                if preconditioners is not None:
+                    preconditioners[step] = rule.preconditioner(optimizer, params, step).to(
+                        preconditioners.device
+                    )
+            if not bool(torch.isfinite(weights[step + 1]).all()):
+                raise FloatingPointError(
+                    f"The weights stopped being finite at step {step} (epoch "
+                    f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
+                )
+            path.batches.append(batch)
+            path.output_gradients.append((-f.grad).to("cpu", copy=True))
+            learning_rates.append(lr)
+            rates.append(rule.rates(lr, step))
+            epoch_loss += loss.item() * float(sample_weight[index].sum())
+            step += 1
+
+        epoch_loss /= float(sample_weight.sum())
+        loss_curve.append(epoch_loss)
+        if verbose:
+            print(f"Iteration {epoch + 1}, loss = {epoch_loss:.8f}")
+        if tol is not None:
+            if epoch_loss > best_loss - tol:
+                no_improvement += 1
+            else:
+                no_improvement = 0
+            best_loss = min(best_loss, epoch_loss)
+            if no_improvement >= n_iter_no_change:
+                break
+
+    if step + 1 < path.weights.shape[0]:
+        # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
+        path.weights = path.weights[: step + 1]
+        if preconditioners is not None:
+            preconditioners = preconditioners[:step]
+        if storage == "memory":
+            path.weights = path.weights.clone()
+            if preconditioners is not None:
+                preconditioners = preconditioners.clone()
+    path.learning_rates = np.asarray(learning_rates, dtype=float)
+    alpha, zeta, decoupled = np.asarray(rates, dtype=float).reshape(-1, 3).T
+    path.update = UpdateRecord(
+        buffer_decay=rule.buffer_decay,
+        gradient_scale=rule.gradient_scale,
+        coupled_decay=rule.coupled_decay,
+        gradient_rates=alpha,
+        direct_rates=zeta,
+        decoupled_decays=decoupled,
+        preconditioners=preconditioners,
+    )
+    return TrainingResult(
+        loss_curve=loss_curve,
+        n_iter=len(loss_curve),
+        n_steps=step,
+        path=path,
+        fit_time=time.perf_counter() - start,
+    )

@@ -1,0 +1,243 @@
+"""The recorded weight path of a training run.
+
+Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
+as one contiguous float64 array, for every step the batch it used and each batch
+point's output gradient ``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's
+update in its linear form (:class:`~sklearn_pathkernel._training._updates.UpdateRecord`).
+The gradient of step ``s``'s loss is
+
+    G_s = - sum_{i in B_s} sum_k e_{s,i,k} grad_w f_k(x_i; w_s)
+
+(see ``_losses``; for the mean cross-entropy of ``f = log_softmax(module(x))``,
+``e_{s,i} = a_{s,i} onehot(y_i)`` with ``a_{s,i}`` the point's share of the batch's
+sample weight). For plain gradient descent ``w_{s+1} - w_s = -lr_s G_s``.
+"""
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .._engine._planning import available_memory
+from ._updates import UpdateRecord
+
+PATH_STORAGES = ("memory", "disk")
+
+
+@dataclass
+class WeightPath:
+    """Weights along a training run and the data each step used.
+
+    Attributes
+    ----------
+    weights : torch.Tensor of shape (n_steps + 1, n_weights)
+        Flat weights ``w_0 .. w_S`` in the order of ``module.named_parameters()``.
+        Row ``s`` is the state before step ``s``; the last row is the final model.
+    batches : list of ndarray of int
+        ``batches[s]`` holds the training indices of step ``s``. Full-batch steps
+        share one array, so a full-batch path stores the indices once.
+    output_gradients : list of torch.Tensor
+        ``output_gradients[s][j]`` (K,) is ``e_{s,j} = -dL_s / df(x_j; w_s)`` of
+        training point ``batches[s][j]``.
+    learning_rates : ndarray of shape (n_steps,)
+        The learning rate used at each step.
+    update : UpdateRecord
+        How the optimiser turned each step's gradient into the weight change.
+    param_names, param_shapes : list
+        How a flat weight vector splits into the module's parameters.
+    storage : str
+        Where ``weights`` lives: ``"memory"``, or the directory of the
+        memory-mapped file holding it (see :func:`allocate_weights`).
+
+    Notes
+    -----
+    Pickling (and ``copy.deepcopy``) writes the weights themselves into the
+    pickle, so a pickle never depends on a file; the copy holds its weights in
+    memory (``storage == "memory"``).
+    """
+
+    weights: torch.Tensor
+    batches: list = field(default_factory=list)
+    output_gradients: list = field(default_factory=list)
+    learning_rates: np.ndarray = None
+    param_names: list = field(default_factory=list)
+    param_shapes: list = field(default_factory=list)
+    storage: str = "memory"
+    update: UpdateRecord = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if state.get("storage", "memory") != "memory":
+            # Self-contained pickle: the data, not the (possibly temporary) file.
+            state["weights"] = state["weights"].clone()
+            state["storage"] = "memory"
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("storage", "memory")
+        self.__dict__.update(state)
+
+    @property
+    def n_steps(self):
+        return self.weights.shape[0] - 1
+
+    @property
+    def n_weights(self):
+        return self.weights.shape[1]
+
+    @property
+    def nbytes(self):
+        """Bytes held by the path (weights, preconditioners, batches, output gradients)."""
+        seen, total = set(), self.weights.element_size() * self.weights.nelement()
+        preconditioners = None if self.update is None else self.update.preconditioners
+        if preconditioners is not None:
+            total += preconditioners.element_size() * preconditioners.nelement()
+        for batch, coef in zip(self.batches, self.output_gradients, strict=False):
+            if id(batch) not in seen:
+                seen.add(id(batch))
+                total += batch.nbytes
+            total += coef.element_size() * coef.nelement()
+        return total
+
+    def unflatten(self, flat):
+        """Split a flat weight vector into a ``{name: tensor}`` parameter dict (views)."""
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:  # called for every evaluation: computed once
+            sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.param_shapes]
+            self.__dict__["_sizes"] = sizes
+        return {
+            name: chunk.view(shape)
+            for name, shape, chunk in zip(
+                self.param_names, self.param_shapes, torch.split(flat, sizes), strict=True
+            )
+        }
+
+    def step_direction(self, step):
+        """``w_{s+1} - w_s``, the straight line the weights follow in step ``s``."""
+        return self.weights[step + 1] - self.weights[step]
+
+
+def flatten_parameters(module):
+    """Flat copy of a module's trainable parameters, with their names and shapes.
+
+    Frozen parameters (``requires_grad=False``) are not part of the path: they
+    are constants, the module's own values.
+    """
+    names, shapes, tensors = [], [], []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        names.append(name)
+        shapes.append(tuple(param.shape))
+        tensors.append(param.detach().reshape(-1))
+    return torch.cat(tensors), names, shapes
+
+
+def _gib(nbytes):
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def storage_directory(path_storage):
+    """The directory of a ``path_storage`` setting, or None for ``"memory"``."""
+    if isinstance(path_storage, str) and path_storage == "memory":
+        return None
+    if isinstance(path_storage, str) and path_storage == "disk":
+        return tempfile.gettempdir()
+    if isinstance(path_storage, str | os.PathLike):
+        directory = os.fspath(path_storage)
+        if not os.path.isdir(directory):
+            raise ValueError(
+                f"path_storage must be 'memory', 'disk' or an existing directory; "
+                f"{directory!r} is not a directory."
+            )
+        return directory
+    raise TypeError(
+        "path_storage must be 'memory', 'disk' or a directory path, got "
+        f"{type(path_storage).__name__}."
+    )
+
+
+def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float64):
+    """An uninitialised ``(n_rows, n_weights)`` weight array, in RAM or on disk.
+
+    Parameters
+    ----------
+    n_rows : int
+        ``S + 1``: the number of steps plus one (an upper bound when training
+        may stop early).
+    n_weights : int
+        ``W``, the number of trainable weights.
+    path_storage : "memory", "disk" or path-like
+        ``"memory"``: a torch tensor in RAM. ``"disk"``: a numpy memmap in a new
+        file of the system's temporary directory; a directory: a new file there.
+        The file is deleted as soon as it is mapped (POSIX), so it never
+        outlives the process; the operating system pages it in and out.
+
+    Returns
+    -------
+    weights : torch.Tensor
+    storage : str
+        ``"memory"`` or the directory of the file.
+
+    Raises
+    ------
+    MemoryError
+        When the array would not fit in the available memory (``"memory"``) or
+        in the free disk space (otherwise); the message names S, W, the bytes
+        and the ways out.
+    """
+    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+    nbytes = int(n_rows) * int(n_weights) * itemsize
+    sizes = (
+        f"The weight path of {n_rows - 1} steps x {n_weights} weights "
+        f"({n_rows} x {n_weights} x {itemsize} bytes = {_gib(nbytes)})"
+    )
+    directory = storage_directory(path_storage)
+    if directory is None:
+        available = available_memory()
+        if nbytes > available:
+            raise MemoryError(
+                f"{sizes} does not fit in the {_gib(available)} of available memory. "
+                "Store it on disk with path_storage='disk' (or a directory with "
+                "enough free space), or lower max_iter (steps = max_iter x batches "
+                "per epoch), use larger batches or a smaller network."
+            )
+        # On the host whatever the training device (or torch's default device).
+        return torch.empty((n_rows, n_weights), dtype=dtype, device="cpu"), "memory"
+
+    free = shutil.disk_usage(directory).free
+    if nbytes > free:
+        raise MemoryError(
+            f"{sizes} does not fit in the {_gib(free)} free on the disk of "
+            f"{directory!r}. Give path_storage a directory on a larger disk, or "
+            "lower max_iter (steps = max_iter x batches per epoch), use larger "
+            "batches or a smaller network."
+        )
+    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=".f64", dir=directory)
+    os.close(handle)
+    try:
+        array = np.memmap(
+            filename,
+            dtype=torch.empty((), dtype=dtype, device="cpu").numpy().dtype,
+            mode="w+",
+            shape=(n_rows, n_weights),
+        )
+    except BaseException:
+        os.remove(filename)
+        raise
+    try:
+        os.remove(filename)  # POSIX: the mapping keeps the data until it is released
+    except OSError:  # pragma: no cover - Windows cannot remove a mapped file
+        weakref.finalize(array, _remove_quietly, filename)
+    return torch.from_numpy(array), directory
+
+
+def _remove_quietly(filename):  # pragma: no cover - Windows only
+    try:
+        os.remove(filename)
+    except OSError:
+        pass

@@ -1,0 +1,165 @@
+"""Conv2d rule: factored and materialised forms against each other and brute force.
+
+The factored form (column Gram times back-propagated Gram over pairs of output
+positions) is chosen for layers with many channels on few positions; both forms
+must give the same inner products, directional derivatives and kernels as the
+materialised Jacobians of the reference engine.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _reference import NaivePathKernelEngine
+from torch import nn
+
+from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._engine.rules._layer_rules import Conv2dRule
+from sklearn_pathkernel._training._loop import train_module
+
+DTYPE = torch.float64
+
+
+def conv_case(seed=0, weight=True, bias=True, **conv_kwargs):
+    torch.manual_seed(seed)
+    conv = nn.Conv2d(3, 5, 3, **conv_kwargs).to(DTYPE)
+    rule = Conv2dRule(conv, "weight" if weight else None, "bias" if bias else None)
+    x_left = torch.randn(4, 3, 5, 5, dtype=DTYPE)
+    x_right = torch.randn(6, 3, 5, 5, dtype=DTYPE)
+    out_shape = conv(x_left).shape[1:]
+    delta_left = torch.randn(4, 2, *out_shape, dtype=DTYPE)
+    delta_right = torch.randn(6, 2, *out_shape, dtype=DTYPE)
+    return rule, (x_left,), delta_left, (x_right,), delta_right
+
+
+def both_forms(rule, inputs, delta, monkeypatch):
+    """The factors of one batch, factored and materialised."""
+    monkeypatch.setattr(Conv2dRule, "factored_is_cheaper", staticmethod(lambda *a: True))
+    factored = rule.factors(inputs, delta, None)
+    monkeypatch.setattr(Conv2dRule, "factored_is_cheaper", staticmethod(lambda *a: False))
+    materialised = rule.factors(inputs, delta, None)
+    assert factored.grads is None and materialised.grads is not None
+    return factored, materialised
+
+
+def brute_force_grads(rule, inputs, delta):
+    """Per-example, per-output gradients by autograd, one row and output at a time."""
+    conv, rows = rule.module, []
+    for i in range(inputs[0].shape[0]):
+        per_output = []
+        for k in range(delta.shape[1]):
+            params = [
+                p
+                for name, p in (("weight", conv.weight), ("bias", conv.bias))
+                if getattr(rule, f"{name}_name") is not None
+            ]
+            out = conv(inputs[0][i : i + 1])
+            grads = torch.autograd.grad((out * delta[i, k]).sum(), params)
+            per_output.append(torch.cat([g.reshape(-1) for g in grads]))
+        rows.append(torch.stack(per_output))
+    return torch.stack(rows)  # (n, K, W) in the order (weight, bias)
+
+
+@pytest.mark.parametrize(
+    "weight, bias, conv_kwargs",
+    [
+        (True, True, {}),
+        (True, False, {"padding": 1}),
+        (False, True, {"stride": 2}),
+        (True, True, {"dilation": 2, "padding": 2, "stride": (1, 2)}),
+    ],
+    ids=["weight+bias", "weight-padding", "bias-stride", "dilation-stride"],
+)
+def test_factored_and_materialised_forms_agree_with_autograd(
+    weight, bias, conv_kwargs, monkeypatch
+):
+    rule, in_l, d_l, in_r, d_r = conv_case(weight=weight, bias=bias, **conv_kwargs)
+    fac_l, mat_l = both_forms(rule, in_l, d_l, monkeypatch)
+    fac_r, mat_r = both_forms(rule, in_r, d_r, monkeypatch)
+    g_l, g_r = brute_force_grads(rule, in_l, d_l), brute_force_grads(rule, in_r, d_r)
+    expected = {
+        "trace": torch.einsum("nkw,mkw->nm", g_l, g_r),
+        "pairs": torch.einsum("nkw,mjw->nmkj", g_l, g_r),
+    }
+    for mode, value in expected.items():
+        for left, right in ((fac_l, fac_r), (mat_l, mat_r), (fac_l, mat_r), (mat_l, fac_r)):
+            torch.testing.assert_close(rule.inner(left, right, mode), value, rtol=1e-12, atol=0)
+    diag = torch.einsum("nkw,nkw->n", g_l, g_l)
+    for factors in (fac_l, mat_l):
+        torch.testing.assert_close(rule.inner(factors, factors, "diag"), diag, rtol=1e-12, atol=0)
+
+    conv = rule.module
+    direction = {"weight": torch.randn_like(conv.weight), "bias": torch.randn_like(conv.bias)}
+    step = torch.cat(
+        [direction[n].reshape(-1) for n in ("weight", "bias") if getattr(rule, f"{n}_name")]
+    )
+    for factors in (fac_l, mat_l):
+        torch.testing.assert_close(
+            rule.directional(factors, direction), g_l @ step, rtol=1e-12, atol=1e-13
+        )
+
+
+def test_cost_model_prefers_factored_for_many_channels_on_few_positions():
+    assert Conv2dRule.factored_is_cheaper(n_positions=4, d_in=577, d_out=128)
+    assert not Conv2dRule.factored_is_cheaper(n_positions=64, d_in=10, d_out=8)
+
+
+class DeepCNN(nn.Module):
+    """conv(1->4) on 6x6, max-pool to 3x3, conv(4->8, 3x3) to 1x1: its last
+    convolution (P=1, d_in=37, d_out=8) takes the factored form."""
+
+    def __init__(self, n_classes):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3)
+        self.head = nn.Linear(8, n_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, 6, 6))), 2)
+        return self.head(torch.tanh(self.conv2(x)).flatten(1))
+
+
+@pytest.fixture(scope="module")
+def cnn_case():
+    rng = np.random.RandomState(0)
+    y = rng.randint(0, 3, 24)
+    X = torch.tensor(rng.randn(3, 36)[y] + rng.randn(24, 36))
+    torch.manual_seed(0)
+    module = DeepCNN(3).to(DTYPE)
+    path = train_module(module, X, torch.tensor(y), learning_rate=0.3, max_iter=4).path
+    return module, path, X, torch.tensor(y)
+
+
+def test_cnn_kernels_with_a_factored_layer_match_the_reference(cnn_case):
+    module, path, X, y = cnn_case
+    engine = PathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
+    kinds = [type(rule).__name__ for rule in engine.probe.rules]
+    assert kinds == ["Conv2dRule", "Conv2dRule", "LinearRule"]
+    factors = engine.probe.factors(path.weights[0], X[:2])[1]
+    assert factors[0].grads is not None and factors[1].grads is None  # materialised, factored
+    reference = NaivePathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
+    A = torch.cat([X[:4], torch.tensor(np.random.RandomState(1).randn(3, 36))])
+    mask = np.arange(7) < 4
+    for output in ("trace", "full"):
+        np.testing.assert_allclose(
+            engine.gram(A, a_train=mask, output=output),
+            reference.gram(A, a_train=mask, output=output),
+            rtol=1e-10,
+            atol=1e-12,
+        )
+    np.testing.assert_allclose(
+        engine.decompose(A[4:]).contributions,
+        reference.decompose(A[4:]).contributions,
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def test_cnn_sum_identity_with_a_factored_layer(cnn_case):
+    module, path, X, y = cnn_case
+    A = torch.tensor(np.random.RandomState(2).randn(4, 36))
+    parts = PathKernelEngine(module, path, X).decompose(A)
+    with torch.no_grad():
+        network = F.log_softmax(module(A), 1).numpy()
+    assert np.abs(parts.bias + parts.contributions.sum(1) - network).max() < 1e-9
+    assert parts.residual.max() < 1e-9
