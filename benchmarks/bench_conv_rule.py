@@ -74,7 +74,7 @@ def main():
         f"{torch.get_num_threads()} torch threads; fit {fit_time:.2f} s"
     )
     probe = clf._engine().probe
-    layer_factors = probe.factors(clf.path_.weights[0], clf._fit_X[:1])[1]
+    layer_factors = probe.factors(clf.path_.weights[0], clf._fit_X[:1])
     forms = [
         "factored" if factors.grads is None else "materialised"
         for rule, factors in zip(probe.rules, layer_factors, strict=True)

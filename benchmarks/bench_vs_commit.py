@@ -147,7 +147,7 @@ def projected_widths(engine):
     output subspace (``K`` where the rule finds none), at the last step (at the
     first, a head that starts at zero leaves the layer below it no gradient)."""
     rows = engine.X_train[:512]
-    factors = engine.probe.factors(engine.path.weights[engine.path.n_steps - 1], rows)[1]
+    factors = engine.probe.factors(engine.path.weights[engine.path.n_steps - 1], rows)
     widths = []
     for rule, layer in zip(engine.probe.rules, factors, strict=True):
         subspace = rule.output_subspace(layer, engine.n_train)

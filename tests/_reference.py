@@ -264,16 +264,6 @@ class NaivePathKernelEngine:
             return torch.ones(self.path.n_weights, dtype=dtype)
         return preconditioners[step].to(dtype)
 
-    def _mixing(self, step, earlier):
-        """``c_{s,r}``: the weight of step ``r``'s gradient in step ``s``'s update,
-        ``w_{s+1} - w_s = -P_s sum_{r<=s} c_{s,r} g_r + d_s w_s``, written out from the
-        momentum buffer ``b_s = sum_{r<=s} gamma beta^(s-r) g_r`` (no recursion)."""
-        update = self.path.update
-        c = update.gradient_scale * update.gradient_rates[step] * update.buffer_decay ** (
-            step - earlier
-        )
-        return c + (update.direct_rates[step] if earlier == step else 0.0)
-
     def decompose(self, X):
         """Contributions of every training point to the network's output on ``X``.
 
@@ -309,7 +299,7 @@ class NaivePathKernelEngine:
             decay += update.decoupled_decays[step] * phi @ self.path.weights[step]
             weighted = phi * self._preconditioner(step, X.dtype)
             for earlier in range(step + 1):
-                c = self._mixing(step, earlier)
+                c = self.path.update.mixing(step, earlier)
                 if c == 0:
                     continue
                 if earlier not in training_gradients:

@@ -160,7 +160,7 @@ class PathKernelEngine:
         self.device = X_train.device
         self._probe = NetworkProbe(module, path, X_train[:1], link=link)
         self.n_train = X_train.shape[0]
-        self.n_outputs = self._probe.log_proba(self._at(0), X_train[:1]).shape[1]
+        self.n_outputs = self._probe.output(self._at(0), X_train[:1]).shape[1]
 
     def __deepcopy__(self, memo):
         return self  # immutable: copies share it (sklearn's clone deep-copies params)
@@ -269,14 +269,14 @@ class PathKernelEngine:
                 and start_factors is None
                 and self._share_pass(part.rows.size, *with_rows)
             ):
-                _, factors, start_factors = self.probe.factors_with(
+                factors, start_factors = self.probe.factors_with(
                     start, X[rows], *with_rows, direction=direction, t=t
                 )
             else:
-                factors = self.probe.factors(start, X[rows], direction=direction, t=t)[1]
+                factors = self.probe.factors(start, X[rows], direction=direction, t=t)
             evaluated.append((rows, self._as_device_tensor(part.weights), factors))
         if with_rows is not None and start_factors is None:
-            start_factors = self.probe.factors(start, *with_rows)[1]
+            start_factors = self.probe.factors(start, *with_rows)
         return evaluated if with_rows is None else (evaluated, start_factors)
 
     def _share_pass(self, n_nodes, X_start, outputs):
@@ -303,8 +303,8 @@ class PathKernelEngine:
         if ends:
             (f_start, scale_start), (f_end, scale_end) = ends
         else:
-            f_start, scale_start = self.probe.log_proba(start, X, with_scale=True)
-            f_end, scale_end = self.probe.log_proba(self._at(step + 1), X, with_scale=True)
+            f_start, scale_start = self.probe.output_with_scale(start, X)
+            f_end, scale_end = self.probe.output_with_scale(self._at(step + 1), X)
         error = f_end - f_start - features.directional(self.probe.params(direction))
         tolerance = torch.clamp(_rounding_floor(scale_start, scale_end), min=CERTIFICATE_TOL)
         return error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy()
@@ -404,13 +404,12 @@ class PathKernelEngine:
             estimate = features.directional(step_params)
             # f at both ends of every piece, in one pass
             X_rows = X[self._as_device_tensor(np.concatenate([piece_rows, piece_rows]))]
-            f_ab, scale_ab = self.probe.log_proba(
+            f_ab, scale_ab = self.probe.output_with_scale(
                 start,
                 X_rows,
                 direction,
                 self._as_device_tensor(np.concatenate([a, b])),
-                with_scale=True,
-            )
+                            )
             (f_a, f_b), (scale_a, scale_b) = f_ab.chunk(2), scale_ab.chunk(2)
             floor = torch.clamp(_rounding_floor(scale_a, scale_b), min=tolerance)
             ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).cpu().numpy()
@@ -514,9 +513,9 @@ class PathKernelEngine:
             residual[tile] += block_residual
         return Bunch(
             contributions=contributions,
-            bias=self.probe.log_proba(self._at(0), X).cpu().numpy(),
+            bias=self.probe.output(self._at(0), X).cpu().numpy(),
             decay=decay,
-            output=self.probe.log_proba(self._at(-1), X).cpu().numpy(),
+            output=self.probe.output(self._at(-1), X).cpu().numpy(),
             residual=residual,
         )
 
@@ -553,7 +552,7 @@ class PathKernelEngine:
             else:
                 contributions.index_add_(1, batch, step_block)
             # Weight decay: d_s <phi_s, w_s> - lambda_c <psi_s, w_s>, psi_s = scale phi_s
-            decay_rate = update.decoupled_decays[step] - update.coupled_decay * scale
+            decay_rate = update.decay_rate(step)
             if decay_rate:
                 decay += decay_rate * features.directional(self.probe.params(self._step(step)[0]))
         return contributions.cpu().numpy(), decay.cpu().numpy(), residual
@@ -576,7 +575,7 @@ class PathKernelEngine:
         contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
         decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
         residual = np.zeros(n)
-        buffer = None
+        accumulation = update.backward()
         for step in reversed(range(self.path.n_steps)):
             start, _ = self._step(step)
             batch = self.path.batches[step]
@@ -602,17 +601,7 @@ class PathKernelEngine:
             if update.preconditioners is not None:
                 scales = self.path.unflatten(update.preconditioners[step].to(self.device))
                 u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
-            alpha, zeta = update.gradient_rates[step], update.direct_rates[step]
-            if buffer is None:
-                buffer = [alpha * layer for layer in u]
-            else:
-                buffer = [
-                    alpha * layer + update.buffer_decay * old
-                    for layer, old in zip(u, buffer, strict=True)
-                ]
-            psi = [
-                update.gradient_scale * b + zeta * layer for b, layer in zip(buffer, u, strict=True)
-            ]
+            psi = accumulation.psi(step, u)
             if update.coupled_decay:
                 decay -= update.coupled_decay * sum(
                     p @ rule.flatten(weights) for p, rule in zip(psi, rules, strict=True)
@@ -622,7 +611,7 @@ class PathKernelEngine:
                 continue
             for part in self._tiles(len(batch), 8 * self.path.n_weights):
                 rows = self._as_device_tensor(batch[part])
-                train = self.probe.factors(start, self.X_train[rows], gradients[part])[1]
+                train = self.probe.factors(start, self.X_train[rows], gradients[part])
                 self._add_batch_inner(psi, rows, train, contributions)
         return contributions.cpu().numpy(), decay.cpu().numpy(), residual
 
@@ -773,7 +762,7 @@ class PathKernelEngine:
     def _factor_row_bytes(self):
         """Bytes of one row's training-copy factors (every output), all layers."""
         if "_row_bytes" not in self.__dict__:
-            factors = self._probe.factors(self._at(0), self.X_train[:1])[1]
+            factors = self._probe.factors(self._at(0), self.X_train[:1])
             self._row_bytes = max(8, sum(f.nbytes for f in factors))
         return self._row_bytes
 
@@ -822,7 +811,7 @@ class PathKernelEngine:
     def _factors_of(self, start, X):
         """Training-copy factors of every row of ``X`` (every output) at ``start``,
         computed in passes of ``_pass_rows()`` rows and joined per layer."""
-        parts = [self.probe.factors(start, X[rows])[1] for rows in self._passes(X.shape[0])]
+        parts = [self.probe.factors(start, X[rows]) for rows in self._passes(X.shape[0])]
         if len(parts) == 1:
             return parts[0]
         return [type(layer[0]).cat(layer) for layer in zip(*parts, strict=True)]
@@ -918,7 +907,7 @@ class PathKernelEngine:
                 X.repeat(n_nodes, *([1] * (X.ndim - 1))),
                 direction=direction,
                 t=times.repeat_interleave(X.shape[0]),
-            )[1]
+            )
 
         left, right = at_nodes(A), at_nodes(B)
         total = 0.0
@@ -960,7 +949,7 @@ class PathKernelEngine:
         for step in range(steps.start, steps.stop):
             metric = self._metric(step)
             if train.numel():
-                factors = self.probe.factors(self._at(step), A[train])[1]
+                factors = self.probe.factors(self._at(step), A[train])
                 diag[train] += self._inner(factors, factors, "diag", metric)
             if test.numel():
                 part = torch.zeros(test.numel(), dtype=A.dtype, device=A.device)

@@ -193,19 +193,25 @@ class NetworkProbe:
         order = torch.cat(order)
         return fn.cat(parts).take(torch.argsort(order))
 
-    def log_proba(self, start, X, direction=None, t=None, *, with_scale=False):
-        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``).
+    def output(self, start, X, direction=None, t=None):
+        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``)."""
+        return self.output_with_scale(start, X, direction, t)[0]
 
-        ``with_scale=True`` also returns, per row, the largest absolute logit:
-        ``f`` is computed to about ``eps`` times it (a saturated softmax can
-        have small log-probabilities from huge logits).
-        """
+    def output_with_scale(self, start, X, direction=None, t=None):
+        """``f_w(X)`` (n, K) and, per row, the largest absolute logit (n,): ``f`` is
+        computed to about ``eps`` times it (a saturated softmax can have small
+        log-probabilities from huge logits)."""
         with torch.no_grad():
             result = self.per_row(_LogProba(self), start, X, direction, t)
-        return (result.value, result.scale) if with_scale else result.value
+        return result.value, result.scale
 
     def factors(self, start, X, outputs=None, *, direction=None, t=None):
-        """Per-layer factors of the per-example gradients.
+        """Per-layer factors of the per-example gradients (see
+        :meth:`output_and_factors`), one per layer rule."""
+        return self.output_and_factors(start, X, outputs, direction=direction, t=t)[1]
+
+    def output_and_factors(self, start, X, outputs=None, *, direction=None, t=None):
+        """``f`` of the rows and the per-layer factors of their per-example gradients.
 
         Parameters
         ----------
@@ -242,8 +248,6 @@ class NetworkProbe:
 
         Returns
         -------
-        log_proba : torch.Tensor of shape (n, K)
-            Of the rows of ``X``.
         factors, start_factors : lists of factors, one per layer rule.
         """
         self._ensure_checked(X)
@@ -252,10 +256,10 @@ class NetworkProbe:
         n = X.shape[0]
         X_all = torch.cat([X, X_start])
         t_all = torch.cat([t, t.new_zeros(X_start.shape[0])])
-        log_proba, (factors, start_factors) = self._factors(
+        _, (factors, start_factors) = self._factors(
             start, X_all, None, direction, t_all, split=(n, outputs_start)
         )
-        return log_proba, factors, start_factors
+        return factors, start_factors
 
     def _factors(self, start, X, outputs, direction, t, split=None):
         # ``split=(n, picked)``: rows from n on get their own factors, with every

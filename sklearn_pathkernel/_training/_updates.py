@@ -74,6 +74,25 @@ class UpdateRecord:
         :math:`-P_s \\odot g_s` in step ``step``'s update."""
         return self.gradient_scale * self.gradient_rates[step] + self.direct_rates[step]
 
+    def decay_rate(self, step):
+        """The factor of ``<phi_s, w_s>`` in the decay term of a step that moves along
+        its own gradient only (:attr:`per_step`): :math:`d_s - \\lambda_c
+        \\,\\mathrm{step\\_scale}(s)`."""
+        return self.decoupled_decays[step] - self.coupled_decay * self.step_scale(step)
+
+    def mixing(self, step, earlier):
+        """:math:`c_{s,r}`, the weight of step ``earlier``'s gradient in step ``step``'s
+        update, :math:`w_{s+1} - w_s = -P_s \\odot \\sum_{r \\le s} c_{s,r} g_r + d_s w_s`,
+        in closed form from the buffer :math:`b_s = \\sum_{r \\le s} \\gamma
+        \\beta^{s-r} g_r` (no recursion; :class:`BackwardAccumulation` sums the same
+        weights backward)."""
+        c = self.gradient_scale * self.gradient_rates[step] * self.buffer_decay ** (step - earlier)
+        return c + (self.direct_rates[step] if earlier == step else 0.0)
+
+    def backward(self):
+        """A fresh :class:`BackwardAccumulation` of this record's steps."""
+        return BackwardAccumulation(self)
+
     def truncated(self, n_steps):
         """The record of the first ``n_steps`` steps (early stopping)."""
         return UpdateRecord(
@@ -92,6 +111,50 @@ class UpdateRecord:
             # A memory-mapped record pickles its values, like WeightPath.
             state["preconditioners"] = state["preconditioners"].clone()
         return state
+
+
+class BackwardAccumulation:
+    """The test side of every step's training gradients, accumulated backward.
+
+    With :math:`u_s = P_s \\odot \\phi_s` (a query's test features scaled by the
+    step's preconditioner), step :math:`r`'s training gradients meet
+
+    .. math::
+
+        \\psi_r = \\sum_{s \\ge r} c_{s,r} u_s = \\gamma B_r + \\zeta_r u_r, \\qquad
+        B_r = \\alpha_r u_r + \\beta B_{r+1},
+
+    (:meth:`UpdateRecord.mixing` gives :math:`c_{s,r}` in closed form). Feed the
+    steps last to first: :meth:`psi` takes :math:`u_r` as a list of per-layer
+    tensors and returns :math:`\\psi_r` in the same layout. Cost: two
+    multiply-adds per number of ``u``; memory: one buffer of ``u``'s size.
+    """
+
+    def __init__(self, record):
+        self.record = record
+        self._buffer = None
+        self._next_step = None
+
+    def psi(self, step, u):
+        """:math:`\\psi_{step}` from :math:`u_{step}`; steps must come in decreasing order."""
+        record = self.record
+        if self._next_step is not None and step != self._next_step - 1:
+            raise ValueError(
+                f"Steps must be fed last to first: got {step} after {self._next_step}."
+            )
+        self._next_step = step
+        alpha, zeta = record.gradient_rates[step], record.direct_rates[step]
+        if self._buffer is None:
+            self._buffer = [alpha * layer for layer in u]
+        else:
+            self._buffer = [
+                alpha * layer + record.buffer_decay * old
+                for layer, old in zip(u, self._buffer, strict=True)
+            ]
+        return [
+            record.gradient_scale * b + zeta * layer
+            for b, layer in zip(self._buffer, u, strict=True)
+        ]
 
 
 class UpdateRule(ABC):

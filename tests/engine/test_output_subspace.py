@@ -56,7 +56,7 @@ def always_reduce(monkeypatch):
 
 def _probe_factors(module, path, X, step=0, link=None):
     probe = NetworkProbe(module, path, X[:1], **({} if link is None else {"link": link}))
-    return probe, probe.factors(path.weights[step], X)[1]
+    return probe, probe.factors(path.weights[step], X)
 
 
 def _ranks(probe, factors):
@@ -95,7 +95,7 @@ def test_projection_keeps_trace_products_with_rows_outside_the_subspace(classifi
     probe, right = _probe_factors(module, path, X, step=3)
     queries = torch.tensor(np.random.RandomState(1).randn(9, 5) * 1.5)
     halfway = 0.5 * (path.weights[3] + path.weights[4])
-    left = probe.factors(halfway, queries)[1]
+    left = probe.factors(halfway, queries)
     projected_any = False
     for rule, a, b in zip(probe.rules, left, right, strict=True):
         subspace = rule.output_subspace(b, len(queries))

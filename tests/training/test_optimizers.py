@@ -20,7 +20,13 @@ from torch.func import functional_call
 from sklearn_pathkernel import DistanceKernelClassifier, ExactPathKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._updates import SolverSettings
+from sklearn_pathkernel._training._updates import (
+    AdamUpdate,
+    AdamWUpdate,
+    SGDUpdate,
+    SolverSettings,
+    UpdateRecord,
+)
 
 DTYPE = torch.float64
 SUM_TOL = 1e-9
@@ -267,3 +273,43 @@ def test_training_gram_is_symmetric_psd_and_consistent_with_queries(name):
     joint = clf.kernel_(np.vstack([queries, X]))
     np.testing.assert_allclose(cross, joint[:3, 3:], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(clf.kernel_.diag(queries), np.diag(joint)[:3], rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        SGDUpdate(),
+        SGDUpdate(momentum=0.9),
+        SGDUpdate(momentum=0.8, nesterov=True, weight_decay=0.01),
+        AdamUpdate(),
+        AdamWUpdate(weight_decay=0.1),
+    ],
+    ids=["sgd", "momentum", "nesterov-decay", "adam", "adamw"],
+)
+def test_backward_accumulation_matches_the_closed_form_mixing(rule):
+    # psi_r = sum_{s >= r} c_{s,r} u_s: the recursion against the closed form, on
+    # random u and a non-constant learning rate.
+    n_steps = 6
+    rates = [rule.rates(0.1 / (1 + s), s) for s in range(n_steps)]
+    record = UpdateRecord(
+        rule.buffer_decay,
+        rule.gradient_scale,
+        rule.coupled_decay,
+        np.array([r[0] for r in rates]),
+        np.array([r[1] for r in rates]),
+        np.array([r[2] for r in rates]),
+    )
+    u = torch.randn(n_steps, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    accumulation = record.backward()
+    for step in reversed(range(n_steps)):
+        (psi,) = accumulation.psi(step, [u[step]])
+        expected = sum(record.mixing(s, step) * u[s] for s in range(step, n_steps))
+        torch.testing.assert_close(psi, expected, rtol=1e-14, atol=1e-15)
+
+
+def test_backward_accumulation_refuses_steps_out_of_order():
+    record = UpdateRecord(0.9, 1.0, 0.0, np.ones(3), np.zeros(3), np.zeros(3))
+    accumulation = record.backward()
+    accumulation.psi(2, [torch.ones(1)])
+    with pytest.raises(ValueError, match="last to first"):
+        accumulation.psi(2, [torch.ones(1)])

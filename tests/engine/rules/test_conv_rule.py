@@ -135,7 +135,7 @@ def test_cnn_kernels_with_a_factored_layer_match_the_reference(cnn_case):
     engine = PathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
     kinds = [type(rule).__name__ for rule in engine.probe.rules]
     assert kinds == ["Conv2dRule", "Conv2dRule", "LinearRule"]
-    factors = engine.probe.factors(path.weights[0], X[:2])[1]
+    factors = engine.probe.factors(path.weights[0], X[:2])
     assert factors[0].grads is not None and factors[1].grads is None  # materialised, factored
     reference = NaivePathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
     A = torch.cat([X[:4], torch.tensor(np.random.RandomState(1).randn(3, 36))])

@@ -204,16 +204,16 @@ def test_per_row_t_equals_one_pass_per_distinct_t():
     start, direction = path.weights[2], path.step_direction(2)
     t = torch.rand(A.shape[0], dtype=DT)
     A = torch.as_tensor(A)
-    log_proba, factors = probe.factors(start, A, direction=direction, t=t)
-    train = probe.factors(start, torch.as_tensor(X[:6]))[1]
+    log_proba, factors = probe.output_and_factors(start, A, direction=direction, t=t)
+    train = probe.factors(start, torch.as_tensor(X[:6]))
     probe.per_row_t = False  # the fallback: one forward and backward per distinct t
     try:
-        log_proba_ref, factors_ref = probe.factors(start, A, direction=direction, t=t)
-        value_ref = probe.log_proba(start, A, direction, t)
+        log_proba_ref, factors_ref = probe.output_and_factors(start, A, direction=direction, t=t)
+        value_ref = probe.output(start, A, direction, t)
     finally:
         probe.per_row_t = True
     torch.testing.assert_close(log_proba, log_proba_ref, rtol=1e-13, atol=1e-14)
-    torch.testing.assert_close(probe.log_proba(start, A, direction, t), value_ref)
+    torch.testing.assert_close(probe.output(start, A, direction, t), value_ref)
     for rule, f, f_ref, g in zip(probe.rules, factors, factors_ref, train, strict=True):
         for mode in MODES:
             other = f if mode == "diag" else g

@@ -390,7 +390,7 @@ def test_probe_keeps_per_layer_rules_without_hazards(factory):
     assert JacobianRule not in [type(rule) for rule in probe.rules]
     # without an example, the dry run happens on the first rows evaluated
     lazy = NetworkProbe(module, path)
-    lazy.log_proba(path.weights[0], queries(n=2))
+    lazy.output(path.weights[0], queries(n=2))
     assert lazy.fallback_reason is None
 
 
@@ -399,7 +399,7 @@ def test_lazy_dry_run_finds_the_hazard():
     module = SharedLinear().to(DTYPE)
     path = trainable_path(module)
     probe = NetworkProbe(module, path)
-    log_proba, factors = probe.factors(path.weights[0], queries(n=3))
+    log_proba, factors = probe.output_and_factors(path.weights[0], queries(n=3))
     assert "called 2 times" in probe.fallback_reason
     torch.testing.assert_close(
         factors[0].grads, autograd_jacobians(module, path, path.weights[0], queries(n=3))
