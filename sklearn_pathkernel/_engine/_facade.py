@@ -29,7 +29,7 @@ import torch
 from joblib import Parallel, delayed
 from sklearn.utils import Bunch, gen_even_slices
 
-from .._training._losses import log_softmax
+from .._training._losses import CrossEntropy
 from . import _planning as _memory
 from ._device import loadable_device, on_host
 from ._features import StepFeatures
@@ -112,10 +112,12 @@ class PathKernelEngine:
         stays where it is (host memory or disk) and each step's weights are
         moved to the device when they are evaluated. Inputs of the public
         methods are moved to the device; results are numpy arrays.
-    link : callable, default=log_softmax
-        ``f`` from the module's output: the log-softmax of the classifiers, the
-        identity of the regressors (see ``_losses``). What each training point
-        contributes comes from the path's output gradients, for any loss.
+    loss : Loss, default=None
+        The training loss (``CrossEntropy()`` when None). Its ``link`` gives ``f``
+        from the module's output (the log-softmax of the classifiers, the identity
+        of the regressors); its ``certificate_tolerance`` is what the certificate
+        holds each step to. What each training point contributes comes from the
+        path's output gradients, for any loss.
     quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Integration of the test-copy features along each step.
     n_points : int, default=100
@@ -139,7 +141,7 @@ class PathKernelEngine:
         path,
         X_train,
         *,
-        link=log_softmax,
+        loss=None,
         quadrature="exact",
         n_points=100,
         n_nodes=4,
@@ -150,7 +152,8 @@ class PathKernelEngine:
         self.module = module
         self.path = path
         self.X_train = X_train
-        self.link = link
+        self.loss = CrossEntropy() if loss is None else loss
+        self.link = self.loss.link
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_nodes = n_nodes
@@ -158,7 +161,7 @@ class PathKernelEngine:
         self.n_jobs = n_jobs
         self.verbose = verbose
         self.device = X_train.device
-        self._probe = NetworkProbe(module, path, X_train[:1], link=link)
+        self._probe = NetworkProbe(module, path, X_train[:1], link=self.link)
         self.n_train = X_train.shape[0]
         self.n_outputs = self._probe.output(self._at(0), X_train[:1]).shape[1]
 

@@ -233,7 +233,7 @@ class BasePathEstimator(BaseEstimator):
                 self.module_,
                 self.path_,
                 self._fit_X,
-                link=self._loss.link,
+                loss=self._loss,
                 quadrature=self.quadrature,
                 n_points=self.n_points,
                 n_jobs=self.n_jobs,

@@ -45,6 +45,10 @@ def log_softmax(out):
 class Loss(ABC):
     """A training loss on ``f = link(module(x))``."""
 
+    #: The largest absolute error, in units of ``f``, that the certificate lets a
+    #: step's quadrature have before it integrates the step again more finely.
+    certificate_tolerance = 1e-11
+
     @abstractmethod
     def link(self, out):
         """``f`` from the module's output ``out`` (n, K)."""
