@@ -26,7 +26,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelClassifier
-from sklearn_pathkernel._engine.rules._layer_rules import Conv2dRule
+from sklearn_pathkernel._engine.rules._conv import Conv2dRule
+from sklearn_pathkernel._engine.rules._gradients import FactoredGradients
 
 
 class DigitsCNN(nn.Module):
@@ -76,7 +77,7 @@ def main():
     probe = clf._engine().probe
     layer_factors = probe.factors(clf.path_.weights[0], clf._fit_X[:1])
     forms = [
-        "factored" if factors.grads is None else "materialised"
+        "factored" if isinstance(factors, FactoredGradients) else "materialised"
         for rule, factors in zip(probe.rules, layer_factors, strict=True)
         if isinstance(rule, Conv2dRule)
     ]

@@ -32,7 +32,8 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 from sklearn_pathkernel import DistanceKernelClassifier
-from sklearn_pathkernel._engine.rules import _layer_rules
+from sklearn_pathkernel._engine.rules._registry import RULES
+from sklearn_pathkernel._nn._distance import DistanceLayer
 
 
 def fitted(args):
@@ -56,9 +57,9 @@ def fitted(args):
 
 def run(clf, X_train, X_query, variant):
     """Gram and decomposition with a fresh engine built under ``variant``."""
-    original = _layer_rules.make_distance_rule
+    original = RULES[DistanceLayer]
     if variant == "generic":
-        _layer_rules.make_distance_rule = lambda module, names: None
+        del RULES[DistanceLayer]
     try:
         clf.__dict__.pop("_kernel_cache", None)  # a new engine: new rules
         engine = clf._engine()
@@ -72,7 +73,7 @@ def run(clf, X_train, X_query, variant):
         parts = clf.decompose(X_query)
         decompose_time = time.perf_counter() - start
     finally:
-        _layer_rules.make_distance_rule = original
+        RULES[DistanceLayer] = original
         clf.__dict__.pop("_kernel_cache", None)
     identity = np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max()
     return {

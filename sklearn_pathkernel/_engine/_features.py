@@ -13,7 +13,7 @@ import torch
 
 from ._output_subspace import in_output_subspace
 from ._planning import rows_per_tile
-from .rules._layer_rules import row_sums
+from .rules._rows import row_sums
 
 
 class StepFeatures:

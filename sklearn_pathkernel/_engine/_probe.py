@@ -3,7 +3,13 @@
 One forward pass with hooks on the layers that own parameters, then one batched
 backward pass over the requested outputs, gives every layer's input ``a`` and
 back-propagated gradient ``delta`` at once; the layer rules turn them into
-factors (see ``_layer_rules``).
+factors (see ``rules``).
+
+The probe works on its own deep copy of the module (made once, at
+construction): its hooks and the per-row forwards it puts in place of some
+layers' ``forward`` live on that copy only, and are removed before every
+evaluation returns, so the module it was given (an estimator's ``module_``)
+is never touched and may be used from other threads meanwhile.
 
 The hooks see a layer's parameters only through that layer's own call. A network
 that uses a parameter any other way (a layer called twice, weights tied across
@@ -13,16 +19,18 @@ forward pass finds these, and the probe then differentiates the whole network
 at once instead (:class:`~sklearn_pathkernel._engine.rules._jacobian.JacobianRule`).
 """
 
+import copy
 import logging
 
 import torch
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from .._nested import nested_tensors
 from .._training._losses import log_softmax, output_cotangent
+from .rules import make_rule
 from .rules._jacobian import JacobianRule
-from .rules._layer_rules import make_rule
-from .rules._protocol import RowEvaluation
+from .rules._protocol import RowEvaluation, RowWeights
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +41,10 @@ class NetworkProbe:
     Parameters
     ----------
     module : torch.nn.Module
-        The network. Its own values are used only for parameters outside the
-        path (frozen ones, constants) and for one dry-run forward pass; they
-        are never changed.
+        The network, deep-copied once: the probe evaluates its copy. Its own
+        values are used only for parameters outside the path (frozen ones,
+        constants) and for one dry-run forward pass; the module itself is never
+        changed, patched or hooked.
     path : WeightPath
         Gives the parameter names and shapes of a flat weight vector.
     example : torch.Tensor of shape (n, ...) or None, default=None
@@ -52,6 +61,8 @@ class NetworkProbe:
 
     Attributes
     ----------
+    module : torch.nn.Module
+        The probe's own copy of the network.
     rules : list of LayerRule
         The per-layer rules, or the single ``JacobianRule``.
     layers : list of torch.nn.Module
@@ -64,6 +75,7 @@ class NetworkProbe:
     """
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
+        module = copy.deepcopy(module)
         self.module = module
         self.path = path
         self.link = link
@@ -103,9 +115,7 @@ class NetworkProbe:
 
     def _use_jacobian(self, reason):
         self.fallback_reason = reason
-        self.jacobian = JacobianRule(
-            self.module, self.path, tie_weights=self._tied, link=self.link
-        )
+        self.jacobian = JacobianRule(self.module, self.path, tie_weights=self._tied, link=self.link)
         self.layers, self.rules = [], [self.jacobian]
         logger.debug(
             "%s: per-sample Jacobians of the whole network instead of per-layer rules: %s",
@@ -163,7 +173,7 @@ class NetworkProbe:
         if steps is not None:
             for rule, layer in zip(self.rules, self.layers, strict=True):
                 if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
-                    layer.forward = _forward_at(rule, params, steps, t)
+                    layer.forward = _forward_at(rule, RowWeights(params, steps, t))
                     replaced.append(layer)
         try:
             out = functional_call(self.module, params, (X,), tie_weights=self._tied)
@@ -232,7 +242,7 @@ class NetworkProbe:
         self._ensure_checked(X)
         if self.jacobian is not None:
             # One vmap over the rows, each at its own weights: no pass per distinct t.
-            log_proba, factors = self.jacobian.factors(X, start, outputs, direction=direction, t=t)
+            log_proba, factors = self.jacobian.evaluate(X, start, outputs, direction=direction, t=t)
             return log_proba, [factors]
         result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
         return result.log_proba, result.factors
@@ -308,8 +318,8 @@ class NetworkProbe:
         grads = torch.autograd.grad(
             log_proba, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
         )
-        params = self.params(start)
-        row_params = row_steps = None
+        point = RowWeights(self.params(start))
+        row_weights = None
         if split is None:
             parts = [(slice(None), None)]
         else:
@@ -322,21 +332,17 @@ class NetworkProbe:
             else:
                 delta = (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
             at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
-            if at_own_t and row_params is None:
-                row_params = self.params(base)
+            if at_own_t and row_weights is None:
                 row_steps = None if row_t is None else self.params(base_direction)
+                row_weights = RowWeights(self.params(base), row_steps, row_t)
             for part_factors, (rows, picked) in zip(factors, parts, strict=True):
                 part_inputs, part_delta = tuple(x[rows] for x in inputs), delta[rows]
                 if picked is not None:  # (n, K, ...) -> (n, 1, ...)
                     weights = output_cotangent(picked, part_delta.shape[1], part_delta.dtype)
                     weights = weights.view(*weights.shape, *([1] * (part_delta.ndim - 2)))
                     part_delta = (part_delta * weights).sum(1, keepdim=True)
-                if at_own_t:
-                    part_t = None if row_t is None else row_t[rows]
-                    part = rule.factors(part_inputs, part_delta, row_params, row_steps, part_t)
-                else:
-                    part = rule.factors(part_inputs, part_delta, params)
-                part_factors.append(part)
+                at = row_weights.rows(rows) if at_own_t else point
+                part_factors.append(rule.factors(part_inputs, part_delta, at))
         if split is None:
             return log_proba.detach(), factors[0]
         return log_proba[: split[0]].detach(), factors
@@ -346,11 +352,11 @@ def _no_grad(tensor):
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def _forward_at(rule, params, steps, t):
-    """A layer's forward with row ``i`` at weights ``params + t_i steps`` (by its rule)."""
+def _forward_at(rule, weights):
+    """A layer's forward with row ``i`` at its own ``weights`` (by its rule)."""
 
     def forward(*inputs):
-        return rule.output_at(inputs, params, steps, t)
+        return rule.output_at(inputs, weights)
 
     return forward
 
@@ -542,21 +548,9 @@ class _ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        used = [self.owners[id(x)] for x in _tensors((args, kwargs)) if id(x) in self.owners]
-        if used and next(_tensors(result), None) is not None:
+        used = [self.owners[id(x)] for x in nested_tensors((args, kwargs)) if id(x) in self.owners]
+        if used and next(nested_tensors(result), None) is not None:
             for owner, full in used:
                 if not any(running is owner for running in self.stack):
                     self.outside.setdefault(full, owner)
         return result
-
-
-def _tensors(value):
-    """The tensors in nested tuples, lists and dicts (arguments and results)."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)

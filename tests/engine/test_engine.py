@@ -365,7 +365,8 @@ def test_generic_rule_per_example_gradients_match_a_loop():
     vmap over cotangents with unbatched inputs (what ``jacrev`` does): the rule
     must batch inputs and cotangents together.
     """
-    from sklearn_pathkernel._engine.rules._layer_rules import GenericRule
+    from sklearn_pathkernel._engine.rules._generic import GenericRule
+    from sklearn_pathkernel._engine.rules._protocol import RowWeights
     from sklearn_pathkernel._nn._distance import DistanceLayer
 
     torch.manual_seed(0)
@@ -373,7 +374,7 @@ def test_generic_rule_per_example_gradients_match_a_loop():
     rule = GenericRule(layer, ["memories", "bias"], ["memories", "bias"])
     x = torch.randn(5, 3, dtype=DTYPE)
     delta = torch.randn(5, 2, 4, dtype=DTYPE)
-    grads = rule.factors((x,), delta, dict(layer.named_parameters())).grads
+    grads = rule.factors((x,), delta, RowWeights(dict(layer.named_parameters()))).grads
     for i in range(5):
         for k in range(2):
             layer.zero_grad()

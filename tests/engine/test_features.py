@@ -13,13 +13,9 @@ from torch import nn
 
 from sklearn_pathkernel._engine._features import StepFeatures
 from sklearn_pathkernel._engine.integration._quadrature import pieces, piecewise_nodes
-from sklearn_pathkernel._engine.rules._layer_rules import (
-    Factors,
-    LinearRule,
-    first_of_rows,
-    row_outer_sums,
-    row_sums,
-)
+from sklearn_pathkernel._engine.rules._gradients import FactoredGradients
+from sklearn_pathkernel._engine.rules._linear import LinearRule
+from sklearn_pathkernel._engine.rules._rows import first_of_rows, row_outer_sums, row_sums
 
 DTYPE = torch.float64
 
@@ -37,7 +33,7 @@ def linear_case(d_in, d_out, n_outputs, nodes_per_row, constant_input, seed=0):
     else:
         inputs = torch.randn(rows.numel(), d_in, generator=gen, dtype=DTYPE)
     deltas = torch.randn(rows.numel(), n_outputs, d_out, generator=gen, dtype=DTYPE)
-    return layer, rows, weights, Factors(inputs=inputs, deltas=deltas), n_rows
+    return layer, rows, weights, FactoredGradients(inputs=inputs, deltas=deltas), n_rows
 
 
 def autograd_gradients(layer, inputs, deltas):
@@ -79,9 +75,9 @@ def test_linear_integrate_takes_the_expected_form(case):
     if case == "per-node":
         assert integral is None
         return
-    assert (integral.grads is None) == (case == "constant-input")
+    assert isinstance(integral, FactoredGradients) == (case == "constant-input")
     expected = integrated_gradients(layer, rows, weights, factors, n_rows)
-    torch.testing.assert_close(rule._materialised(integral), expected, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(rule.materialise(integral), expected, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -121,7 +117,7 @@ def test_step_features_inner_and_directional_match_autograd(case, mode):
     right_deltas = torch.randn(
         n_right, n_right_outputs, factors.deltas.shape[2], generator=gen, dtype=DTYPE
     )
-    right = Factors(inputs=right_inputs, deltas=right_deltas)
+    right = FactoredGradients(inputs=right_inputs, deltas=right_deltas)
     g_right = autograd_gradients(layer, right_inputs, right_deltas)
     if mode == "trace":
         expected = torch.einsum("nkw,mkw->nm", phi, g_right)
@@ -256,7 +252,7 @@ def test_linear_node_inner_weights_each_node(mode, names):
     layer, rows, weights, nodes, _ = linear_case(4, 3, 2, [2, 3, 1], constant_input=False)
     rule = LinearRule(layer, *names)
     gen = torch.Generator().manual_seed(1)
-    right = Factors(
+    right = FactoredGradients(
         inputs=torch.randn(5, 4, generator=gen, dtype=DTYPE),
         deltas=torch.randn(5, 2, 3, generator=gen, dtype=DTYPE),
     )

@@ -16,7 +16,8 @@ from sklearn_pathkernel._engine import _output_subspace as _output_subspace
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine._output_subspace import RANK_RTOL, OutputSubspace
 from sklearn_pathkernel._engine._probe import NetworkProbe
-from sklearn_pathkernel._engine.rules._layer_rules import Factors, LinearRule
+from sklearn_pathkernel._engine.rules._gradients import Gradients
+from sklearn_pathkernel._engine.rules._linear import LinearRule
 from sklearn_pathkernel._training._loop import train_module
 from sklearn_pathkernel._training._losses import SquaredError
 
@@ -104,7 +105,7 @@ def test_projection_keeps_trace_products_with_rows_outside_the_subspace(classifi
         projected_any = True
         expected = rule.inner(a, b, "trace")
         projected_b = rule.project_outputs(b, subspace)
-        for left_form in (a, Factors(grads=rule.materialise(a))):
+        for left_form in (a, Gradients(grads=rule.materialise(a))):
             got = rule.inner(rule.project_outputs(left_form, subspace), projected_b, "trace")
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13 * expected.abs().max())
     assert projected_any
@@ -206,8 +207,9 @@ def test_engine_grams_with_subspaces_match_independent_references(classifier, sp
     monkeypatch.setattr(
         LinearRule,
         "project_outputs",
-        lambda rule, factors, subspace: projected.append(subspace.rank)
-        or project(rule, factors, subspace),
+        lambda rule, factors, subspace: (
+            projected.append(subspace.rank) or project(rule, factors, subspace)
+        ),
     )
     engine = PathKernelEngine(module, path, X, tile_size=512 if split == "one task" else 7)
     expected = _training_gram_by_jacobians(module, path, X)

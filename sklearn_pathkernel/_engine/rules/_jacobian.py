@@ -1,13 +1,13 @@
 """The whole network as one rule: materialised per-sample Jacobians by ``torch.func``.
 
-The per-layer rules (``_layer_rules``) read each layer's input and back-propagated
-gradient from hooks on the layers that own parameters. That is right only when
-every such layer is called once per forward pass, returns a tensor, and is the
-only place its parameters are used. When a network breaks one of these (a layer
-applied twice, weights tied across modules, a parameter used in a parent's
-``forward``, ``nn.MultiheadAttention``...), the probe uses this rule instead: it
-needs nothing of the network but that a sample's output depends only on that
-sample and the parameters.
+The per-layer rules (``_linear``, ``_conv``, ``_distance``, ``_generic``) read
+each layer's input and back-propagated gradient from hooks on the layers that
+own parameters. That is right only when every such layer is called once per
+forward pass, returns a tensor, and is the only place its parameters are used.
+When a network breaks one of these (a layer applied twice, weights tied across
+modules, a parameter used in a parent's ``forward``, ``nn.MultiheadAttention``...),
+the probe uses this rule instead: it needs nothing of the network but that a
+sample's output depends only on that sample and the parameters.
 
 For row ``x`` at flat path weights ``w``, the rule forms the Jacobian of
 ``f(x; w) = link(module_w(x[None]))[0]`` with respect to ``w``: ``jacrev``
@@ -22,9 +22,8 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from ..._training._losses import log_softmax, output_cotangent
 from .._planning import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
-from ._contract import contract as _contract
-from ._layer_rules import Factors, row_sums
-from ._protocol import LayerRule, RowEvaluation
+from ._gradients import Gradients
+from ._protocol import LayerRule, RowEvaluation, RowWeights
 
 # Bytes per Jacobian entry held while a tile is evaluated (an estimate): the
 # result, jacrev's vector-Jacobian products before they are stacked into it, and
@@ -37,7 +36,7 @@ logger = logging.getLogger(__name__)
 class JacobianRule(LayerRule):
     """Every trainable parameter of a network at once, by per-sample Jacobians.
 
-    Factors are the materialised Jacobians ``Factors(grads=(n, K, W))`` in path
+    Factors are the materialised Jacobians, :class:`Gradients` (n, K, W) in path
     order (``W`` the number of weights in the path); inner products are matrix
     products of them.
 
@@ -66,6 +65,8 @@ class JacobianRule(LayerRule):
 
     # The probe's own forward passes (kink search, log-probabilities) run the
     # whole module at one scalar t per pass; ``factors`` takes per-row t itself.
+    # Not registered for any module type: the probe chooses it for the whole
+    # network (see ``per_layer_hazards``).
     row_evaluation = RowEvaluation.NONE
 
     def __init__(self, module, path, *, tie_weights=False, budget=None, link=log_softmax):
@@ -85,8 +86,10 @@ class JacobianRule(LayerRule):
         )
         return self.link(out)[0]
 
-    def factors(self, X, start, outputs=None, *, direction=None, t=None):
-        """Log-probabilities and per-sample Jacobians of the rows of ``X``.
+    def evaluate(self, X, start, outputs=None, *, direction=None, t=None):
+        """``f`` and the Jacobians of the rows of ``X`` at flat path weights (the
+        probe's call): :meth:`output_and_factors` with the rows' weights and
+        cotangents formed from the arguments below.
 
         Parameters
         ----------
@@ -100,29 +103,74 @@ class JacobianRule(LayerRule):
         direction : torch.Tensor of shape (W,) or None
         t : float, torch.Tensor of shape (n,) or None
             Row ``i`` is evaluated at ``start + t_i direction`` (all rows at
-            ``start`` when ``t`` is None). Per-row weights are formed tile by
-            tile, so one call evaluates every node of a step.
+            ``start`` when ``t`` is None; a scalar ``t`` moves ``start``, as the
+            probe's forward pass does).
 
         Returns
         -------
         log_proba : torch.Tensor of shape (n, K)
-        factors : Factors
-            ``grads`` holds the Jacobians, in path order.
+        factors : Gradients
         """
-        start = start.detach()
-        per_row = torch.is_tensor(t) and t.ndim > 0
-        if t is not None and not per_row:
-            # The same point as the probe's forward pass at a scalar t.
-            start, t = start + float(t) * direction.detach(), None
-        n, n_weights = X.shape[0], start.shape[0]
+        start, unflatten = start.detach(), self.path.unflatten
+        if torch.is_tensor(t) and t.ndim > 0:
+            weights = RowWeights(unflatten(start), unflatten(direction.detach()), t)
+        elif t is not None:
+            weights = RowWeights(unflatten(start + float(t) * direction.detach()))
+        else:
+            weights = RowWeights(unflatten(start))
+        n_outputs = self.n_outputs(X, weights)
+        if outputs is None:  # every output: the identity cotangents on f
+            eye = torch.eye(n_outputs, dtype=X.dtype, device=X.device)
+            delta = eye.expand(X.shape[0], n_outputs, n_outputs)
+        else:
+            delta = output_cotangent(outputs, n_outputs, X.dtype)[:, None]
+        return self.output_and_factors((X,), delta, weights)
+
+    def n_outputs(self, X, weights):
+        """``K``, the number of outputs of ``f``, from one row of ``X`` (one
+        forward pass of one row, without gradients)."""
+        row = X[0] if X.shape[0] else X.new_zeros(X.shape[1:])
+        with torch.no_grad():
+            return self._log_proba(self.flatten(weights.params).detach(), row).shape[0]
+
+    def factors(self, inputs, delta, weights):
+        """The per-sample Jacobians of the rows (see :meth:`output_and_factors`)."""
+        return self.output_and_factors(inputs, delta, weights)[1]
+
+    def output_and_factors(self, inputs, delta, weights):
+        """``f`` of the rows of ``X`` and their per-sample Jacobians.
+
+        Parameters
+        ----------
+        inputs : tuple of one torch.Tensor of shape (n, ...)
+            The network's input rows ``X``.
+        delta : torch.Tensor of shape (n, K', K)
+            Per row, the cotangents on ``f`` to differentiate: the identity
+            (every output: ``jacrev``, about K backward passes per row), or one
+            cotangent per row (K' = 1: a class code's one-hot, an output
+            gradient; one backward pass per row), or any K' cotangents (the
+            Jacobian contracted with them).
+        weights : RowWeights
+            Row ``i`` at ``params + t_i steps`` (all rows at ``params`` without
+            ``t``). Per-row weights are formed tile by tile, so one call
+            evaluates every node of a step.
+
+        Returns
+        -------
+        log_proba : torch.Tensor of shape (n, K)
+        factors : Gradients
+            The Jacobians (n, K', W), in path order.
+        """
+        X = inputs[0]
+        start = self.flatten(weights.params).detach()
+        per_row = weights.moving
+        direction = self.flatten(weights.steps).detach() if per_row else None
+        (n, kept, n_outputs), n_weights = delta.shape, start.shape[0]
         if n == 0:
-            with torch.no_grad():
-                n_outputs = self._log_proba(start, X.new_zeros(X.shape[1:])).shape[0]
-            kept = n_outputs if outputs is None else 1
-            return X.new_zeros((0, n_outputs)), Factors(grads=X.new_zeros((0, kept, n_weights)))
-        with torch.no_grad():  # one row's output, to size the tiles
-            n_outputs = self._log_proba(start, X[0]).shape[0]
-        kept = n_outputs if outputs is None else 1
+            return X.new_zeros((0, n_outputs)), Gradients(X.new_zeros((0, kept, n_weights)))
+        every = kept == n_outputs and torch.equal(
+            delta, torch.eye(n_outputs, dtype=delta.dtype, device=delta.device).expand_as(delta)
+        )
         # The result is materialised whole: refuse clearly rather than swap.
         check_fits(
             8 * n * kept * n_weights,
@@ -132,27 +180,28 @@ class JacobianRule(LayerRule):
             "size), or use a network whose parameterised layers are each called once per "
             "forward pass (see the probe's fallback_reason).",
         )
-        row_bytes = _BYTES_PER_ENTRY * kept * max(n_weights, 1)
-        size = rows_per_tile(n, row_bytes, self.budget)
+        row_bytes = _BYTES_PER_ENTRY * (n_outputs if not every and kept > 1 else kept)
+        size = rows_per_tile(n, row_bytes * max(n_weights, 1), self.budget)
         log_proba, grads = [], []
         for begin in range(0, n, size):
             rows = slice(begin, begin + size)
-            weights = start
+            tile_weights = start
             if per_row:
-                t_rows = t[rows].to(start.dtype)
-                weights = start + t_rows[:, None] * direction.detach()[None]
-            picked = None if outputs is None else outputs[rows]
-            values, jacobians = self._tile(X[rows], weights, picked, per_row, n_outputs)
+                t_rows = weights.t[rows].to(start.dtype)
+                tile_weights = start + t_rows[:, None] * direction[None]
+            picked = None if every else delta[rows]
+            values, jacobians = self._tile(X[rows], tile_weights, picked, per_row)
             log_proba.append(values)
             grads.append(jacobians)
-        return torch.cat(log_proba), Factors(grads=torch.cat(grads))
+        return torch.cat(log_proba), Gradients(torch.cat(grads))
 
-    def _tile(self, X, weights, outputs, per_row, n_outputs):
+    def _tile(self, X, weights, cotangents, per_row):
         """``(log_proba, grads)`` of a tile: ``vmap`` over its rows, or a loop over
-        them once ``vmap`` has failed on this module."""
+        them once ``vmap`` has failed on this module. ``cotangents`` (n, K', K)
+        or None for every output."""
         # Each row: its log-probabilities (aux) and the Jacobian of every output,
-        # or the gradient of its picked output or cotangent (one backward pass, not K).
-        if outputs is None:
+        # or the gradient of its one cotangent (one backward pass, not K).
+        if cotangents is None or cotangents.shape[1] > 1:
 
             def one_row(flat, x):
                 values = self._log_proba(flat, x)
@@ -165,13 +214,12 @@ class JacobianRule(LayerRule):
                 values = self._log_proba(flat, x)
                 return (values * cotangent).sum(), values.detach()
 
-            pick = output_cotangent(outputs, n_outputs, X.dtype)
-            per_row_fn, args = grad(one_output, has_aux=True), (weights, X, pick)
+            per_row_fn, args = grad(one_output, has_aux=True), (weights, X, cotangents[:, 0])
         in_dims = (0 if per_row else None, *([0] * (len(args) - 1)))
         if self.vmap_failure is None:
             try:
                 jacobians, log_proba = vmap(per_row_fn, in_dims=in_dims)(*args)
-                return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
+                return log_proba, _selected(jacobians, cotangents)
             except RuntimeError as error:
                 # E.g. data-dependent control flow or .item() in the forward pass,
                 # which vmap cannot batch: the same computation, row by row.
@@ -185,22 +233,29 @@ class JacobianRule(LayerRule):
             rows.append(per_row_fn(*row_args))
         jacobians = torch.stack([row[0] for row in rows])
         log_proba = torch.stack([row[1] for row in rows])
-        return log_proba, jacobians if outputs is None else jacobians.unsqueeze(1)
+        return log_proba, _selected(jacobians, cotangents)
 
     def inner(self, left, right, mode):
-        return _contract(left.grads, right.grads, mode)
+        return left.inner(right, mode)
 
     def directional(self, factors, direction):
-        return factors.grads @ self.flatten(direction)
+        return factors.directional(self.flatten(direction))
 
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Each row's weighted sum of its nodes' Jacobians (always cheaper than
         keeping one inner product per node: the Jacobians are materialised anyway)."""
-        return Factors(grads=row_sums(rows, weights, factors.grads, n_rows))
+        return factors.row_sums(rows, weights, n_rows)
 
     def materialise(self, factors):
         return factors.grads
 
-    def flatten(self, weights):
-        """The path's parameters of ``weights``, concatenated in path order."""
-        return torch.cat([weights[name].reshape(-1) for name in self.path_names])
+
+def _selected(jacobians, cotangents):
+    """(n, K', W): the Jacobians (n, K, W) of every output, contracted with
+    ``cotangents`` (n, K', K) when there are several; a single cotangent's
+    gradients (n, W) get their output axis back."""
+    if cotangents is None:
+        return jacobians
+    if cotangents.shape[1] == 1:
+        return jacobians.unsqueeze(1)
+    return torch.bmm(cotangents, jacobians)

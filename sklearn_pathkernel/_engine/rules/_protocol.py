@@ -1,8 +1,21 @@
-"""The layer rule protocol: what the engine needs of one parameterised layer."""
+"""The layer rule protocol: what the engine needs of one parameterised layer.
+
+A rule turns what the probe captured of its layer in one forward and one
+backward pass (the layer's inputs ``a`` and the back-propagated cotangents
+``delta_k = d f_k / d(layer output)``, one per kept output ``k``) into a
+*factor object*, and computes inner products of per-example gradients from two
+factor objects without forming the gradients where it can. Every rule is
+registered for its module type next to its class
+(:func:`~sklearn_pathkernel._engine.rules._registry.register_rule`).
+"""
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
+import torch
+
+from .._modes import OutputMode
 from ._contract import contract
 
 
@@ -16,13 +29,15 @@ class RowEvaluation(enum.Enum):
     ``MOVED_OUTPUT``
         The layer is linear in its weights: its output at ``w + t dw`` is its
         output at ``w`` plus ``t`` times its "moved" output, the layer applied
-        with ``dw`` (the rule's ``moved_output(inputs, steps)``).
+        with ``dw`` (:meth:`LinearInWeights.moved_output`). Cost: one more
+        application of the layer.
     ``OUTPUT_AT``
         The rule computes the layer's output at per-row weights itself
-        (``output_at(inputs, params, steps, t)``), and its ``factors`` take the
-        step's start, its direction and the rows' ``t``.
+        (:meth:`PerRowWeights.output_at`), in place of the layer's forward, and
+        its factors refer to the step's start, its direction and the rows' ``t``.
     ``NONE``
-        No per-row form: the probe evaluates one scalar ``t`` per pass.
+        No per-row form: the probe evaluates one scalar ``t`` per pass (one
+        forward and backward pass per distinct ``t``).
     """
 
     MOVED_OUTPUT = "moved_output"
@@ -30,37 +45,94 @@ class RowEvaluation(enum.Enum):
     NONE = "none"
 
 
+@dataclass(frozen=True)
+class RowWeights:
+    """Where the rows of a batch sit on the weight path: row ``i`` at ``params + t_i steps``.
+
+    Parameters
+    ----------
+    params : dict of str to torch.Tensor
+        Weights by path name (at the step's start when ``t`` is given).
+    steps : dict of str to torch.Tensor or None, default=None
+        The step's direction by path name; None when every row is at ``params``.
+    t : torch.Tensor of shape (n,) or None, default=None
+        Each row's point along the step; None when every row is at ``params``.
+    """
+
+    params: dict
+    steps: dict | None = None
+    t: torch.Tensor | None = None
+
+    @property
+    def moving(self):
+        """Whether the rows sit at their own points of a step (``steps`` and ``t`` given)."""
+        return self.steps is not None and self.t is not None
+
+    def rows(self, index):
+        """The same weights for a subset of the rows."""
+        return self if self.t is None else RowWeights(self.params, self.steps, self.t[index])
+
+
 class LayerRule(ABC):
     """What the engine needs of one parameterised layer (the rule protocol).
 
     A rule knows its layer's parameters in the weight path (``path_names``) and
     turns the layer's captured input and back-propagated gradient into
-    *factors*, from which it computes inner products of per-example gradients
-    without forming them. Every rule can also form them (:meth:`materialise`),
-    in its own layout of the layer's weights (:meth:`flatten` gives any
-    weight-space vector, e.g. a preconditioner, in that layout): elementwise
-    weightings of the gradients (Adam's preconditioner) work on that form.
+    *factors* (:meth:`factors`), from which it computes inner products of
+    per-example gradients without forming them. Every rule can also form them
+    (:meth:`materialise`), in its own layout of the layer's weights
+    (:meth:`flatten` gives any weight-space vector, e.g. a preconditioner, in
+    that layout): elementwise weightings of the gradients (Adam's
+    preconditioner) work on that form.
 
-    New layer types get a rule by subclassing this and being returned by
-    :func:`~sklearn_pathkernel._engine.rules._layer_rules.make_rule`, the one place rules
-    are chosen.
+    Factor objects have ``take(rows)`` (a subset of the rows), a static
+    ``cat(parts)`` (rows stacked) and ``nbytes``.
+
+    New layer types get a rule by subclassing this (or :class:`LinearInWeights`,
+    :class:`PerRowWeights`) and registering it for their module type with
+    :func:`~sklearn_pathkernel._engine.rules._registry.register_rule`.
     """
 
     path_names: list
-    #: How a row is evaluated at its own ``t`` (see :class:`RowEvaluation`); every
-    #: rule class sets it. The default is the one that is always correct.
+    #: How a row is evaluated at its own ``t`` (see :class:`RowEvaluation`). The
+    #: default is the one that is always correct.
     row_evaluation: RowEvaluation = RowEvaluation.NONE
+
+    @classmethod
+    def for_module(cls, module, names):
+        """This rule for ``module``, or None when the module's configuration has no
+        rule of this kind (the registry then falls back to the generic rule).
+
+        ``names`` maps the module's local parameter names that are in the path to
+        their path names."""
+        return None
+
+    @abstractmethod
+    def factors(self, inputs, delta, weights):
+        """The factors of a batch of rows.
+
+        Parameters
+        ----------
+        inputs : tuple of torch.Tensor
+            The layer's positional tensor inputs, rows first.
+        delta : torch.Tensor of shape (n, K, ...)
+            Per row and kept output ``k``, the cotangent of the layer's output
+            (``d f_k / d(layer output)``).
+        weights : RowWeights
+            The weights the rows sit at (the layer's own parameters among them).
+        """
 
     @abstractmethod
     def inner(self, left, right, mode):
         """Inner products of the per-example gradients of two factor batches.
 
-        ``mode``: ``"trace"`` (n, m), ``"pairs"`` (n, m, K, K') or ``"diag"`` (n,).
+        ``mode`` (:class:`~sklearn_pathkernel._engine._modes.OutputMode`): TRACE
+        (n, m), PAIRS (n, m, K, K') or DIAG (n,).
         """
 
     def node_inner(self, nodes, weights, right, mode):
         """``weights[e] * inner(node e, right row)``: the weighted inner products of
-        quadrature nodes with other rows, ``mode`` "trace" or "pairs" (see
+        quadrature nodes with other rows, ``mode`` TRACE or PAIRS (see
         :meth:`inner`). Rules whose products end in an elementwise pass fold the
         weights into it."""
         values = self.inner(nodes, right, mode)
@@ -69,9 +141,9 @@ class LayerRule(ABC):
     def dense_inner(self, dense, factors, mode):
         """Inner products of weight-space vectors with the per-example gradients of
         ``factors``: ``dense`` (n, K, W_layer), in the layout of
-        :meth:`materialise` (e.g. Adam's preconditioned features), ``mode``
-        "trace" or "pairs". Rules that can do it without forming the gradients
-        override this."""
+        :meth:`materialise` (e.g. Adam's preconditioned features), ``mode`` TRACE
+        or PAIRS. Cost ``O(n m K K' W)`` (and the m K' W gradients formed); rules
+        that can do it without forming the gradients override this."""
         return contract(dense, self.materialise(factors), mode)
 
     def metric_inner(self, left, right, scale, mode):
@@ -85,7 +157,7 @@ class LayerRule(ABC):
         :meth:`dense_inner`, ``O(n m K W)``. Rules whose gradients factor per
         output unit override this with a contraction per unit.
         """
-        if mode == "diag":
+        if mode == OutputMode.DIAG:
             return contract(self.materialise(left) * scale, self.materialise(right), mode)
         return self.dense_inner(self.materialise(left) * scale, right, mode)
 
@@ -122,12 +194,35 @@ class LayerRule(ABC):
         scaled = weights.view(-1, *([1] * (grads.ndim - 1))) * grads
         return grads.new_zeros((n_rows, *grads.shape[1:])).index_add_(0, rows, scaled)
 
-    @abstractmethod
     def flatten(self, weights):
         """The layer's part of a ``{path name: tensor}`` weight-space vector, (W_layer,),
-        in the layout of :meth:`materialise`."""
+        in the layout of :meth:`materialise`: by default its path parameters,
+        flattened and concatenated in ``path_names`` order."""
+        return torch.cat([weights[name].reshape(-1) for name in self.path_names])
 
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Factors of each row's weighted sum over its quadrature nodes, or None
         (keep one inner product per node). See ``StepFeatures``."""
         return None
+
+
+class LinearInWeights(LayerRule):
+    """A rule for a layer linear in its weights (``RowEvaluation.MOVED_OUTPUT``)."""
+
+    row_evaluation = RowEvaluation.MOVED_OUTPUT
+
+    @abstractmethod
+    def moved_output(self, inputs, steps):
+        """The layer applied with the weight change ``steps`` (``{path name: tensor}``):
+        its output at ``w + t dw`` is its output at ``w`` plus ``t`` times this."""
+
+
+class PerRowWeights(LayerRule):
+    """A rule that evaluates its layer at per-row weights (``RowEvaluation.OUTPUT_AT``)."""
+
+    row_evaluation = RowEvaluation.OUTPUT_AT
+
+    @abstractmethod
+    def output_at(self, inputs, weights):
+        """The layer's output with row ``i`` at its own weights (a :class:`RowWeights`),
+        in place of the layer's forward; differentiable with respect to the inputs."""

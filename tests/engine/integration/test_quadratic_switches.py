@@ -13,6 +13,7 @@ from sklearn_pathkernel._engine.integration._kinks import SwitchState, switch_st
 from sklearn_pathkernel._engine.integration._quadrature import _polynomial_switches, row_kinks
 from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import DistanceRule
+from sklearn_pathkernel._engine.rules._protocol import RowWeights
 from sklearn_pathkernel._nn._distance import DistanceLayer, Transform
 from sklearn_pathkernel._training._path import WeightPath
 
@@ -172,7 +173,7 @@ def test_dense_inner_against_autograd(kernel, mode, per_example_gradients):
     t = torch.rand(6, dtype=torch.float64)
     t[2] = 0.0
     delta = torch.randn(6, 3, 4, dtype=torch.float64)
-    factors = rule.factors((x,), delta, params, steps, t)
+    factors = rule.factors((x,), delta, RowWeights(params, steps, t))
     dense = torch.randn(7, 3 if mode == "trace" else 2, 4 * 5 + 4 * (2 if kernel == "rbf" else 1))
     dense = dense.to(torch.float64)
     expected = contract(dense, per_example_gradients(layer, names, x, delta, steps, t), mode)

@@ -14,7 +14,9 @@ from _reference import NaivePathKernelEngine
 from torch import nn
 
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._engine.rules._layer_rules import Conv2dRule
+from sklearn_pathkernel._engine.rules._conv import Conv2dRule
+from sklearn_pathkernel._engine.rules._gradients import FactoredGradients, Gradients
+from sklearn_pathkernel._engine.rules._protocol import RowWeights
 from sklearn_pathkernel._training._loop import train_module
 
 DTYPE = torch.float64
@@ -35,10 +37,10 @@ def conv_case(seed=0, weight=True, bias=True, **conv_kwargs):
 def both_forms(rule, inputs, delta, monkeypatch):
     """The factors of one batch, factored and materialised."""
     monkeypatch.setattr(Conv2dRule, "factored_is_cheaper", staticmethod(lambda *a: True))
-    factored = rule.factors(inputs, delta, None)
+    factored = rule.factors(inputs, delta, RowWeights({}))
     monkeypatch.setattr(Conv2dRule, "factored_is_cheaper", staticmethod(lambda *a: False))
-    materialised = rule.factors(inputs, delta, None)
-    assert factored.grads is None and materialised.grads is not None
+    materialised = rule.factors(inputs, delta, RowWeights({}))
+    assert isinstance(factored, FactoredGradients) and isinstance(materialised, Gradients)
     return factored, materialised
 
 
@@ -136,7 +138,7 @@ def test_cnn_kernels_with_a_factored_layer_match_the_reference(cnn_case):
     kinds = [type(rule).__name__ for rule in engine.probe.rules]
     assert kinds == ["Conv2dRule", "Conv2dRule", "LinearRule"]
     factors = engine.probe.factors(path.weights[0], X[:2])
-    assert factors[0].grads is not None and factors[1].grads is None  # materialised, factored
+    assert isinstance(factors[0], Gradients) and isinstance(factors[1], FactoredGradients)
     reference = NaivePathKernelEngine(module, path, X, quadrature="riemann", n_points=3)
     A = torch.cat([X[:4], torch.tensor(np.random.RandomState(1).randn(3, 36))])
     mask = np.arange(7) < 4

@@ -14,14 +14,16 @@ from torch.func import functional_call
 
 from sklearn_pathkernel import DistanceKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._engine.rules import _layer_rules
+from sklearn_pathkernel._engine.rules import make_rule
+from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import (
     FACTORED_KERNELS,
     DistanceFactors,
     DistanceRule,
-    _contract,
 )
-from sklearn_pathkernel._engine.rules._layer_rules import GenericRule, make_rule
+from sklearn_pathkernel._engine.rules._generic import GenericRule
+from sklearn_pathkernel._engine.rules._protocol import RowWeights
+from sklearn_pathkernel._engine.rules._registry import RULES
 from sklearn_pathkernel._nn._distance import DistanceLayer
 
 DT = torch.float64
@@ -65,13 +67,13 @@ def generic_grads(layer, local, params, x, delta, steps=None, t=None):
     """Per-example gradients (n, K, W) by torch.func, row i at weights params + t_i steps."""
     rule = GenericRule(layer, local, [f"d.{name}" for name in local])
     if t is None:
-        return rule.factors((x,), delta, params).grads
+        return rule.factors((x,), delta, RowWeights(params)).grads
     return torch.cat(
         [
             rule.factors(
                 (x[i : i + 1],),
                 delta[i : i + 1],
-                {name: value + t[i] * steps[name] for name, value in params.items()},
+                RowWeights({name: value + t[i] * steps[name] for name, value in params.items()}),
             ).grads
             for i in range(x.shape[0])
         ]
@@ -88,7 +90,8 @@ def assert_close(actual, expected, rtol=1e-12):
 def side(layer, local, params, steps, x, delta, t, moving):
     names = {name: f"d.{name}" for name in local}
     rule = DistanceRule(layer, names)
-    factors = rule.factors((x,), delta, params, steps if moving else None, t if moving else None)
+    weights = RowWeights(params, steps, t) if moving else RowWeights(params)
+    factors = rule.factors((x,), delta, weights)
     grads = generic_grads(layer, local, params, x, delta, steps, t if moving else None)
     return rule, factors, grads
 
@@ -107,11 +110,11 @@ def test_inner_and_directional_equal_materialised_gradients(kernel, bias):
         rule, left, g_left = side(layer, local, params, steps, x, dx, tx, left_moving)
         _, right, g_right = side(layer, local, params, steps, y, dy, ty, right_moving)
         for mode in ("trace", "pairs"):
-            assert_close(rule.inner(left, right, mode), _contract(g_left, g_right, mode))
+            assert_close(rule.inner(left, right, mode), contract(g_left, g_right, mode))
         # One output per right row (the decomposition's training side).
         _, right, g_right = side(layer, local, params, steps, y, dy[:, 1:2], ty, right_moving)
-        assert_close(rule.inner(left, right, "pairs"), _contract(g_left, g_right, "pairs"))
-        assert_close(rule.inner(left, left, "diag"), _contract(g_left, g_left, "diag"))
+        assert_close(rule.inner(left, right, "pairs"), contract(g_left, g_right, "pairs"))
+        assert_close(rule.inner(left, left, "diag"), contract(g_left, g_left, "diag"))
         assert_close(rule.directional(left, direction), g_left @ flat)
 
 
@@ -127,7 +130,7 @@ def test_only_the_parameters_in_the_path(kernel):
         rule, left, g_left = side(layer, local, params, steps, x, dx, tx, True)
         _, right, g_right = side(layer, local, params, steps, x, dx, tx, False)
         for mode in MODES:
-            assert_close(rule.inner(left, right, mode), _contract(g_left, g_right, mode))
+            assert_close(rule.inner(left, right, mode), contract(g_left, g_right, mode))
         direction = {name: torch.randn_like(value) for name, value in params.items()}
         flat = torch.cat([direction[f"d.{name}"].reshape(-1) for name in local])
         assert_close(rule.directional(left, direction), g_left @ flat)
@@ -143,13 +146,13 @@ def test_factors_at_other_memories_and_concatenated_factors(kernel):
     rule, start, g_start = side(layer, local, params, steps, x, dx, tx, False)
     moved = {name: value + 0.5 * steps[name] for name, value in params.items()}
     _, other, g_other = side(layer, local, moved, steps, x, dx, tx, False)
-    assert_close(rule.inner(start, other, "trace"), _contract(g_start, g_other, "trace"))
+    assert_close(rule.inner(start, other, "trace"), contract(g_start, g_other, "trace"))
     _, along, g_along = side(layer, local, params, steps, x, dx, tx, True)
     both = DistanceFactors.cat([start, along])
     g_both = torch.cat([g_start, g_along])
-    assert_close(rule.inner(both, both, "trace"), _contract(g_both, g_both, "trace"))
+    assert_close(rule.inner(both, both, "trace"), contract(g_both, g_both, "trace"))
     assert_close(
-        rule.inner(both.take([7, 2]), both, "pairs"), _contract(g_both[[7, 2]], g_both, "pairs")
+        rule.inner(both.take([7, 2]), both, "pairs"), contract(g_both[[7, 2]], g_both, "pairs")
     )
 
 
@@ -161,7 +164,7 @@ def test_output_at_per_row_weights_equals_the_layer_at_explicit_weights(kernel):
     x, _, t = rows(layer, 7, seed=5)
     x.requires_grad_(True)
     cotangent = torch.randn(7, N_MEMORIES, dtype=DT)
-    out = DistanceRule(layer, names).output_at((x,), params, steps, t)
+    out = DistanceRule(layer, names).output_at((x,), RowWeights(params, steps, t))
     (grad,) = torch.autograd.grad((out * cotangent).sum(), x)
     for i in range(7):
         weights = {name: params[f"d.{name}"] + t[i] * steps[f"d.{name}"] for name in local}
@@ -227,7 +230,7 @@ def test_engine_grams_equal_the_generic_rule(monkeypatch):
     args = clf.module_, clf.path_, clf._fit_X
     factored = PathKernelEngine(*args)
     assert {type(rule).__name__ for rule in factored.probe.rules} == {"DistanceRule", "LinearRule"}
-    monkeypatch.setattr(_layer_rules, "make_distance_rule", lambda module, names: None)
+    monkeypatch.delitem(RULES, DistanceLayer)
     generic = PathKernelEngine(*args)
     assert not generic.probe.per_row_t
     A, X_train = torch.as_tensor(A[:3]), clf._fit_X

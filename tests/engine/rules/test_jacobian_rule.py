@@ -286,7 +286,7 @@ def test_factors_match_autograd_jacobians(factory):
     start, direction = path.weights[0], path.step_direction(0)
     # budget=1: one row per tile, so that tiles are stitched together too
     for rule in (JacobianRule(module, path), JacobianRule(module, path, budget=1)):
-        log_proba, factors = rule.factors(X, start)
+        log_proba, factors = rule.evaluate(X, start)
         expected = autograd_jacobians(module, path, start, X)
         torch.testing.assert_close(factors.grads, expected, rtol=1e-10, atol=1e-12)
         with torch.no_grad():
@@ -294,17 +294,17 @@ def test_factors_match_autograd_jacobians(factory):
         torch.testing.assert_close(log_proba, own, rtol=1e-12, atol=1e-13)
 
         outputs = torch.tensor([2, 0, 1, 2])
-        _, picked = rule.factors(X, start, outputs)
+        _, picked = rule.evaluate(X, start, outputs)
         torch.testing.assert_close(
             picked.grads[:, 0], expected[torch.arange(4), outputs], rtol=1e-10, atol=1e-12
         )
 
         t = torch.tensor([0.0, 0.25, 0.9, 1.0], dtype=DTYPE)
-        _, moving = rule.factors(X, start, direction=direction, t=t)
+        _, moving = rule.evaluate(X, start, direction=direction, t=t)
         for i in range(4):
             at_t = autograd_jacobians(module, path, start + float(t[i]) * direction, X[i : i + 1])
             torch.testing.assert_close(moving.grads[i : i + 1], at_t, rtol=1e-10, atol=1e-12)
-        _, scalar = rule.factors(X, start, direction=direction, t=0.5)
+        _, scalar = rule.evaluate(X, start, direction=direction, t=0.5)
         at_half = autograd_jacobians(module, path, start + 0.5 * direction, X)
         torch.testing.assert_close(scalar.grads, at_half, rtol=1e-10, atol=1e-12)
 
@@ -316,12 +316,12 @@ def test_rows_one_by_one_when_vmap_cannot_batch_the_forward():
     rule = JacobianRule(module, path)
     X, start, direction = queries(n=3), path.weights[0], path.step_direction(0)
     t = torch.tensor([0.1, 0.5, 0.7], dtype=DTYPE)
-    _, factors = rule.factors(X, start, direction=direction, t=t)
+    _, factors = rule.evaluate(X, start, direction=direction, t=t)
     assert "vmap" in rule.vmap_failure
     for i in range(3):
         expected = autograd_jacobians(module, path, start + float(t[i]) * direction, X[i : i + 1])
         torch.testing.assert_close(factors.grads[i : i + 1], expected, rtol=1e-10, atol=1e-12)
-    _, picked = rule.factors(X, start, torch.tensor([1, 2, 0]))
+    _, picked = rule.evaluate(X, start, torch.tensor([1, 2, 0]))
     expected = autograd_jacobians(module, path, start, X)[torch.arange(3), [1, 2, 0]]
     torch.testing.assert_close(picked.grads[:, 0], expected, rtol=1e-10, atol=1e-12)
 
@@ -334,7 +334,7 @@ def test_refuses_jacobians_that_do_not_fit(monkeypatch):
     path = trainable_path(module)
     monkeypatch.setattr(memory, "available_memory", lambda: 1000)
     with pytest.raises(MemoryError, match="whole-network fallback"):
-        JacobianRule(module, path).factors(queries(n=4), path.weights[0])
+        JacobianRule(module, path).evaluate(queries(n=4), path.weights[0])
 
 
 def test_protocol_operations_match_materialised_jacobians():
@@ -347,7 +347,7 @@ def test_protocol_operations_match_materialised_jacobians():
     A, B = queries(n=3, seed=2), queries(n=4, seed=3)
     J_a = autograd_jacobians(module, path, start, A)
     J_b = autograd_jacobians(module, path, start, B)
-    left, right = rule.factors(A, start)[1], rule.factors(B, start)[1]
+    left, right = rule.evaluate(A, start)[1], rule.evaluate(B, start)[1]
     torch.testing.assert_close(
         rule.inner(left, right, "pairs"), torch.einsum("nkw,mjw->nmkj", J_a, J_b)
     )

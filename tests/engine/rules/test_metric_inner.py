@@ -15,8 +15,10 @@ from torch import nn
 
 from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import DistanceRule
-from sklearn_pathkernel._engine.rules._layer_rules import Factors, LinearRule
-from sklearn_pathkernel._engine.rules._protocol import LayerRule
+from sklearn_pathkernel._engine.rules._distance._family import KernelFamily
+from sklearn_pathkernel._engine.rules._gradients import FactoredGradients, Gradients
+from sklearn_pathkernel._engine.rules._linear import LinearRule
+from sklearn_pathkernel._engine.rules._protocol import LayerRule, RowWeights
 from sklearn_pathkernel._nn._distance import DistanceLayer
 
 DTYPE = torch.float64
@@ -48,7 +50,9 @@ def test_linear_metric_inner_against_autograd(names, n_outputs, per_example_grad
     def side(n):
         x = torch.randn(n, 4, generator=gen, dtype=DTYPE)
         delta = torch.randn(n, n_outputs, 5, generator=gen, dtype=DTYPE)
-        return Factors(inputs=x, deltas=delta), per_example_gradients(layer, path, x, delta)
+        return FactoredGradients(inputs=x, deltas=delta), per_example_gradients(
+            layer, path, x, delta
+        )
 
     (left, g_left), (right, g_right) = side(6), side(7)
     scale = torch.rand(g_left.shape[2], generator=gen, dtype=DTYPE) + 0.1
@@ -59,7 +63,7 @@ def test_linear_metric_inner_against_autograd(names, n_outputs, per_example_grad
         # the protocol's default (materialised) agrees
         assert_close(LayerRule.metric_inner(rule, left, other, scale, mode), reference)
         # materialised factors take the default
-        dense = Factors(grads=g_left)
+        dense = Gradients(grads=g_left)
         assert_close(rule.metric_inner(dense, other, scale, mode), reference)
 
 
@@ -70,7 +74,7 @@ def test_linear_metric_inner_in_blocks_of_units(monkeypatch, per_example_gradien
     rule = LinearRule(layer, "weight", "bias")
     x = torch.randn(5, 3, generator=gen, dtype=DTYPE)
     delta = torch.randn(5, 4, 4, generator=gen, dtype=DTYPE)
-    factors = Factors(inputs=x, deltas=delta)
+    factors = FactoredGradients(inputs=x, deltas=delta)
     scale = torch.rand(16, generator=gen, dtype=DTYPE)
     whole = rule.metric_inner(factors, factors, scale, "trace")
     monkeypatch.setattr("sklearn_pathkernel._engine._planning.BLOCK_BUDGET_BYTES", 1)
@@ -94,7 +98,7 @@ def test_linear_dense_inner_against_autograd(names, n_dense, per_example_gradien
         grads = per_example_gradients(layer, path, x, delta)
         dense = torch.randn(n_dense, 3, grads.shape[2], generator=gen, dtype=DTYPE)
         for mode in modes:
-            actual = rule.dense_inner(dense, Factors(inputs=x, deltas=delta), mode)
+            actual = rule.dense_inner(dense, FactoredGradients(inputs=x, deltas=delta), mode)
             assert_close(actual, contract(dense, grads, mode))
 
 
@@ -139,7 +143,7 @@ def test_distance_metric_inner_against_autograd(kernel, n_outputs, per_example_g
 
     def side(x, delta, t, moving):
         t = t if moving else None
-        factors = rule.factors((x,), delta, params, steps if moving else None, t)
+        factors = rule.factors((x,), delta, RowWeights(params, steps if moving else None, t))
         return factors, per_example_gradients(layer, names, x, delta, steps, t)
 
     for left_moving, right_moving in itertools.product([False, True], repeat=2):
@@ -163,15 +167,15 @@ def test_distance_metric_inner_of_integrated_features(kernel, monkeypatch, per_e
     t = torch.rand(node_rows.numel(), generator=gen, dtype=DTYPE)
     weights = torch.rand(node_rows.numel(), generator=gen, dtype=DTYPE)
     delta = torch.randn(node_rows.numel(), 3, 4, generator=gen, dtype=DTYPE)
-    nodes = rule.factors((x[node_rows],), delta, params, steps, t)
+    nodes = rule.factors((x[node_rows],), delta, RowWeights(params, steps, t))
     integrated = rule.integrate(node_rows, weights, nodes, 3)
-    assert "sigma_t" in integrated.rows
+    assert integrated.sigma_t is not None
     g_nodes = per_example_gradients(layer, names, x[node_rows], delta, steps, t)
     g_left = torch.zeros(3, *g_nodes.shape[1:], dtype=DTYPE).index_add_(
         0, node_rows, weights[:, None, None] * g_nodes
     )
     y, dy, _ = distance_rows(layer, 7, 3, seed=6)
-    right = rule.factors((y,), dy, params)
+    right = rule.factors((y,), dy, RowWeights(params))
     g_right = per_example_gradients(layer, names, y, dy)
     scale = torch.rand(g_left.shape[2], generator=gen, dtype=DTYPE) + 0.1
     for mode in ("trace", "pairs"):
@@ -191,16 +195,16 @@ def test_the_contractions_do_not_materialise(monkeypatch):
 
     gen = torch.Generator().manual_seed(7)
     linear = LinearRule(nn.Linear(4, 5).to(DTYPE), "weight", "bias")
-    factors = Factors(
+    factors = FactoredGradients(
         inputs=torch.randn(6, 4, generator=gen, dtype=DTYPE),
         deltas=torch.randn(6, 3, 5, generator=gen, dtype=DTYPE),
     )
     layer, _, distance, params, steps = distance_case("rbf")
     x, delta, t = distance_rows(layer, 6, 3, seed=8)
-    left = distance.factors((x,), delta, params, steps, t)
-    right = distance.factors((x,), delta, params)
+    left = distance.factors((x,), delta, RowWeights(params, steps, t))
+    right = distance.factors((x,), delta, RowWeights(params))
     monkeypatch.setattr(LinearRule, "materialise", refuse)
     monkeypatch.setattr(DistanceRule, "materialise", refuse)
-    monkeypatch.setattr(DistanceRule, "_materialise", refuse)
+    monkeypatch.setattr(KernelFamily, "materialise", refuse)
     linear.metric_inner(factors, factors, torch.ones(25, dtype=DTYPE), "trace")
     distance.metric_inner(left, right, torch.ones(28, dtype=DTYPE), "trace")

@@ -20,8 +20,8 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 
 from sklearn_pathkernel import DistanceLayer, ExactPathKernelClassifier
+from sklearn_pathkernel._engine.rules._generic import GenericRule
 from sklearn_pathkernel._engine.rules._jacobian import JacobianRule
-from sklearn_pathkernel._engine.rules._layer_rules import GenericRule
 
 N_FEATURES, N_CLASSES = 6, 3
 SUM_TOL = 1e-9

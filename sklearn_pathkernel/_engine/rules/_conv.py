@@ -1,0 +1,177 @@
+"""The rule of ``nn.Conv2d``: per-example gradients from the unfolded input (im2col).
+
+With columns ``u_p`` (the unfolded input at output position ``p``, plus a
+constant 1 for the bias) and back-propagated cotangents ``delta_p``, the
+per-example gradient is ``g_k = sum_p delta_kp u_p^T``, and
+
+    <g_ik, g_jk'> = sum_{p, q} (u_ip . u_jq) (delta_ikp . delta_jk'q).
+
+The factored form costs ``P^2 (d_in + d_out)`` per pair of rows (``P``
+positions), the materialised one ``d_out d_in`` (plus ``d_out d_in`` numbers per
+row and output to form): the rule picks the factored form when it is cheaper,
+typically for late layers with many channels on few positions, and the
+materialised one (the gradient formed per layer: one kernel's worth of
+weights) otherwise.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._modes import OutputMode
+from ._contract import contract
+from ._gradients import FactoredGradients, Gradients
+from ._protocol import LinearInWeights
+from ._registry import register_rule
+
+# Memory for one chunk of the factored convolution's (rows, rows, P, P) intermediates.
+_CONV_CHUNK_BYTES = 64 * 2**20
+
+
+def _factored(*factors):
+    return all(isinstance(f, FactoredGradients) for f in factors)
+
+
+@register_rule(nn.Conv2d)
+class Conv2dRule(LinearInWeights):
+    """``nn.Conv2d`` (one group, zero padding given as numbers).
+
+    Factors are :class:`FactoredGradients` of the columns (n, d_in', P) and the
+    cotangents (n, K, d_out, P), or the :class:`Gradients` (n, K, d_out d_in'),
+    per output channel its kernel's weights then its bias.
+
+    Parameters
+    ----------
+    module : torch.nn.Conv2d
+    weight_name, bias_name : str or None
+        The path names of the weight and the bias; None for one not in the path.
+    """
+
+    def __init__(self, module, weight_name, bias_name):
+        self.module = module
+        self.weight_name, self.bias_name = weight_name, bias_name
+        self.path_names = [name for name in (weight_name, bias_name) if name is not None]
+
+    @classmethod
+    def for_module(cls, module, names):
+        local = {name for name, _ in module.named_parameters(recurse=False)}
+        supported = (
+            local <= {"weight", "bias"}
+            and module.groups == 1
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
+        )
+        return cls(module, names.get("weight"), names.get("bias")) if supported else None
+
+    def materialise(self, factors):
+        if _factored(factors):
+            return _conv_grads(factors.inputs, factors.deltas)
+        return factors.grads
+
+    def flatten(self, weights):
+        """Per output channel: its kernel's weights, then its bias (the column layout)."""
+        return self._step_matrix(weights).reshape(-1)
+
+    def moved_output(self, inputs, steps):
+        """The convolution applied with the weight change ``steps`` (it is linear in them)."""
+        conv = self.module
+        weight = steps[self.weight_name] if self.weight_name else torch.zeros_like(conv.weight)
+        bias = steps[self.bias_name] if self.bias_name else None
+        return F.conv2d(inputs[0], weight, bias, conv.stride, conv.padding, conv.dilation)
+
+    def _columns(self, x, n_positions):
+        """(n, d_in', P): unfolded input, with a row of ones when the bias is in the path."""
+        conv, parts = self.module, []
+        if self.weight_name is not None:
+            parts.append(F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride))
+        if self.bias_name is not None:
+            parts.append(torch.ones((x.shape[0], 1, n_positions), dtype=x.dtype, device=x.device))
+        return torch.cat(parts, dim=1)
+
+    def _step_matrix(self, direction):
+        """The weight change as (d_out, d_in'), laid out like the columns."""
+        parts = []
+        if self.weight_name is not None:
+            weight = direction[self.weight_name]
+            parts.append(weight.reshape(weight.shape[0], -1))
+        if self.bias_name is not None:
+            parts.append(direction[self.bias_name][:, None])
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def factored_is_cheaper(n_positions, d_in, d_out):
+        """Per pair of rows: ``P^2 (d_in + d_out)`` (factored) vs ``d_in d_out``."""
+        return n_positions**2 * (d_in + d_out) < d_in * d_out
+
+    def factors(self, inputs, delta, weights):
+        """Columns and cotangents, or the gradients ``sum_p delta_p u_p^T`` when
+        that is cheaper (:meth:`factored_is_cheaper`)."""
+        delta = delta.flatten(3)  # (n, K, C_out, H_out, W_out) -> (n, K, C_out, P)
+        columns = self._columns(inputs[0], delta.shape[-1])  # (n, d_in', P)
+        if self.factored_is_cheaper(delta.shape[-1], columns.shape[1], delta.shape[2]):
+            return FactoredGradients(columns, delta)
+        return Gradients(_conv_grads(columns, delta))
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Each row's weighted sum of materialised gradients over its nodes (None
+        for the factored form: its columns change from node to node)."""
+        if _factored(factors):
+            return None
+        return factors.row_sums(rows, weights, n_rows)
+
+    def inner(self, left, right, mode):
+        """The factored sum over position pairs when both sides are factored
+        (``O(n m P Q (d_in' + K K' d_out))`` in PAIRS mode), else a contraction
+        of the gradients (``O(n m K K' d_out d_in')``)."""
+        if _factored(left, right):
+            return _factored_conv_inner(left.inputs, left.deltas, right.inputs, right.deltas, mode)
+        return contract(self.materialise(left), self.materialise(right), mode)
+
+    def directional(self, factors, direction):
+        """``sum_p delta_kp . (dW u_p)`` per row and output, (n, K)."""
+        step = self._step_matrix(direction)  # (d_out, d_in')
+        if not _factored(factors):
+            return factors.directional(step.reshape(-1))
+        moved = torch.einsum("od,ndp->nop", step, factors.inputs)
+        return torch.einsum("nkop,nop->nk", factors.deltas, moved)
+
+
+def _conv_grads(columns, delta):
+    """Materialised per-example gradients (n, K, d_out * d_in') of a convolution."""
+    return torch.einsum("nkop,nip->nkoi", delta, columns).flatten(2)
+
+
+def _factored_conv_inner(u, du, v, dv, mode):
+    """``sum_{p,q} (u_ip . v_jq) (du_ikp . dv_jk'q)`` in ``mode`` (see ``contract``).
+
+    ``u`` (n, d, P) and ``v`` (m, d, Q) are columns; ``du`` (n, K, o, P) and
+    ``dv`` (m, K', o, Q) back-propagated gradients. Rows of the left side are
+    taken in chunks so the (chunk, m, P, Q) intermediates stay small.
+    """
+    if mode == OutputMode.DIAG:
+        columns = torch.einsum("ndp,ndq->npq", u, v)
+        deltas = torch.einsum("nkop,nkoq->npq", du, dv)
+        return (columns * deltas).sum((1, 2))
+    trace = mode == OutputMode.TRACE
+    n, m = u.shape[0], v.shape[0]
+    P, Q, K, J, o = u.shape[-1], v.shape[-1], du.shape[1], dv.shape[1], du.shape[2]
+    # Per left row: the (m, P, Q) column Gram and the (K, P) x (m, J, Q) delta Gram.
+    width = m * P * Q * (2 if trace else 1 + K * J)
+    chunk = max(1, int(_CONV_CHUNK_BYTES // (8 * max(width, 1))))
+    right = dv.permute(0, 1, 3, 2).reshape(m * J * Q, o)  # rows (j, q) of each right row
+    parts = []
+    for begin in range(0, n, chunk):
+        rows = slice(begin, begin + chunk)
+        columns = torch.einsum("cdp,mdq->cmpq", u[rows], v)
+        if trace:
+            deltas = torch.einsum("ckop,mkoq->cmpq", du[rows], dv)
+            parts.append((columns * deltas).sum((2, 3)))
+            continue
+        c = columns.shape[0]
+        left = du[rows].permute(0, 1, 3, 2).reshape(c * K * P, o)
+        deltas = (left @ right.T).view(c, K, P, m, J, Q)  # one matrix product
+        parts.append(torch.einsum("cmpq,ckpmjq->cmkj", columns, deltas))
+    if not parts:
+        shape = (0, m) if trace else (0, m, K, J)
+        return torch.zeros(shape, dtype=u.dtype, device=u.device)
+    return torch.cat(parts)

@@ -1,0 +1,90 @@
+"""Factor objects of the rules whose per-example gradients are outer products.
+
+A layer applied as ``z = W a + b`` (along extra axes: positions of a
+convolution) has per-example gradients ``g_k = delta_k [a, 1]^T`` (summed over
+the positions): :class:`FactoredGradients` keeps ``a`` and ``delta``, which is
+what the factored inner products need; :class:`Gradients` keeps the gradients
+themselves (the generic and whole-network rules, and layers where the
+factored form would cost more).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ._contract import contract
+from ._rows import row_sums
+
+
+@dataclass(frozen=True, slots=True)
+class Gradients:
+    """Materialised per-example gradients of a batch.
+
+    Parameters
+    ----------
+    grads : torch.Tensor of shape (n, K, W_layer)
+        Per row and kept output, the gradient in the rule's layout.
+    """
+
+    grads: torch.Tensor
+
+    def take(self, rows):
+        """The gradients of a subset of rows."""
+        return Gradients(self.grads[rows])
+
+    @staticmethod
+    def cat(parts):
+        """Stack the rows of several batches of the same layer."""
+        return Gradients(torch.cat([part.grads for part in parts]))
+
+    @property
+    def nbytes(self):
+        """Memory held by the gradients."""
+        return self.grads.nbytes
+
+    def inner(self, other, mode):
+        """Inner products with another batch's gradients (see ``contract``):
+        ``O(n m K W)``."""
+        return contract(self.grads, other.grads, mode)
+
+    def directional(self, step):
+        """``<g_k, step>`` per row and output, (n, K), for a flat ``step`` (W_layer,)."""
+        return self.grads @ step
+
+    def row_sums(self, rows, weights, n_rows):
+        """Each row's weighted sum of its nodes' gradients (see ``row_sums``)."""
+        return Gradients(row_sums(rows, weights, self.grads, n_rows))
+
+
+@dataclass(frozen=True, slots=True)
+class FactoredGradients:
+    """Per-example gradients ``g_k = sum_p delta_kp [a_p, 1]^T`` kept as their factors.
+
+    Parameters
+    ----------
+    inputs : torch.Tensor of shape (n, d_in) or (n, d_in', P)
+        The layer's input per row (a linear layer), or its columns per output
+        position ``p`` (a convolution's unfolded input, with a row of ones for
+        the bias).
+    deltas : torch.Tensor of shape (n, K, d_out) or (n, K, d_out, P)
+        The back-propagated cotangents of the layer's output, per kept output.
+    """
+
+    inputs: torch.Tensor
+    deltas: torch.Tensor
+
+    def take(self, rows):
+        """The factors of a subset of rows."""
+        return FactoredGradients(self.inputs[rows], self.deltas[rows])
+
+    @staticmethod
+    def cat(parts):
+        """Stack the rows of several batches of the same layer."""
+        return FactoredGradients(
+            torch.cat([part.inputs for part in parts]), torch.cat([part.deltas for part in parts])
+        )
+
+    @property
+    def nbytes(self):
+        """Memory held by the factors."""
+        return self.inputs.nbytes + self.deltas.nbytes
