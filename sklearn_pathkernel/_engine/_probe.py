@@ -19,15 +19,15 @@ forward pass finds these, and the probe then differentiates the whole network
 at once instead (:class:`~sklearn_pathkernel._engine.rules._jacobian.JacobianRule`).
 """
 
+import contextlib
 import copy
 import logging
 
 import torch
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
 
-from .._nested import nested_tensors
 from .._training._losses import log_softmax, output_cotangent
+from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._jacobian import JacobianRule
 from .rules._protocol import RowEvaluation, RowWeights
@@ -151,38 +151,10 @@ class NetworkProbe:
         if t is not None and not self.per_row_t:
             raise ValueError("A per-row t needs every layer to take one (per_row_t); use per_row.")
         params = self.params(start)
-        steps = None if t is None else self.params(direction)
-        linear = RowEvaluation.MOVED_OUTPUT
-
-        def layer_hook(index):
-            def run(layer, inputs, output):
-                if steps is not None and self.rules[index].row_evaluation is linear:
-                    moved = self.rules[index].moved_output(inputs, steps)
-                    output = output + t.view(-1, *([1] * (output.ndim - 1))) * moved
-                return output if hook is None else hook(index, inputs, output)
-
-            return run
-
-        handles = []
-        if hook is not None or t is not None:
-            handles = [
-                layer.register_forward_hook(layer_hook(index))
-                for index, layer in enumerate(self.layers)
-            ]
-        replaced = []
-        if steps is not None:
-            for rule, layer in zip(self.rules, self.layers, strict=True):
-                if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
-                    layer.forward = _forward_at(rule, RowWeights(params, steps, t))
-                    replaced.append(layer)
-        try:
+        weights = None if t is None else RowWeights(params, self.params(direction), t)
+        with _layers_patched(self.rules, self.layers, weights, hook):
             out = functional_call(self.module, params, (X,), tie_weights=self._tied)
-            return out if logits else self.link(out)
-        finally:
-            for handle in handles:
-                handle.remove()
-            for layer in replaced:
-                del layer.forward
+        return out if logits else self.link(out)
 
     def per_row(self, fn, start, X, direction, t):
         """Apply ``fn(start, X, direction, t)`` with per-row ``t``, falling back to one
@@ -326,21 +298,15 @@ class NetworkProbe:
             parts = [(slice(0, split[0]), None), (slice(split[0], None), split[1])]
         factors = [[] for _ in parts]
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
-            if outputs is None:  # (K, n, ...) -> (n, K, ...)
-                delta = out.new_zeros((n_outputs, *out.shape)) if grad is None else grad
-                delta = delta.transpose(0, 1)
-            else:
-                delta = (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
+            delta = _layer_cotangents(out, grad, n_outputs if outputs is None else None)
             at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
             if at_own_t and row_weights is None:
                 row_steps = None if row_t is None else self.params(base_direction)
                 row_weights = RowWeights(self.params(base), row_steps, row_t)
             for part_factors, (rows, picked) in zip(factors, parts, strict=True):
                 part_inputs, part_delta = tuple(x[rows] for x in inputs), delta[rows]
-                if picked is not None:  # (n, K, ...) -> (n, 1, ...)
-                    weights = output_cotangent(picked, part_delta.shape[1], part_delta.dtype)
-                    weights = weights.view(*weights.shape, *([1] * (part_delta.ndim - 2)))
-                    part_delta = (part_delta * weights).sum(1, keepdim=True)
+                if picked is not None:
+                    part_delta = _picked(part_delta, picked)
                 at = row_weights.rows(rows) if at_own_t else point
                 part_factors.append(rule.factors(part_inputs, part_delta, at))
         if split is None:
@@ -348,8 +314,63 @@ class NetworkProbe:
         return log_proba[: split[0]].detach(), factors
 
 
+def _layer_cotangents(out, grad, n_outputs):
+    """A layer's cotangents (n, K, ...) from the batched backward pass over every
+    output (``grad`` (K, n, ...), ``n_outputs`` K), or (n, 1, ...) from a single
+    one (``n_outputs`` None); zeros where the output does not reach ``f``."""
+    if n_outputs is not None:  # (K, n, ...) -> (n, K, ...)
+        delta = out.new_zeros((n_outputs, *out.shape)) if grad is None else grad
+        return delta.transpose(0, 1)
+    return (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
+
+
+def _picked(delta, picked):
+    """(n, K, ...) -> (n, 1, ...): per row, the output ``picked`` (a class code) or
+    the cotangent ``picked`` (n, K) applied to the outputs."""
+    weights = output_cotangent(picked, delta.shape[1], delta.dtype)
+    weights = weights.view(*weights.shape, *([1] * (delta.ndim - 2)))
+    return (delta * weights).sum(1, keepdim=True)
+
+
 def _no_grad(tensor):
     return tensor.detach() if tensor.requires_grad else tensor
+
+
+@contextlib.contextmanager
+def _layers_patched(rules, layers, weights, hook):
+    """The probe's own layers set up for one forward pass, and restored after it
+    whatever happens: with rows at per-row ``weights`` (a ``RowWeights``, or None),
+    layers linear in their weights add ``t_i`` times their moved output (a forward
+    hook), the others' forward is their rule's ``output_at``; ``hook(index,
+    inputs, output) -> output`` sees each parameterised layer."""
+    handles, replaced = [], []
+
+    def layer_hook(index):
+        rule = rules[index]
+
+        def run(layer, inputs, output):
+            if weights is not None and rule.row_evaluation is RowEvaluation.MOVED_OUTPUT:
+                moved = rule.moved_output(inputs, weights.steps)
+                output = output + weights.t.view(-1, *([1] * (output.ndim - 1))) * moved
+            return output if hook is None else hook(index, inputs, output)
+
+        return run
+
+    try:
+        if hook is not None or weights is not None:
+            for index, layer in enumerate(layers):
+                handles.append(layer.register_forward_hook(layer_hook(index)))
+        if weights is not None:
+            for rule, layer in zip(rules, layers, strict=True):
+                if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
+                    replaced.append(layer)
+                    layer.forward = _forward_at(rule, weights)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer in replaced:
+            vars(layer).pop("forward", None)
 
 
 def _forward_at(rule, weights):
@@ -405,152 +426,3 @@ class _FactorsAt:
         return _FactorsAt(
             self.probe, self.outputs, self.log_proba[rows], [f.take(rows) for f in self.factors]
         )
-
-
-def _name(prefix, module):
-    return f"{prefix or '<root>'} ({type(module).__name__})"
-
-
-def per_layer_hazards(module, path_names, layers, example):
-    """Why per-layer rules would be wrong for ``module``: a list of reasons, empty if none.
-
-    The per-layer rules read each parameterised layer's input and output from
-    hooks, once per forward pass, and assume its parameters enter the network
-    only through that call. Checked statically: no path parameter is tied to
-    another name, and no module has path parameters of its own next to
-    parameterised children (its rule would re-run the children at the wrong
-    weights). Checked by one forward pass on ``example`` (the module's own
-    parameter values): every layer with a rule (``layers``) is called exactly
-    once, with tensor positional arguments only, and returns a tensor; every
-    use of a path parameter by a torch function happens inside its own
-    module's forward (a layer never called, ``F.linear(x, self.fc.weight)``
-    in a parent, or a parameter read by a sibling all break this).
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-    path_names : set of str
-        The path's (trainable) parameter names; other parameters are constants.
-    layers : list of torch.nn.Module
-        The modules that got a per-layer rule.
-    example : torch.Tensor of shape (n, ...)
-
-    Returns
-    -------
-    list of str
-    """
-    reasons = []
-    by_tensor = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), []).append(name)
-    tied = set()
-    for key, names in by_tensor.items():
-        if len(names) > 1 and any(name in path_names for name in names):
-            reasons.append(f"tied parameters ({' is '.join(names)})")
-            tied.add(key)
-
-    owners, names_of = {}, {}
-    for prefix, submodule in module.named_modules():
-        dotted = f"{prefix}." if prefix else ""
-        own = [
-            (f"{dotted}{name}", param)
-            for name, param in submodule.named_parameters(recurse=False)
-            if f"{dotted}{name}" in path_names
-        ]
-        names_of[id(submodule)] = prefix
-        for full, param in own:
-            if id(param) not in tied:  # (its other uses are its tie, reported above)
-                owners[id(param)] = (submodule, full)
-        children_params = [
-            f"{dotted}{name}"
-            for child_name, child in submodule.named_children()
-            for name, _ in child.named_parameters(prefix=child_name)
-            if f"{dotted}{name}" in path_names
-        ]
-        if own and children_params:
-            reasons.append(
-                f"{_name(prefix, submodule)} uses parameters of its own "
-                f"({', '.join(full for full, _ in own)}) next to parameterised children"
-            )
-
-    rule_layers = {id(layer): layer for layer in layers}
-    calls = dict.fromkeys(rule_layers, 0)
-    stack, found = [], []
-
-    n_rows = example.shape[0]
-
-    def before(layer, args, kwargs):
-        stack.append(layer)
-        # The rules see a layer's positional tensor inputs only (row-major).
-        if id(layer) in rule_layers and (
-            kwargs or not args or not all(torch.is_tensor(a) for a in args)
-        ):
-            found.append(
-                f"{_name(names_of.get(id(layer)), layer)} is called with keyword, "
-                "non-tensor or no arguments"
-            )
-
-    def after(layer, args, output):
-        stack.pop()
-        if id(layer) in rule_layers:
-            calls[id(layer)] += 1
-            name = _name(names_of.get(id(layer)), layer)
-            if not torch.is_tensor(output):
-                found.append(f"{name} returns a {type(output).__name__}, not a tensor")
-            elif output.ndim == 0 or output.shape[0] != n_rows:
-                # e.g. a parametrisation computing a weight: not one output per row
-                found.append(f"{name} returns no row per input row")
-
-    handles = []
-    for submodule in module.modules():
-        handles.append(submodule.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(submodule.register_forward_hook(after))
-    uses = _ParameterUses(owners, stack)
-    # A module in training mode may update buffers (running statistics) or draw
-    # random numbers: the dry run leaves both as they were.
-    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
-    devices = [example.device] if example.device.type == "cuda" else []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), uses:
-            module(example)
-    finally:
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-    reasons += list(dict.fromkeys(found))
-    for key, count in calls.items():
-        if count != 1:
-            layer = rule_layers[key]
-            what = "never called" if count == 0 else f"called {count} times (shared weights)"
-            reasons.append(f"{_name(names_of.get(key), layer)} is {what} per forward pass")
-    for full, owner in uses.outside.items():
-        reasons.append(
-            f"{full} is used outside the forward of {_name(names_of.get(id(owner)), owner)}"
-        )
-    return reasons
-
-
-class _ParameterUses(TorchFunctionMode):
-    """Records path parameters that torch functions use outside their module's forward.
-
-    ``owners`` maps ``id(parameter)`` to (owning module, path name); ``stack``
-    is the list of modules whose forward is running (kept by hooks). Uses that
-    produce no tensor (``.shape``, ``.size()``) are metadata, not computation.
-    """
-
-    def __init__(self, owners, stack):
-        super().__init__()
-        self.owners, self.stack = owners, stack
-        self.outside = {}  # path name -> owning module
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        used = [self.owners[id(x)] for x in nested_tensors((args, kwargs)) if id(x) in self.owners]
-        if used and next(nested_tensors(result), None) is not None:
-            for owner, full in used:
-                if not any(running is owner for running in self.stack):
-                    self.outside.setdefault(full, owner)
-        return result

@@ -1,0 +1,80 @@
+"""NetworkProbe: it evaluates its own copy of the network and leaves the given module alone.
+
+The probe puts hooks and per-row forwards (``output_at``) on the layers it
+evaluates; on an estimator's ``module_`` they would race with a ``predict`` from
+another thread. References: the estimator's own predictions, taken before.
+"""
+
+import threading
+
+import numpy as np
+import torch
+from sklearn.datasets import make_blobs
+from sklearn.preprocessing import StandardScaler
+from torch import nn
+
+from sklearn_pathkernel import DistanceLayer, ExactPathKernelClassifier
+from sklearn_pathkernel._engine._probe import NetworkProbe
+from sklearn_pathkernel._engine.rules._distance import DistanceRule
+
+
+def untouched(module):
+    """Whether no module of ``module`` has hooks or an instance ``forward``."""
+    return all(
+        not layer._forward_hooks and not layer._forward_pre_hooks and "forward" not in vars(layer)
+        for layer in module.modules()
+    )
+
+
+def fitted_distance_network():
+    X, y = make_blobs(n_samples=40, n_features=4, centers=3, random_state=0)
+    X = StandardScaler().fit_transform(X)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = nn.Sequential(DistanceLayer(4, 6, kernel="rbf"), nn.Linear(6, 3))
+    clf = ExactPathKernelClassifier(module=module, max_iter=8, learning_rate=0.1, random_state=0)
+    return clf.fit(X, y), X
+
+
+def test_the_probe_works_on_its_own_copy():
+    clf, X = fitted_distance_network()
+    probe = NetworkProbe(clf.module_, clf.path_, torch.as_tensor(X[:1]))
+    assert probe.module is not clf.module_
+    assert all(layer not in list(clf.module_.modules()) for layer in probe.layers)
+    assert probe.per_row_t and any(isinstance(rule, DistanceRule) for rule in probe.rules)
+    path = clf.path_
+    t = torch.linspace(0.0, 1.0, 5, dtype=path.weights.dtype)
+    probe.output_and_factors(
+        path.weights[1], torch.as_tensor(X[:5]), direction=path.step_direction(1), t=t
+    )
+    assert untouched(clf.module_) and untouched(probe.module)
+
+
+def test_predict_from_another_thread_during_kernel_and_decompose():
+    """Every prediction made while the kernel and a decomposition are computed
+    equals the one before it, bitwise; the module keeps no hook or patch."""
+    clf, X = fitted_distance_network()
+    expected = clf.predict_proba(X)
+    done, failures, count = threading.Event(), [], [0]
+
+    def predict_in_a_loop():
+        try:
+            while not done.is_set():
+                if not np.array_equal(clf.predict_proba(X), expected):
+                    failures.append("a prediction changed")
+                count[0] += 1
+        except Exception as error:  # noqa: BLE001 (reported to the main thread)
+            failures.append(repr(error))
+
+    worker = threading.Thread(target=predict_in_a_loop)
+    worker.start()
+    try:
+        clf.kernel_(X)
+        clf.decompose(X[:4])
+    finally:
+        done.set()
+        worker.join()
+    assert not failures, failures[:3]
+    assert count[0] > 0
+    assert untouched(clf.module_)
+    assert np.array_equal(clf.predict_proba(X), expected)
