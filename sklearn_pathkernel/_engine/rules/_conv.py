@@ -20,37 +20,21 @@ from torch import nn
 
 from .._modes import OutputMode
 from ._contract import contract
-from ._gradients import FactoredGradients, Gradients
-from ._protocol import LinearInWeights
+from ._gradients import FactoredGradients, Gradients, WeightAndBiasRule, factored
 from ._registry import register_rule
 
 # Memory for one chunk of the factored convolution's (rows, rows, P, P) intermediates.
 _CONV_CHUNK_BYTES = 64 * 2**20
 
 
-def _factored(*factors):
-    return all(isinstance(f, FactoredGradients) for f in factors)
-
-
 @register_rule(nn.Conv2d)
-class Conv2dRule(LinearInWeights):
+class Conv2dRule(WeightAndBiasRule):
     """``nn.Conv2d`` (one group, zero padding given as numbers).
 
     Factors are :class:`FactoredGradients` of the columns (n, d_in', P) and the
     cotangents (n, K, d_out, P), or the :class:`Gradients` (n, K, d_out d_in'),
     per output channel its kernel's weights then its bias.
-
-    Parameters
-    ----------
-    module : torch.nn.Conv2d
-    weight_name, bias_name : str or None
-        The path names of the weight and the bias; None for one not in the path.
     """
-
-    def __init__(self, module, weight_name, bias_name):
-        self.module = module
-        self.weight_name, self.bias_name = weight_name, bias_name
-        self.path_names = [name for name in (weight_name, bias_name) if name is not None]
 
     @classmethod
     def for_module(cls, module, names):
@@ -64,7 +48,7 @@ class Conv2dRule(LinearInWeights):
         return cls(module, names.get("weight"), names.get("bias")) if supported else None
 
     def materialise(self, factors):
-        if _factored(factors):
+        if factored(factors):
             return _conv_grads(factors.inputs, factors.deltas)
         return factors.grads
 
@@ -115,7 +99,7 @@ class Conv2dRule(LinearInWeights):
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Each row's weighted sum of materialised gradients over its nodes (None
         for the factored form: its columns change from node to node)."""
-        if _factored(factors):
+        if factored(factors):
             return None
         return factors.row_sums(rows, weights, n_rows)
 
@@ -123,14 +107,14 @@ class Conv2dRule(LinearInWeights):
         """The factored sum over position pairs when both sides are factored
         (``O(n m P Q (d_in' + K K' d_out))`` in PAIRS mode), else a contraction
         of the gradients (``O(n m K K' d_out d_in')``)."""
-        if _factored(left, right):
+        if factored(left, right):
             return _factored_conv_inner(left.inputs, left.deltas, right.inputs, right.deltas, mode)
         return contract(self.materialise(left), self.materialise(right), mode)
 
     def directional(self, factors, direction):
         """``sum_p delta_kp . (dW u_p)`` per row and output, (n, K)."""
         step = self._step_matrix(direction)  # (d_out, d_in')
-        if not _factored(factors):
+        if not factored(factors):
             return factors.directional(step.reshape(-1))
         moved = torch.einsum("od,ndp->nop", step, factors.inputs)
         return torch.einsum("nkop,nop->nk", factors.deltas, moved)

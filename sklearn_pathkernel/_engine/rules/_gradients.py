@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ._contract import contract
+from ._protocol import LinearInWeights
 from ._rows import row_sums
 
 
@@ -88,3 +89,25 @@ class FactoredGradients:
     def nbytes(self):
         """Memory held by the factors."""
         return self.inputs.nbytes + self.deltas.nbytes
+
+
+def factored(*factors):
+    """Whether every one of ``factors`` is a :class:`FactoredGradients`."""
+    return all(isinstance(f, FactoredGradients) for f in factors)
+
+
+class WeightAndBiasRule(LinearInWeights):
+    """A rule for a layer ``z = W * a + b`` with a weight and a bias (either may be
+    outside the path), whose gradients are outer products (:class:`FactoredGradients`).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+    weight_name, bias_name : str or None
+        The path names of the weight and the bias; None for one not in the path.
+    """
+
+    def __init__(self, module, weight_name, bias_name):
+        self.module = module
+        self.weight_name, self.bias_name = weight_name, bias_name
+        self.path_names = [name for name in (weight_name, bias_name) if name is not None]

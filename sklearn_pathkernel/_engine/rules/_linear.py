@@ -18,8 +18,7 @@ from .._modes import OutputMode
 from .._output_subspace import OutputSubspace
 from .._planning import rows_per_tile
 from ._contract import contract
-from ._gradients import FactoredGradients, Gradients
-from ._protocol import LinearInWeights
+from ._gradients import FactoredGradients, Gradients, WeightAndBiasRule, factored
 from ._registry import register_rule
 from ._rows import first_of_rows, row_outer_sums, row_sums
 
@@ -30,26 +29,11 @@ from ._rows import first_of_rows, row_outer_sums, row_sums
 PER_NODE_OUTPUT_COST = 32
 
 
-def _factored(*factors):
-    return all(isinstance(f, FactoredGradients) for f in factors)
-
-
 @register_rule(nn.Linear)
-class LinearRule(LinearInWeights):
+class LinearRule(WeightAndBiasRule):
     """``nn.Linear``: factored form on 2-D input (:class:`FactoredGradients`),
     materialised gradients (:class:`Gradients`) along extra axes.
-
-    Parameters
-    ----------
-    module : torch.nn.Linear
-    weight_name, bias_name : str or None
-        The path names of the weight and the bias; None for one not in the path.
     """
-
-    def __init__(self, module, weight_name, bias_name):
-        self.module = module
-        self.weight_name, self.bias_name = weight_name, bias_name
-        self.path_names = [name for name in (weight_name, bias_name) if name is not None]
 
     @classmethod
     def for_module(cls, module, names):
@@ -90,7 +74,7 @@ class LinearRule(LinearInWeights):
 
     def materialise(self, factors):
         """(n, K, d_out d_in [+ d_out]): per unit its weights, then the bias."""
-        if _factored(factors):
+        if factored(factors):
             return self._gradients(factors.inputs, factors.deltas)
         return factors.grads
 
@@ -116,7 +100,7 @@ class LinearRule(LinearInWeights):
         """Each row's weighted sum of its nodes' gradients, from the factors: one
         padded (K d_out, nodes) x (nodes, d_in + 1) product per row, no per-node
         gradient formed."""
-        if not _factored(factors):
+        if not factored(factors):
             return super().materialise_sums(rows, weights, factors, n_rows)
         return self._integrated_gradients(rows, weights, factors, n_rows)
 
@@ -131,7 +115,7 @@ class LinearRule(LinearInWeights):
         values per pair of rows they produce, 1 for a trace), and None (keep the
         nodes) when it does not.
         """
-        if not _factored(factors):
+        if not factored(factors):
             return factors.row_sums(rows, weights, n_rows)
         a, deltas = factors.inputs, factors.deltas
         first = first_of_rows(rows, n_rows)
@@ -156,12 +140,12 @@ class LinearRule(LinearInWeights):
     def inner(self, left, right, mode):
         """``(a_i . a_j + 1) (delta_i . delta_j)`` from the factors,
         ``O(n m (d_in + K K' d_out))`` in PAIRS mode; materialised otherwise."""
-        if _factored(left, right):
+        if factored(left, right):
             return self._factored_inner(left, right, mode)
         return contract(self.materialise(left), self.materialise(right), mode)
 
     def node_inner(self, nodes, weights, right, mode):
-        if _factored(nodes, right):
+        if factored(nodes, right):
             return self._factored_inner(nodes, right, mode, weights)
         return super().node_inner(nodes, weights, right, mode)
 
@@ -199,7 +183,7 @@ class LinearRule(LinearInWeights):
         written instead of m K' d_out d_in. Used when that is less (n K < K'
         d_in: a few query rows against many training rows); otherwise the default.
         """
-        if not _factored(factors) or mode == OutputMode.DIAG:
+        if not factored(factors) or mode == OutputMode.DIAG:
             return super().dense_inner(dense, factors, mode)
         a, deltas = factors.inputs, factors.deltas
         (m, k_right, d_out), d_in = deltas.shape, a.shape[1]
@@ -235,7 +219,7 @@ class LinearRule(LinearInWeights):
         without its weight in the path, and one or two outputs (where
         materialising costs no more) take the default.
         """
-        if mode != OutputMode.TRACE or not _factored(left, right) or self.weight_name is None:
+        if mode != OutputMode.TRACE or not factored(left, right) or self.weight_name is None:
             return super().metric_inner(left, right, scale, mode)
         a, b, deltas, deltas_r = left.inputs, right.inputs, left.deltas, right.deltas
         (n, n_outputs, d_out), d_in = deltas.shape, a.shape[1]
@@ -264,14 +248,14 @@ class LinearRule(LinearInWeights):
         :mod:`~sklearn_pathkernel._engine._output_subspace`): two directions per unit
         for the last two layers of a classifier, whatever ``K``. None for
         materialised gradients."""
-        if not _factored(factors):
+        if not factored(factors):
             return None
         return OutputSubspace.of(factors.deltas, n_left)
 
     def project_outputs(self, factors, subspace):
         """Deltas, or materialised gradients (weight then bias, per unit), projected
         unit by unit."""
-        if _factored(factors):
+        if factored(factors):
             return FactoredGradients(factors.inputs, subspace.project(factors.deltas))
         grads = factors.grads
         n, n_outputs = grads.shape[:2]
@@ -289,7 +273,7 @@ class LinearRule(LinearInWeights):
     def directional(self, factors, direction):
         """``<g_k(x), direction>`` per row and output, (n, K): ``delta_k . (dW a + db)``,
         ``O(n (d_out d_in + K d_out))`` from the factors."""
-        if not _factored(factors):
+        if not factored(factors):
             return factors.directional(self.flatten(direction))
         deltas = factors.deltas
         moved = torch.zeros(deltas.shape[::2], dtype=deltas.dtype, device=deltas.device)

@@ -1,10 +1,9 @@
-"""``LayerRule.metric_inner``: inner products under Adam's elementwise metric.
+"""DistanceRule under Adam's metric: ``metric_inner`` and the contractions that avoid
+materialising, against per-example gradients by autograd.
 
-``<g(x), P g(x')>`` with ``P`` a positive weight-space vector. The linear and
-distance rules contract it per output unit (per memory) instead of materialising
-both gradients; every mode, with and without the override's conditions, must
-equal ``sum_w g_w(x) P_w g_w(x')`` from per-example gradients taken by autograd,
-one row and one output at a time.
+``<g(x), P g(x')>`` with ``P`` a positive weight-space vector is contracted per
+memory instead of materialising both gradients; every mode, with and without the
+override's conditions, must equal ``sum_w g_w(x) P_w g_w(x')``.
 """
 
 import itertools
@@ -13,93 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import DistanceRule
 from sklearn_pathkernel._engine.rules._distance._family import KernelFamily
-from sklearn_pathkernel._engine.rules._gradients import FactoredGradients, Gradients
+from sklearn_pathkernel._engine.rules._gradients import FactoredGradients
 from sklearn_pathkernel._engine.rules._linear import LinearRule
-from sklearn_pathkernel._engine.rules._protocol import LayerRule, RowWeights
+from sklearn_pathkernel._engine.rules._protocol import RowWeights
 from sklearn_pathkernel._nn._distance import DistanceLayer
 
 DTYPE = torch.float64
 MODES = ("trace", "pairs", "diag")
-
-
-def expected(g_left, scale, g_right, mode):
-    return contract(g_left * scale, g_right, mode)
-
-
-def assert_close(actual, reference):
-    torch.testing.assert_close(
-        actual, reference, rtol=1e-12, atol=1e-12 * reference.abs().max().item()
-    )
-
-
-# -- linear layers ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
-@pytest.mark.parametrize("n_outputs", [1, 3])
-def test_linear_metric_inner_against_autograd(names, n_outputs, per_example_gradients):
-    """Per-unit contraction (3 outputs) and the default (1 output, no weight)."""
-    gen = torch.Generator().manual_seed(0)
-    layer = nn.Linear(4, 5).to(DTYPE)
-    rule = LinearRule(layer, *names)
-    path = [name for name in names if name is not None]
-
-    def side(n):
-        x = torch.randn(n, 4, generator=gen, dtype=DTYPE)
-        delta = torch.randn(n, n_outputs, 5, generator=gen, dtype=DTYPE)
-        return FactoredGradients(inputs=x, deltas=delta), per_example_gradients(
-            layer, path, x, delta
-        )
-
-    (left, g_left), (right, g_right) = side(6), side(7)
-    scale = torch.rand(g_left.shape[2], generator=gen, dtype=DTYPE) + 0.1
-    for mode in MODES:
-        other, g_other = (left, g_left) if mode == "diag" else (right, g_right)
-        reference = expected(g_left, scale, g_other, mode)
-        assert_close(rule.metric_inner(left, other, scale, mode), reference)
-        # the protocol's default (materialised) agrees
-        assert_close(LayerRule.metric_inner(rule, left, other, scale, mode), reference)
-        # materialised factors take the default
-        dense = Gradients(grads=g_left)
-        assert_close(rule.metric_inner(dense, other, scale, mode), reference)
-
-
-def test_linear_metric_inner_in_blocks_of_units(monkeypatch, per_example_gradients):
-    """Blocks of one unit (a tiny budget) give the same contraction."""
-    gen = torch.Generator().manual_seed(1)
-    layer = nn.Linear(3, 4).to(DTYPE)
-    rule = LinearRule(layer, "weight", "bias")
-    x = torch.randn(5, 3, generator=gen, dtype=DTYPE)
-    delta = torch.randn(5, 4, 4, generator=gen, dtype=DTYPE)
-    factors = FactoredGradients(inputs=x, deltas=delta)
-    scale = torch.rand(16, generator=gen, dtype=DTYPE)
-    whole = rule.metric_inner(factors, factors, scale, "trace")
-    monkeypatch.setattr("sklearn_pathkernel._engine._planning.BLOCK_BUDGET_BYTES", 1)
-    grads = per_example_gradients(layer, ["weight", "bias"], x, delta)
-    assert_close(rule.metric_inner(factors, factors, scale, "trace"), whole)
-    assert_close(whole, expected(grads, scale, grads, "trace"))
-
-
-@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
-@pytest.mark.parametrize("n_dense", [2, 9])
-def test_linear_dense_inner_against_autograd(names, n_dense, per_example_gradients):
-    """Dense vectors (Adam's scaled features) against factored gradients: through
-    the inputs first (2 rows) or materialised (9 rows), for 3 and 1 right outputs."""
-    gen = torch.Generator().manual_seed(2)
-    layer = nn.Linear(8, 4).to(DTYPE)
-    rule = LinearRule(layer, *names)
-    path = [name for name in names if name is not None]
-    for k_right, modes in ((3, ("trace", "pairs")), (1, ("pairs",))):
-        x = torch.randn(7, 8, generator=gen, dtype=DTYPE)
-        delta = torch.randn(7, k_right, 4, generator=gen, dtype=DTYPE)
-        grads = per_example_gradients(layer, path, x, delta)
-        dense = torch.randn(n_dense, 3, grads.shape[2], generator=gen, dtype=DTYPE)
-        for mode in modes:
-            actual = rule.dense_inner(dense, FactoredGradients(inputs=x, deltas=delta), mode)
-            assert_close(actual, contract(dense, grads, mode))
 
 
 # -- distance layers ----------------------------------------------------------------
@@ -132,7 +53,9 @@ def distance_rows(layer, n, n_outputs, seed):
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf", "cosine"])
 @pytest.mark.parametrize("n_outputs", [1, 3])
-def test_distance_metric_inner_against_autograd(kernel, n_outputs, per_example_gradients):
+def test_distance_metric_inner_against_autograd(
+    kernel, n_outputs, per_example_gradients, metric_reference, assert_metric_close
+):
     """Both sides at the step's start or at their own points of it."""
     layer, names, rule, params, steps = distance_case(kernel)
     x, dx, tx = distance_rows(layer, 6, n_outputs, seed=1)
@@ -151,12 +74,14 @@ def test_distance_metric_inner_against_autograd(kernel, n_outputs, per_example_g
         right, g_right = side(y, dy, ty, right_moving)
         for mode in MODES:
             other, g_other = (left, g_left) if mode == "diag" else (right, g_right)
-            reference = expected(g_left, scale, g_other, mode)
-            assert_close(rule.metric_inner(left, other, scale, mode), reference)
+            reference = metric_reference(g_left, scale, g_other, mode)
+            assert_metric_close(rule.metric_inner(left, other, scale, mode), reference)
 
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
-def test_distance_metric_inner_of_integrated_features(kernel, monkeypatch, per_example_gradients):
+def test_distance_metric_inner_of_integrated_features(
+    kernel, monkeypatch, per_example_gradients, metric_reference, assert_metric_close
+):
     """A first layer's features summed over each row's nodes in closed form
     (``S (x - m) - T dm``) against the per-node autograd gradients summed."""
     layer, names, rule, params, steps = distance_case(kernel, seed=4)
@@ -179,12 +104,12 @@ def test_distance_metric_inner_of_integrated_features(kernel, monkeypatch, per_e
     g_right = per_example_gradients(layer, names, y, dy)
     scale = torch.rand(g_left.shape[2], generator=gen, dtype=DTYPE) + 0.1
     for mode in ("trace", "pairs"):
-        reference = expected(g_left, scale, g_right, mode)
-        assert_close(rule.metric_inner(integrated, right, scale, mode), reference)
+        reference = metric_reference(g_left, scale, g_right, mode)
+        assert_metric_close(rule.metric_inner(integrated, right, scale, mode), reference)
     # in blocks of one memory
     monkeypatch.setattr("sklearn_pathkernel._engine._planning.BLOCK_BUDGET_BYTES", 1)
-    reference = expected(g_left, scale, g_right, "trace")
-    assert_close(rule.metric_inner(integrated, right, scale, "trace"), reference)
+    reference = metric_reference(g_left, scale, g_right, "trace")
+    assert_metric_close(rule.metric_inner(integrated, right, scale, "trace"), reference)
 
 
 def test_the_contractions_do_not_materialise(monkeypatch):
