@@ -21,4 +21,3 @@ def test_padded_row_sums_equal_the_scattered_sums():
         one = padded_row_sums(rows, weights[index], values, 5)
         torch.testing.assert_close(one, expected, rtol=1e-14, atol=1e-15)
     assert not both[:, [2, 4]].any()
-
