@@ -352,7 +352,7 @@ def test_large_rows_are_tiled_within_the_block_budget(relu_case, monkeypatch):
     reference = engine_for(module, path, X, y).gram(A, X, b_train=True, output="full")
     monkeypatch.setattr(_memory, "BLOCK_BUDGET_BYTES", 8 * 30 * 9 * 2)  # two rows per block
     engine = engine_for(module, path, X, y)
-    assert len(engine._tiles(9, 8 * 30 * 9)) == 5
+    assert len(engine._planner.tiles(9, 8 * 30 * 9)) == 5
     np.testing.assert_allclose(
         engine.gram(A, X, b_train=True, output="full"), reference, rtol=1e-12
     )
@@ -439,7 +439,8 @@ def test_gram_tasks_split_by_the_working_budget(relu_case, monkeypatch):
     several step-major tasks (and the symmetric Gram's tiles mirrored between
     them), with products of ``tile_size`` rows inside each: every block equals
     the one-task result."""
-    from sklearn_pathkernel._engine import _facade as _engine
+    from sklearn_pathkernel._engine import _planning as _memory
+    from sklearn_pathkernel._engine._blocks import BlockKind
 
     module, path, X, y, A = relu_case
     rows = torch.cat([X[:8], A])
@@ -455,9 +456,10 @@ def test_gram_tasks_split_by_the_working_budget(relu_case, monkeypatch):
         ]
 
     expected = grams(engine_for(module, path, X, y))
-    monkeypatch.setattr(_engine, "working_budget", lambda device, n_workers=1: 1)
+    monkeypatch.setattr(_memory, "working_budget", lambda device, n_workers=1: 1)
     engine = engine_for(module, path, X, y, tile_size=4)
-    assert len(engine._task_tiles("discrete", X.shape[0], X.shape[0], 1)) > 2
+    tiles = engine._planner.task_tiles(BlockKind.TRAINING, X.shape[0], X.shape[0], 1, 3)
+    assert len(tiles) > 2
     for actual, reference in zip(grams(engine), expected, strict=True):
         np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
 
@@ -482,6 +484,6 @@ def test_results_do_not_depend_on_the_pass_size(relu_case, monkeypatch):
     expected = results(engine_for(module, path, X, y))
     monkeypatch.setattr(_memory, "PASS_BUDGET_BYTES", 1)
     engine = engine_for(module, path, X, y)
-    assert engine._pass_rows() == 1
+    assert engine._planner.pass_rows() == 1
     for actual, reference in zip(results(engine), expected, strict=True):
         np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
