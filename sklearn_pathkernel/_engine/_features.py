@@ -7,6 +7,10 @@ its factors over each row's nodes first (``rule.integrate``: a first layer, whos
 input does not move along the step, or a small layer whose gradient is cheap to
 materialise), the integral is taken once, before the inner products with every
 training row, instead of after.
+
+Cost, per step: for a layer integrated first, one set of factors per row; for
+the others, one product per node with the other rows (``nodes x m`` per layer,
+cut to the block budget), summed into the rows.
 """
 
 from typing import NamedTuple

@@ -81,7 +81,7 @@ def _bounds(name, args, kwargs):
 class SwitchState:
     """Switching values of a batch of rows, row ``i`` at its own point ``t[i]``.
 
-    ``outputs``, when recorded, is ``(log_proba, scale)`` of the same forward pass
+    ``outputs``, when recorded, is ``(f, scale)`` of the same forward pass
     (``scale``: each row's largest absolute logit), which the certificate reuses.
     """
 

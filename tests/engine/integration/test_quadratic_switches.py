@@ -134,6 +134,7 @@ def _fitted(kernel, solver):
     return clf.fit(X[:50], y[:50]), X[:50], X[50:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
 @pytest.mark.parametrize("solver", ["sgd", "adam"])
 def test_integrated_features_match_per_node_products(kernel, solver, monkeypatch):
