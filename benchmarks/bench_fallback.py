@@ -69,9 +69,9 @@ def main():
     ).double()
     path = train_module(module, X_train, y_train, learning_rate=0.1, max_iter=steps).path
 
-    factored = PathKernelEngine(module, path, X_train, y_train)
-    jacobian = PathKernelEngine(module, path, X_train, y_train)
-    jacobian._probe = NetworkProbe(module, path, X_train[:1], force_jacobian=True)
+    factored = PathKernelEngine(module, path, X_train)
+    jacobian = PathKernelEngine(module, path, X_train)
+    jacobian._probes.main = NetworkProbe(module, path, X_train[:1], force_jacobian=True)
     assert factored.probe.fallback_reason is None
     assert jacobian.probe.fallback_reason is not None
 

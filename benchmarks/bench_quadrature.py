@@ -17,7 +17,9 @@ import torch
 
 from sklearn_pathkernel import ExactPathKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._engine.integration import _kinks, _quadrature
+from sklearn_pathkernel._engine._steps import PathSteps
+from sklearn_pathkernel._engine.integration import _kinks, _switches
+from sklearn_pathkernel._engine.integration._quadrature import KinkSplittingRule
 
 
 def paper_toy(n_train=300, n_queries=60, seed=0):
@@ -33,23 +35,22 @@ def count_exact_cost(engine, Q):
     """Per step and query: pieces, nodes and switch-state evaluations (rows of the
     kink search's forward passes); per step: those forward passes."""
     calls = {"rows": 0, "passes": 0}
-    original = _kinks.switch_state
+    original = _switches.switch_state
 
     def counting(probe, start, direction, X, t):
         calls["rows"] += X.shape[0]
         calls["passes"] += 1
         return original(probe, start, direction, X, t)
 
-    _quadrature.switch_state = counting
+    _kinks.switch_state = counting
+    steps, rule = PathSteps(engine.path, Q.device), KinkSplittingRule()
     try:
         nodes = 0
-        for step in range(engine.path.n_steps):
-            start, direction = engine.path.weights[step], engine.path.step_direction(step)
-            nodes += _quadrature.exact_nodes(
-                engine.probe, start, direction, Q, engine.n_nodes
-            ).rows.size
+        for index in range(engine.path.n_steps):
+            step = steps.step(index)
+            nodes += rule.row_nodes(engine.probe, step, Q, engine.n_nodes).nodes.rows.size
     finally:
-        _quadrature.switch_state = original
+        _kinks.switch_state = original
     per = engine.path.n_steps * Q.shape[0]
     passes = calls["passes"] / engine.path.n_steps
     return nodes / engine.n_nodes / per, nodes / per, calls["rows"] / per, passes

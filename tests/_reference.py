@@ -23,6 +23,7 @@ import torch
 from sklearn.utils import Bunch
 from torch.func import functional_call, jacrev, vmap
 
+from sklearn_pathkernel._engine.integration._quadrature import Quadrature
 from sklearn_pathkernel._training._losses import log_softmax
 
 QUADRATURES = ("riemann", "dpk", "midpoint", "gauss")
@@ -34,6 +35,10 @@ TILE_BYTES = 256 * 2**20
 
 def quadrature_rule(quadrature, n_points):
     """Nodes ``t`` and weights ``nu`` of a fixed rule on ``[0, 1]``.
+
+    The nodes come from the package's one table of fixed rules
+    (:meth:`~sklearn_pathkernel._engine.integration._quadrature.Quadrature.fixed_nodes`):
+    the reference shares the nodes and weights with the engine, nothing else.
 
     Parameters
     ----------
@@ -54,17 +59,7 @@ def quadrature_rule(quadrature, n_points):
             f"{quadrature!r} (the reference has no kink-splitting 'exact' rule; use "
             "'gauss' on smooth networks)."
         )
-    if quadrature == "dpk":
-        return np.zeros(1), np.ones(1)
-    if int(n_points) < 1:
-        raise ValueError(f"n_points must be a positive integer, got {n_points!r}.")
-    T = int(n_points)
-    if quadrature == "riemann":
-        return np.arange(T) / T, np.full(T, 1.0 / T)
-    if quadrature == "midpoint":
-        return (np.arange(T) + 0.5) / T, np.full(T, 1.0 / T)
-    nodes, weights = np.polynomial.legendre.leggauss(T)
-    return 0.5 * (nodes + 1.0), 0.5 * weights
+    return tuple(Quadrature(quadrature).fixed_nodes(n_points))
 
 
 def log_proba(module, path, flat_weights, X, link=log_softmax):
@@ -123,6 +118,8 @@ def _contract_at_nodes(nu, left, right, output):
 
 
 def _as_mask(flag, n):
+    """``flag`` as a boolean mask of ``n`` rows (its own copy of the engine's
+    ``as_mask``: the reference shares nothing with the engine but the nodes table)."""
     return np.broadcast_to(np.asarray(flag, dtype=bool), (n,)).copy()
 
 

@@ -7,13 +7,30 @@ its factors over each row's nodes first (``rule.integrate``: a first layer, whos
 input does not move along the step, or a small layer whose gradient is cheap to
 materialise), the integral is taken once, before the inner products with every
 training row, instead of after.
+
+Cost, per step: for a layer integrated first, one set of factors per row; for
+the others, one product per node with the other rows (``nodes x m`` per layer,
+cut to the block budget), summed into the rows.
 """
+
+from typing import NamedTuple
 
 import torch
 
+from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
 from ._planning import rows_per_tile
 from .rules._rows import row_sums
+
+
+class NodeChunk(NamedTuple):
+    """Quadrature nodes with their factors: node ``e`` belongs to row ``rows[e]``
+    with weight ``weights[e]``; ``factors`` has one entry per rule (``rows`` and
+    ``weights`` None: one integral per row)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    factors: object
 
 
 class StepFeatures:
@@ -23,9 +40,8 @@ class StepFeatures:
     ----------
     rules : list
         The network probe's layer rules.
-    evaluated : list of (rows, weights, factors)
-        The quadrature's nodes, in chunks: node ``e`` of a chunk belongs to row
-        ``rows[e]`` with weight ``weights[e]``; ``factors`` has one entry per rule.
+    evaluated : list of NodeChunk
+        The quadrature's nodes, in chunks; ``factors`` has one entry per rule.
     n_rows : int
     outputs_per_pair : int, default=1
         Values per pair of rows of the inner products these features are for
@@ -34,10 +50,10 @@ class StepFeatures:
 
     Attributes
     ----------
-    nodes : list of (rows, weights, factors)
+    nodes : list of NodeChunk
         ``evaluated``, per node (for the same-``t`` products of the test x test kernel).
-    layers : list
-        Per rule, chunks ``(rows, weights, factors)``; ``rows`` None when the
+    layers : list of list of NodeChunk
+        Per rule, its chunks (``factors`` that rule's); ``rows`` None when the
         factors hold one integral per row.
     """
 
@@ -45,27 +61,29 @@ class StepFeatures:
         self.rules, self.nodes, self.n_rows = rules, evaluated, n_rows
         self.layers = []
         for index, rule in enumerate(rules):
-            chunks = [(rows, weights, factors[index]) for rows, weights, factors in evaluated]
+            chunks = [NodeChunk(rows, weights, f[index]) for rows, weights, f in evaluated]
             joined = _joined(chunks)
             integral = None if joined is None else rule.integrate(*joined, n_rows, outputs_per_pair)
             if integral is not None:
-                self.layers.append([(None, None, integral)])
+                self.layers.append([NodeChunk(None, None, integral)])
             else:  # one chunk of every node: the products are cut to the budget later
                 self.layers.append([] if joined is None else [joined])
 
     def add_inner(self, right, mode, out):
-        """Add ``<phi_s(row), g(right row)>`` per pair to ``out`` and return it.
+        """Accumulate ``<phi_s(row), g(right row)>`` per pair into ``out``; returns ``out``.
 
-        ``right`` holds the factors of the other rows (one entry per rule);
-        ``out`` has shape (n_rows, m) for ``mode="trace"``, (n_rows, m, K, K')
-        for ``"pairs"``. Per-node products are weighted by the rules
-        (``node_inner``) and summed into their rows; in "pairs" mode the sums
-        are taken in the (n_rows, K, m, K') layout of the rules' matrix
-        products, so that no node-sized array is copied to another layout.
+        An accumulator, as torch's ``out=`` (the Gram's hot loop sums every step
+        into one block in place). ``right`` holds the factors of the other rows
+        (one entry per rule); ``out`` has shape (n_rows, m) for
+        ``OutputMode.TRACE``, (n_rows, m, K, K') for ``OutputMode.PAIRS``.
+        Per-node products are weighted by the rules (``node_inner``) and summed
+        into their rows; for ``PAIRS`` the sums are taken in the (n_rows, K, m,
+        K') layout of the rules' matrix products, so that no node-sized array is
+        copied to another layout.
         """
-        by_output = None  # "pairs": the node sums, (n_rows, K, m, K')
+        by_output = None  # PAIRS: the node sums, (n_rows, K, m, K')
         for rule, chunks, right_factors in zip(self.rules, self.layers, right, strict=True):
-            if mode == "trace":
+            if mode is OutputMode.TRACE:
                 chunks, right_factors = _in_output_subspace(
                     rule, chunks, right_factors, self.n_rows
                 )
@@ -74,7 +92,7 @@ class StepFeatures:
                     out += rule.inner(factors, right_factors, mode)
                     continue
                 values = rule.node_inner(factors, weights, right_factors, mode)
-                if mode != "pairs":
+                if mode is not OutputMode.PAIRS:
                     out.index_add_(0, rows, values)
                     continue
                 if by_output is None:
@@ -141,8 +159,8 @@ class ScaledFeatures:
         self.rules = features.rules
         self.layers = []  # per rule: (integrated factors, scale) or (dense, None)
         for rule, chunks, scale in zip(features.rules, features.layers, metric, strict=True):
-            if len(chunks) == 1 and chunks[0][0] is None:
-                self.layers.append((chunks[0][2], scale))
+            if len(chunks) == 1 and chunks[0].rows is None:
+                self.layers.append((chunks[0].factors, scale))
             else:
                 self.layers.append((_materialised(rule, chunks, features.n_rows) * scale, None))
 
@@ -184,21 +202,21 @@ def _product_chunks(chunks, out):
     for rows, weights, factors in chunks:
         size = rows_per_tile(weights.numel() if rows is not None else 1, node_bytes)
         if rows is None or size >= rows.numel():
-            yield rows, weights, factors
+            yield NodeChunk(rows, weights, factors)
             continue
         for begin in range(0, rows.numel(), size):
             part = slice(begin, begin + size)
-            yield rows[part], weights[part], factors.take(part)
+            yield NodeChunk(rows[part], weights[part], factors.take(part))
 
 
 def _joined(chunks):
     """The chunks as one ``(rows, weights, factors)``, or None without nodes."""
-    chunks = [chunk for chunk in chunks if chunk[0].numel()]
+    chunks = [chunk for chunk in chunks if chunk.rows.numel()]
     if not chunks:
         return None
     if len(chunks) == 1:
         return chunks[0]
-    rows = torch.cat([chunk[0] for chunk in chunks])
-    weights = torch.cat([chunk[1] for chunk in chunks])
-    factors = [chunk[2] for chunk in chunks]
-    return rows, weights, type(factors[0]).cat(factors)
+    rows = torch.cat([chunk.rows for chunk in chunks])
+    weights = torch.cat([chunk.weights for chunk in chunks])
+    factors = [chunk.factors for chunk in chunks]
+    return NodeChunk(rows, weights, type(factors[0]).cat(factors))

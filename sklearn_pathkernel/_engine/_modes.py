@@ -1,6 +1,8 @@
-"""What a Gram product keeps of the output axes."""
+"""What a Gram product keeps of the output axes: the :class:`OutputMode` enum."""
 
 import enum
+
+import torch
 
 
 class OutputMode(str, enum.Enum):
@@ -20,9 +22,42 @@ class OutputMode(str, enum.Enum):
         shape (n,): the diagonal, linear in n.
 
     The public ``output="trace"`` and ``output="full"`` of
-    :meth:`~sklearn_pathkernel.ExactPathKernel` are ``TRACE`` and ``PAIRS``.
+    :meth:`~sklearn_pathkernel.ExactPathKernel` are ``TRACE`` and ``PAIRS``
+    (:meth:`of_output`).
     """
 
     TRACE = "trace"
     PAIRS = "pairs"
     DIAG = "diag"
+
+    @classmethod
+    def of_output(cls, output):
+        """The mode of a public ``output`` setting: ``"trace"`` or ``"full"``."""
+        try:
+            return _PUBLIC_OUTPUTS[output]
+        except (KeyError, TypeError):
+            raise ValueError(f"output must be 'trace' or 'full', got {output!r}.") from None
+
+    @property
+    def public_output(self):
+        """The public ``output`` setting of this mode (``TRACE`` or ``PAIRS``)."""
+        return next(name for name, mode in _PUBLIC_OUTPUTS.items() if mode is self)
+
+    def output_shape(self, n_outputs):
+        """The trailing axes of a block of this mode: ``(K, K)`` for ``PAIRS``, else ``()``."""
+        return (n_outputs, n_outputs) if self is OutputMode.PAIRS else ()
+
+    def values_per_pair(self, n_outputs):
+        """Numbers per pair of rows: ``K**2`` for ``PAIRS``, else 1."""
+        return n_outputs**2 if self is OutputMode.PAIRS else 1
+
+    def transpose(self, block):
+        """The block of the swapped sides: (n, m) -> (m, n), (n, m, K, K') -> (m, n, K', K).
+
+        ``block`` is a numpy array or a tensor; a view, no copy.
+        """
+        axes = (1, 0, 3, 2) if self is OutputMode.PAIRS else (1, 0)
+        return block.permute(*axes) if torch.is_tensor(block) else block.transpose(axes)
+
+
+_PUBLIC_OUTPUTS = {"trace": OutputMode.TRACE, "full": OutputMode.PAIRS}

@@ -56,11 +56,10 @@ RANK_RTOL = 1e-12
 #: direction at some unit (deeper layers), the full factorisation is skipped.
 _PROBE_ROWS_PER_OUTPUT = 2
 
-#: Left rows per output below which a subspace is not looked for. Finding it
-#: and projecting the right rows cost 7 to 12 ns per right value (n K d_out) on a
-#: 2-core CPU, mostly the QR factorisation, and pay for themselves from about
-#: 400 to 850 left rows (K = 10, d_out = 128; ``python
-#: benchmarks/bench_output_subspace.py``): 200 K left rows keep a margin.
+#: Left rows per output below which a subspace is not looked for: finding it and
+#: projecting the right rows cost about as much as the products they shrink save
+#: at a few hundred left rows (K = 10, d_out = 128; ``python
+#: benchmarks/bench_output_subspace.py`` measures it); 200 K left rows keep a margin.
 _MIN_LEFT_ROWS_PER_OUTPUT = 200
 
 

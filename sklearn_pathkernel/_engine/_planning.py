@@ -1,17 +1,28 @@
-"""Memory checks: fail early, naming the sizes and the way out, instead of swapping."""
+"""Memory planning: how many rows each task, pass and product holds.
 
+Module functions check a request against the available memory (fail early,
+naming the sizes and the way out, instead of swapping) and give the budgets;
+:class:`Planner` turns them into the engine's tiles: tasks of query rows, tiles
+of a Gram's rows, passes of the probe and sides of a product.
+
+Cost: a one-row probe evaluation, once (the bytes of a row's factors); the rest
+is arithmetic on sizes.
+"""
+
+import math
 import os
 
-# What one block task may hold in its output; larger requests are tiled further.
+from sklearn.utils import gen_even_slices
+
+#: What one block task may hold in its output; larger requests are tiled further.
 BLOCK_BUDGET_BYTES = 256 * 2**20
-# The factors one forward and backward pass of the probe produces. A pass has a
-# fixed cost worth thousands of rows of a small network, but a batched backward
-# pass over many outputs slows down once its gradients leave the cache; for an MLP
-# 64-128-128-10 with 10 outputs (24 KiB of factors a row) this is 512 rows a pass,
-# which was faster in a mini-batch run's cross Gram than 4 MiB or 1 MiB passes.
+#: The factors one forward and backward pass of the probe produces. A pass has a
+#: fixed cost worth thousands of rows of a small network, but a batched backward
+#: pass over many outputs slows down once its gradients leave the cache (for an
+#: MLP 64-128-128-10 with 10 outputs, 24 KiB of factors a row, this is 512 rows).
 PASS_BUDGET_BYTES = 12 * 2**20
-# What one step-major Gram task may hold on the host (its output block and one
-# step's factors): at most this, and at most a quarter of the available memory.
+#: What one step-major Gram task may hold on the host (its output block and one
+#: step's factors): at most this, and at most a quarter of the available memory.
 HOST_WORKING_BYTES = 2**30
 
 
@@ -60,3 +71,109 @@ def working_budget(device, n_workers=1):
     else:
         total = min(HOST_WORKING_BYTES, available_memory() // 4)
     return max(BLOCK_BUDGET_BYTES // 16, int(total // max(1, n_workers)))
+
+
+def _even_tiles(n_rows, size):
+    """``n_rows`` in even slices of at most ``size`` rows (none for no rows)."""
+    return list(gen_even_slices(n_rows, max(1, -(-n_rows // size)))) if n_rows else []
+
+
+def _consecutive(n_rows, size):
+    """``n_rows`` in consecutive slices of ``size`` rows from row 0, the last shorter."""
+    return [slice(begin, min(begin + size, n_rows)) for begin in range(0, n_rows, size)]
+
+
+class Planner:
+    """Tiles, passes and product sizes of one engine.
+
+    Parameters
+    ----------
+    device : torch.device
+    tile_size : int
+        Rows per forward pass, per side of a product and per block of the test x
+        test Gram on the host (a GPU takes more: see :meth:`block_size`).
+    n_nodes : int
+        Gauss-Legendre nodes per smooth piece of the exact quadrature.
+    path : WeightPath
+    scheduler : Scheduler
+        Gives the number of workers that share the working budget.
+    probes : ThreadProbes
+    steps : PathSteps
+    example : torch.Tensor
+        One training row (the bytes of a row's factors).
+    """
+
+    def __init__(self, device, tile_size, n_nodes, path, scheduler, probes, steps, example):
+        self.device, self.tile_size, self.n_nodes = device, tile_size, n_nodes
+        self.path, self.scheduler = path, scheduler
+        self.probes, self.steps, self.example = probes, steps, example
+        self._row_bytes = None
+
+    def working_budget(self):
+        """Bytes one task may hold (see :func:`working_budget`)."""
+        return working_budget(self.device, self.scheduler.n_workers())
+
+    def factor_row_bytes(self):
+        """Bytes of one row's training-copy factors (every output), all layers."""
+        if self._row_bytes is None:
+            factors = self.probes.main.factors(self.steps.weights(0), self.example)
+            self._row_bytes = max(8, sum(f.nbytes for f in factors))
+        return self._row_bytes
+
+    def tiles(self, n, row_bytes=0):
+        """Row slices of at most ``tile_size`` rows, fewer when rows are large."""
+        return _even_tiles(n, rows_per_tile(self.tile_size, row_bytes))
+
+    def task_tiles(self, kind, n_rows, n_other, pairs, n_outputs):
+        """Tiles of the rows of a training or mixed block, from the working budget.
+
+        A task holds its output block (``pairs`` values per pair of rows), one
+        step's factors of its rows (``kind.factor_rows``) and of the other side's
+        rows (``kind.shared_factor_rows``), and, for a mixed block on a
+        preconditioned path, its rows' features materialised and scaled.
+        """
+        factor_bytes = self.factor_row_bytes()
+        per_row = 8 * n_other * pairs + factor_bytes * kind.factor_rows(self.n_nodes)
+        if kind.materialises_preconditioned and self.path.update.preconditioners is not None:
+            per_row += 16 * n_outputs * self.path.n_weights  # P_s phi_s, materialised
+        shared = factor_bytes * kind.shared_factor_rows(n_other, self.tile_size)
+        size = max(1, (self.working_budget() - shared) // per_row)
+        return _even_tiles(n_rows, size)
+
+    def query_tiles(self, n_rows, row_bytes, nodes_per_row):
+        """Tiles of query rows, one per task of ``decompose`` or ``diag``: as many
+        rows as the working budget holds at ``row_bytes`` of results each, plus
+        the factors of their quadrature nodes (``nodes_per_row`` and the kink
+        search's row)."""
+        per_row = row_bytes + (nodes_per_row + 1) * self.factor_row_bytes()
+        return _even_tiles(n_rows, max(1, self.working_budget() // per_row))
+
+    def pass_rows(self):
+        """Rows per forward and backward pass of the probe: as many as
+        ``PASS_BUDGET_BYTES`` of factors (small networks get few, large passes;
+        each pass has a fixed cost), and on a GPU at least :meth:`block_size`."""
+        rows = max(1, PASS_BUDGET_BYTES // self.factor_row_bytes())
+        return max(rows, self.block_size()) if self.device.type == "cuda" else rows
+
+    def passes(self, n_rows):
+        """Consecutive slices of :meth:`pass_rows` rows."""
+        return _consecutive(n_rows, self.pass_rows())
+
+    def sub_blocks(self, n, row_bytes=0, pairs=1):
+        """Consecutive slices of at most ``block_size(pairs)`` rows (fewer for large
+        rows): the passes and the sides of one product, aligned from row 0 so that
+        two sides of the same rows share their boundaries."""
+        return _consecutive(n, rows_per_tile(self.block_size(pairs), row_bytes))
+
+    def block_size(self, pairs=1):
+        """Rows per pass and per side of a product.
+
+        ``tile_size`` on the host (blocks whose Grams stay small next to the
+        caches). On a GPU, as many rows as an eighth of the working budget holds
+        in a product's three square temporaries (input Gram, delta Gram, their
+        product; ``pairs`` values per pair of rows), so that each product keeps
+        the device busy.
+        """
+        if self.device.type != "cuda":
+            return self.tile_size
+        return max(self.tile_size, math.isqrt(self.working_budget() // (8 * 3 * 8 * pairs)))

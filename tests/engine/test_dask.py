@@ -75,6 +75,7 @@ def assert_close(actual, expected):
             )
 
 
+@pytest.mark.slow
 def test_dask_backend_matches_single_process(client, problem):
     engine, X, queries = problem
     expected = compute(engine(None), X, queries)

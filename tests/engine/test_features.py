@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sklearn_pathkernel._engine._features import StepFeatures
+from sklearn_pathkernel._engine._modes import OutputMode
 from sklearn_pathkernel._engine.integration._quadrature import pieces, piecewise_nodes
 from sklearn_pathkernel._engine.rules._gradients import FactoredGradients
 from sklearn_pathkernel._engine.rules._linear import LinearRule
@@ -96,7 +97,7 @@ def test_materialised_sums_match_autograd(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("mode", ["trace", "pairs"])
+@pytest.mark.parametrize("mode", [OutputMode.TRACE, OutputMode.PAIRS])
 def test_step_features_inner_and_directional_match_autograd(case, mode):
     nodes_per_row = [6, 5, 7] if case == "materialised" else [2, 1, 3]
     layer, rows, weights, factors, n_rows = linear_case(**CASES[case], nodes_per_row=nodes_per_row)
@@ -113,13 +114,13 @@ def test_step_features_inner_and_directional_match_autograd(case, mode):
     gen = torch.Generator().manual_seed(1)
     n_right = 4
     right_inputs = torch.randn(n_right, factors.inputs.shape[1], generator=gen, dtype=DTYPE)
-    n_right_outputs = factors.deltas.shape[1] if mode == "trace" else 1
+    n_right_outputs = factors.deltas.shape[1] if mode is OutputMode.TRACE else 1
     right_deltas = torch.randn(
         n_right, n_right_outputs, factors.deltas.shape[2], generator=gen, dtype=DTYPE
     )
     right = FactoredGradients(inputs=right_inputs, deltas=right_deltas)
     g_right = autograd_gradients(layer, right_inputs, right_deltas)
-    if mode == "trace":
+    if mode is OutputMode.TRACE:
         expected = torch.einsum("nkw,mkw->nm", phi, g_right)
         out = torch.zeros(n_rows, n_right, dtype=DTYPE)
     else:
@@ -234,17 +235,20 @@ def test_factors_with_matches_separate_passes(network, labels):
     ):
         # compared through the inner products they define
         torch.testing.assert_close(
-            rule.inner(a, b, "pairs"), rule.inner(b, b, "pairs"), rtol=1e-12, atol=1e-13
+            rule.inner(a, b, OutputMode.PAIRS),
+            rule.inner(b, b, OutputMode.PAIRS),
+            rtol=1e-12,
+            atol=1e-13,
         )
         torch.testing.assert_close(
-            rule.inner(a_start, b_start, "pairs"),
-            rule.inner(b_start, b_start, "pairs"),
+            rule.inner(a_start, b_start, OutputMode.PAIRS),
+            rule.inner(b_start, b_start, OutputMode.PAIRS),
             rtol=1e-12,
             atol=1e-13,
         )
 
 
-@pytest.mark.parametrize("mode", ["trace", "pairs"])
+@pytest.mark.parametrize("mode", [OutputMode.TRACE, OutputMode.PAIRS])
 @pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
 def test_linear_node_inner_weights_each_node(mode, names):
     """``node_inner`` folds the node weights into the factored product: it equals
@@ -265,7 +269,7 @@ def test_linear_node_inner_weights_each_node(mode, names):
         ]
     )
     pairs = torch.einsum("ekw,jlw->ejkl", left_grads[..., keep], right_grads[..., keep])
-    expected = pairs.diagonal(dim1=2, dim2=3).sum(-1) if mode == "trace" else pairs
+    expected = pairs.diagonal(dim1=2, dim2=3).sum(-1) if mode is OutputMode.TRACE else pairs
     expected = expected * weights.view(-1, *([1] * (expected.ndim - 1)))
     actual = rule.node_inner(nodes, weights, right, mode)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)

@@ -14,7 +14,9 @@ from torch.func import functional_call, jacrev, vmap
 
 from sklearn_pathkernel._engine import _output_subspace as _output_subspace
 from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._engine._modes import OutputMode
 from sklearn_pathkernel._engine._output_subspace import RANK_RTOL, OutputSubspace
+from sklearn_pathkernel._engine._planning import Planner
 from sklearn_pathkernel._engine._probe import NetworkProbe
 from sklearn_pathkernel._engine.rules._gradients import Gradients
 from sklearn_pathkernel._engine.rules._linear import LinearRule
@@ -103,10 +105,12 @@ def test_projection_keeps_trace_products_with_rows_outside_the_subspace(classifi
         if subspace is None:
             continue
         projected_any = True
-        expected = rule.inner(a, b, "trace")
+        expected = rule.inner(a, b, OutputMode.TRACE)
         projected_b = rule.project_outputs(b, subspace)
         for left_form in (a, Gradients(grads=rule.materialise(a))):
-            got = rule.inner(rule.project_outputs(left_form, subspace), projected_b, "trace")
+            got = rule.inner(
+                rule.project_outputs(left_form, subspace), projected_b, OutputMode.TRACE
+            )
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13 * expected.abs().max())
     assert projected_any
 
@@ -198,8 +202,8 @@ def test_engine_grams_with_subspaces_match_independent_references(classifier, sp
     module, path, X, y = classifier
     if split == "tasks of 10 rows":
         monkeypatch.setattr(
-            PathKernelEngine,
-            "_task_tiles",
+            Planner,
+            "task_tiles",
             lambda self, kind, n, *args: [slice(i, min(i + 10, n)) for i in range(0, n, 10)],
         )
     projected = []

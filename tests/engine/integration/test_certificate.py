@@ -14,6 +14,7 @@ from sklearn.datasets import make_blobs
 from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelClassifier
+from sklearn_pathkernel._training._loop import train_module
 
 SUM_TOL = 1e-9
 
@@ -108,3 +109,52 @@ def test_frozen_parameters_are_constants_of_the_path(freeze, solver):
     assert np.abs(parts.contributions).max() > 1e-4
     gram = clf.kernel_(X)
     assert np.linalg.eigvalsh(gram).min() >= -1e-9 * np.abs(gram).max()
+
+
+def test_certificate_measures_quadrature_error(relu_case, engine_cases):
+    module, path, X, y, A = relu_case
+    assert engine_cases.engine_for(module, path, X, y).certificate(A).max() < 1e-10
+    riemann = engine_cases.engine_for(module, path, X, y, quadrature="riemann", n_points=5)
+    parts = riemann.decompose(A)
+    sum_error = np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max(1)
+    assert parts.residual.max() > 1e-6
+    # the certificate bounds the error of the sum identity (up to rounding)
+    assert (sum_error <= parts.residual + 1e-12).all()
+
+
+def test_bisection_certifies_a_double_crossing_the_grids_miss(engine_cases):
+    """A squared distance plus bias touching zero twice within ~1e-8 of ``t``.
+
+    Kink detection compares pieces at grid points and misses both crossings; the
+    certificate catches the error and bisection fixes it.
+    """
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    X, y = engine_cases.blobs(60, 4, 3, 0)
+    clf = DistanceKernelClassifier(
+        hidden_layer_sizes=(8,), max_iter=5, learning_rate=0.5, random_state=0
+    ).fit(X.numpy(), y.numpy())
+    parts = clf.decompose(X[:10].numpy() + 0.3)
+    assert parts.residual.max() < 1e-9
+    assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-9
+
+
+def test_saturated_softmax_on_unscaled_inputs_is_certified_without_blowup(engine_cases):
+    """Features near 100 (scikit-learn's idempotence check): the first steps swing the
+    softmax between saturated states. Each step's change is then known only to about
+    eps * |logits| (~1e-13), and its integrand has sharp smooth transitions between
+    the kinks. Bisection starts from the kink partition, resolves the transitions and
+    accepts the rounding floor, instead of halving pieces without end."""
+    rng = np.random.RandomState(0)
+    X = torch.tensor(rng.normal(loc=100, size=(60, 2)))
+    y = torch.tensor((X[:, 0] > 100).numpy().astype(np.int64))
+    torch.manual_seed(0)
+    module = engine_cases.mlp([2, 100, 2], zero_head=True)
+    path = train_module(module, X, y, learning_rate=0.1, max_iter=3).path
+    engine = engine_cases.engine_for(module, path, X, y)
+    A = torch.tensor(rng.normal(loc=100, size=(4, 2)))
+    _, scale = engine.probe.output_with_scale(path.weights[1], A)
+    assert scale.min() > 100  # saturated after one step: the case this test is about
+    parts = engine.decompose(A)
+    assert parts.residual.max() < 1e-10
+    assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-10

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-import sklearn_pathkernel._engine.integration._quadrature as quadrature
+import sklearn_pathkernel._engine.integration._kinks as kinks_module
 from sklearn_pathkernel import DistanceKernelClassifier
+from sklearn_pathkernel._engine._modes import OutputMode
 from sklearn_pathkernel._engine._probe import NetworkProbe
-from sklearn_pathkernel._engine.integration._kinks import SwitchState, switch_state
-from sklearn_pathkernel._engine.integration._quadrature import _polynomial_switches, row_kinks
+from sklearn_pathkernel._engine.integration._kinks import polynomial_switches, row_kinks
+from sklearn_pathkernel._engine.integration._switches import SwitchState, switch_state
 from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import DistanceRule
 from sklearn_pathkernel._engine.rules._protocol import RowWeights
@@ -27,11 +28,8 @@ def _states(values):
 
 
 def _solve(values):
-    rows, t = [], []
-    masks = _polynomial_switches(_states(values), rows, t)
-    rows = np.concatenate(rows) if rows else np.zeros(0, int)
-    t = np.concatenate(t) if t else np.zeros(0)
-    return masks[0], rows, t
+    found = polynomial_switches(_states(values))
+    return found.solved[0], found.rows, found.t
 
 
 def test_quadratic_roots_inside_the_interval():
@@ -105,11 +103,11 @@ def _brute_force_changes(probe, start, direction, X, n_points=4001):
 def test_kinks_match_dense_grid_sign_changes(seed, depth, monkeypatch):
     probe, start, direction, X = _distance_probe(seed, depth)
     searched = []
-    locate = quadrature.locate_kinks
+    locate = kinks_module.locate_kinks
     monkeypatch.setattr(
-        quadrature, "locate_kinks", lambda *a, **k: searched.append(1) or locate(*a, **k)
+        kinks_module, "locate_kinks", lambda *a, **k: searched.append(1) or locate(*a, **k)
     )
-    found = row_kinks(probe, start, direction, X, np.arange(X.shape[0]))
+    found = row_kinks(probe, start, direction, X, np.arange(X.shape[0])).kinks
     t, changes = _brute_force_changes(probe, start, direction, X)
     assert sum(len(c) for c in changes) > 0
     for row_kinks_found, row_changes in zip(found, changes, strict=True):
@@ -137,6 +135,7 @@ def _fitted(kernel, solver):
     return clf.fit(X[:50], y[:50]), X[:50], X[50:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
 @pytest.mark.parametrize("solver", ["sgd", "adam"])
 def test_integrated_features_match_per_node_products(kernel, solver, monkeypatch):
@@ -159,7 +158,7 @@ def test_integrated_features_match_per_node_products(kernel, solver, monkeypatch
 
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
-@pytest.mark.parametrize("mode", ["trace", "pairs"])
+@pytest.mark.parametrize("mode", [OutputMode.TRACE, OutputMode.PAIRS])
 def test_dense_inner_against_autograd(kernel, mode, per_example_gradients):
     torch.manual_seed(0)
     layer = DistanceLayer(5, 4, kernel, dtype=torch.float64)
@@ -174,7 +173,9 @@ def test_dense_inner_against_autograd(kernel, mode, per_example_gradients):
     t[2] = 0.0
     delta = torch.randn(6, 3, 4, dtype=torch.float64)
     factors = rule.factors((x,), delta, RowWeights(params, steps, t))
-    dense = torch.randn(7, 3 if mode == "trace" else 2, 4 * 5 + 4 * (2 if kernel == "rbf" else 1))
+    dense = torch.randn(
+        7, 3 if mode is OutputMode.TRACE else 2, 4 * 5 + 4 * (2 if kernel == "rbf" else 1)
+    )
     dense = dense.to(torch.float64)
     expected = contract(dense, per_example_gradients(layer, names, x, delta, steps, t), mode)
     got = rule.dense_inner(dense, factors, mode)

@@ -462,7 +462,7 @@ def test_plain_mlp_keeps_factored_rules_and_forced_fallback_agrees():
     engine = PathKernelEngine(module, path, X)
     assert engine.probe.fallback_reason is None
     forced = PathKernelEngine(module, path, X)
-    forced._probe = NetworkProbe(module, path, X[:1], force_jacobian=True)
+    forced._probes.main = NetworkProbe(module, path, X[:1], force_jacobian=True)
     assert forced.probe.fallback_reason.startswith("forced")
     assert_sum_identity(module, engine, queries())
     assert_sum_identity(module, forced, queries())

@@ -1,0 +1,209 @@
+"""Decomposition: each training point's contribution to the network's output.
+
+With ``e_{s,i}`` the recorded output gradient of training point ``i`` at step
+``s`` (the cotangent of its loss), the update of step ``s`` is linear in the
+gradients of its own and earlier steps, so, exactly,
+
+    f(x; w_S) - f(x; w_0) = sum_s sum_{i in B_s} <psi_s(x), sum_k e_{s,i,k} g_k(x_i; w_s)>
+                            - lambda_c sum_s <psi_s, w_s> + sum_s d_s <phi_s, w_s>
+
+where ``psi_s`` is the test side of the update's backward accumulation
+(``UpdateRecord.backward()``): ``eta_s phi_s`` for plain gradient descent,
+``gamma B_s + zeta_s P_s phi_s`` with the buffer ``B_s = alpha_s P_s phi_s +
+beta B_{s+1}`` for momentum and Adam (``P_s`` Adam's preconditioner), and the
+last two sums are the decay terms (``UpdateRecord.decay_rate``, the coupled and
+decoupled weight decays).
+
+Cost, per step and query row: the test copy (see :mod:`._test_copy`) and one
+product with the batch's factors (per-step updates: every layer keeps its
+factored rule); for updates that mix steps, the features materialised
+(``K W`` numbers per row) and one matrix product with the batch's per-example
+gradients.
+"""
+
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from sklearn.utils import Bunch
+
+from ._modes import OutputMode
+from ._planning import check_fits
+
+
+class DecompositionPart(NamedTuple):
+    """One task's sums over its steps, for its rows: numpy arrays."""
+
+    contributions: np.ndarray  # (n, M, K)
+    decay: np.ndarray  # (n, K)
+    quadrature_error: np.ndarray  # (n,)
+
+
+class Decomposition:
+    """Decomposes the network's output on query rows over the training points.
+
+    Parameters
+    ----------
+    probes : ThreadProbes
+    steps : PathSteps
+    planner : Planner
+    scheduler : Scheduler
+    test_copy : TestCopy
+    path : WeightPath
+    X_train : torch.Tensor
+    n_nodes, n_outputs : int
+    """
+
+    def __init__(
+        self, probes, steps, planner, scheduler, test_copy, path, X_train, n_nodes, n_outputs
+    ):
+        self.probes, self.steps, self.planner = probes, steps, planner
+        self.scheduler, self.test_copy, self.path = scheduler, test_copy, path
+        self.X_train, self.n_nodes, self.n_outputs = X_train, n_nodes, n_outputs
+        self.n_train = X_train.shape[0]
+
+    def decompose(self, X):
+        """See ``PathKernelEngine.decompose``; ``X`` on the device."""
+        accumulated = not self.path.update.per_step
+        row_bytes = 8 * self.n_train * self.n_outputs
+        # The features, buffer and psi of a row, materialised over the weights.
+        feature_bytes = 4 * 8 * self.n_outputs * self.path.n_weights if accumulated else 0
+        check_fits(
+            (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes) * X.shape[0],
+            f"decompose on {X.shape[0]} rows ({self.n_train} training points, "
+            f"{self.n_outputs} outputs)",
+            "decompose fewer rows at a time.",
+        )
+        tiles = self.planner.query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, self.n_nodes)
+        if accumulated:  # the steps run backward, in order: tiles of rows only
+            keys = [(tile, None) for tile in tiles]
+            tasks = [partial(self._accumulated, X[tile]) for tile in tiles]
+        else:
+            keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
+            tasks = [partial(self._per_step, X[tile], steps) for tile, steps in keys]
+        results = self.scheduler.run(tasks)
+        contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
+        decay = np.zeros((X.shape[0], self.n_outputs))
+        quadrature_error = np.zeros(X.shape[0])
+        for (tile, _), part in zip(keys, results, strict=True):
+            contributions[tile] += part.contributions
+            decay[tile] += part.decay
+            quadrature_error[tile] += part.quadrature_error
+        probe = self.probes.current()
+        return Bunch(
+            contributions=contributions,
+            bias=probe.output(self.steps.weights(0), X).cpu().numpy(),
+            decay=decay,
+            output=probe.output(self.steps.weights(-1), X).cpu().numpy(),
+            residual=quadrature_error,
+        )
+
+    def _per_step(self, X, steps):
+        """Steps whose training gradients meet ``step_scale(s) * phi_s`` alone."""
+        update = self.path.update
+        contributions = torch.zeros(
+            (X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype, device=X.device
+        )
+        decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
+        quadrature_error = np.zeros(X.shape[0])
+        for index in range(steps.start, steps.stop):
+            batch = self.steps.on_device(self.path.batches[index])
+            scale = update.step_scale(index)
+            gradients = self.path.output_gradients[index].to(self.steps.device)
+            integrated = self.test_copy.integrate(
+                index,
+                X,
+                outputs_per_pair=self.n_outputs,
+                with_rows=(self.X_train[batch], gradients),
+                measure_error=True,
+            )
+            quadrature_error += integrated.quadrature_error
+            step_block = torch.zeros(
+                (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
+            )
+            # (n, batch, K, 1): a training row's factors hold the gradient of
+            # sum_k e_{s,i,k} f_k (its output gradient as the cotangent)
+            integrated.features.add_inner(
+                integrated.start_factors, OutputMode.PAIRS, step_block.unsqueeze(-1)
+            )
+            step_block *= scale
+            if batch.numel() == self.n_train and torch.equal(
+                batch, torch.arange(self.n_train, device=batch.device)
+            ):
+                contributions += step_block
+            else:
+                contributions.index_add_(1, batch, step_block)
+            # Weight decay: d_s <phi_s, w_s> - lambda_c <psi_s, w_s>, psi_s = scale phi_s
+            decay_rate = update.decay_rate(index)
+            if decay_rate:
+                start = self.probes.current().params(self.steps.step(index).start)
+                decay += decay_rate * integrated.features.directional(start)
+        return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
+
+    def _accumulated(self, X):
+        """All steps, backward, for updates that mix steps or are preconditioned.
+
+        With ``u_s = P_s * phi_s`` (materialised per layer) and ``psi_s`` from
+        the update's backward accumulation (see the module docstring). Cost per
+        step: the test features (as for SGD), their materialisation (n K W), and
+        one matrix product of (n K, W) with the batch's per-example gradients
+        (W, |B_s|).
+        """
+        update = self.path.update
+        n, n_outputs = X.shape[0], self.n_outputs
+        contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
+        decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
+        quadrature_error = np.zeros(n)
+        accumulation = update.backward()
+        for index in reversed(range(self.path.n_steps)):
+            start = self.steps.step(index).start
+            rules = self.probes.current().rules
+            batch = self.path.batches[index]
+            gradients = self.path.output_gradients[index].to(self.steps.device)
+            # The batch's factors from the nodes' passes when its materialised
+            # gradients fit one tile (as decompose does for plain SGD), else by tiles.
+            shared = len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            integrated = self.test_copy.integrate(
+                index,
+                X,
+                outputs_per_pair=n_outputs,
+                with_rows=(self.X_train[self.steps.on_device(batch)], gradients)
+                if shared
+                else None,
+                measure_error=True,
+            )
+            quadrature_error += integrated.quadrature_error
+            features = integrated.features
+            weights = self.probes.current().params(start)
+            if update.decoupled_decays[index]:
+                decay += update.decoupled_decays[index] * features.directional(weights)
+            u = features.materialised()
+            if update.preconditioners is not None:
+                scales = self.path.unflatten(update.preconditioners[index].to(self.steps.device))
+                u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
+            psi = accumulation.psi(index, u)
+            if update.coupled_decay:
+                decay -= update.coupled_decay * sum(
+                    p @ rule.flatten(weights) for p, rule in zip(psi, rules, strict=True)
+                )
+            if shared:
+                rows = self.steps.on_device(batch)
+                block = self._batch_inner(psi, integrated.start_factors)
+                contributions.index_add_(1, rows, block)
+                continue
+            for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
+                rows = self.steps.on_device(batch[part])
+                train = self.probes.current().factors(start, self.X_train[rows], gradients[part])
+                contributions.index_add_(1, rows, self._batch_inner(psi, train))
+        return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
+
+    def _batch_inner(self, psi, train):
+        """``<psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` (n, rows, K) for the training rows
+        whose factors (output gradients as cotangents) are ``train``: their
+        per-example gradients are materialised, one matrix product per layer."""
+        block = sum(
+            rule.dense_inner(p, f, OutputMode.PAIRS)
+            for p, rule, f in zip(psi, self.probes.current().rules, train, strict=True)
+        )  # (n, rows, K, 1)
+        return block[..., 0].contiguous()

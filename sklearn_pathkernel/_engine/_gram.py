@@ -1,0 +1,133 @@
+"""Gram matrices and diagonals of the path kernel, assembled from block tasks.
+
+A Gram between rows ``A`` and ``B``, each row on the training or the test copy,
+is four blocks, one per :class:`~._blocks.BlockKind` (the training-by-test block
+is the transposed mixed one); each block is a sum of independent tasks over
+(tile of rows, chunk of steps), run by the scheduler and summed here. A
+symmetric request computes each tile's columns from its first row on and
+mirrors them, and is made exactly symmetric.
+
+Cost: that of the blocks (see :class:`~._blocks.BlockKind`), plus the output
+(``nA nB`` numbers, ``K^2`` times that for ``output="full"``) on the host.
+"""
+
+from functools import partial
+
+import numpy as np
+
+from ._blocks import BlockKind
+from ._planning import check_fits
+from .integration._quadrature import TEST_TEST_NODES
+
+
+def as_mask(flag, n):
+    """``flag`` (a bool or an array of bools) as a writable boolean mask of ``n`` rows."""
+    return np.broadcast_to(np.asarray(flag, dtype=bool), (n,)).copy()
+
+
+class Gram:
+    """Assembles Grams and diagonals from the tasks of :class:`~._blocks.GramBlocks`.
+
+    Parameters
+    ----------
+    blocks : GramBlocks
+    planner : Planner
+    scheduler : Scheduler
+    steps : PathSteps
+    n_nodes, n_outputs : int
+    """
+
+    def __init__(self, blocks, planner, scheduler, steps, n_nodes, n_outputs):
+        self.blocks, self.planner, self.scheduler = blocks, planner, scheduler
+        self.steps, self.n_nodes, self.n_outputs = steps, n_nodes, n_outputs
+
+    def gram(self, A, B, a_train, b_train, mode):
+        """The Gram of ``A`` and ``B`` (None: ``A`` with ``a_train``) in ``mode``
+        (``OutputMode.TRACE`` or ``PAIRS``); see ``PathKernelEngine.gram``."""
+        symmetric = B is None
+        a_mask = as_mask(a_train, A.shape[0])
+        B, b_mask = (A, a_mask) if symmetric else (B, as_mask(b_train, B.shape[0]))
+        a_tr, a_te = np.flatnonzero(a_mask), np.flatnonzero(~a_mask)
+        b_tr, b_te = np.flatnonzero(b_mask), np.flatnonzero(~b_mask)
+        output_shape = mode.output_shape(self.n_outputs)
+        check_fits(
+            3 * 8 * A.shape[0] * B.shape[0] * int(np.prod(output_shape)),
+            f"A {mode.public_output!r} Gram of shape {(A.shape[0], B.shape[0]) + output_shape}",
+            "request fewer rows at a time, or output='trace' instead of 'full'.",
+        )
+        gram = np.zeros((A.shape[0], B.shape[0]) + output_shape)
+
+        def rows(X, index):
+            return X[self.steps.on_device(index)]
+
+        if a_tr.size and b_tr.size:
+            gram[np.ix_(a_tr, b_tr)] = self._kind(
+                BlockKind.TRAINING, rows(A, a_tr), rows(B, b_tr), mode, symmetric
+            )
+        if a_te.size and b_tr.size:
+            gram[np.ix_(a_te, b_tr)] = self._kind(
+                BlockKind.MIXED, rows(A, a_te), rows(B, b_tr), mode
+            )
+        if a_tr.size and b_te.size:
+            if symmetric:
+                mixed = gram[np.ix_(b_te, a_tr)]
+            else:
+                mixed = self._kind(BlockKind.MIXED, rows(B, b_te), rows(A, a_tr), mode)
+            gram[np.ix_(a_tr, b_te)] = mode.transpose(mixed)
+        if a_te.size and b_te.size:
+            gram[np.ix_(a_te, b_te)] = self._kind(
+                BlockKind.TEST, rows(A, a_te), rows(B, b_te), mode, symmetric
+            )
+        if symmetric:  # exactly symmetric, not just up to rounding
+            gram = 0.5 * (gram + mode.transpose(gram))
+        return gram
+
+    def _kind(self, kind, P, Q, mode, symmetric=False):
+        """One kind of block between rows ``P`` and ``Q``, as independent tasks.
+
+        Tasks are (tile of ``P``, chunk of steps); a symmetric request computes
+        only the columns from the tile's first row on and mirrors them. Tiles of
+        ``P`` are as large as the device's working budget allows (one tile for a
+        host Gram of a few thousand rows, tens of thousands on a GPU).
+        """
+        pairs = mode.values_per_pair(self.n_outputs)
+        if kind is BlockKind.TEST:
+            tiles = self.planner.tiles(P.shape[0], 8 * Q.shape[0] * pairs)
+        else:
+            tiles = self.planner.task_tiles(kind, P.shape[0], Q.shape[0], pairs, self.n_outputs)
+        keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
+        results = self.scheduler.run(
+            [
+                partial(
+                    self.blocks.block,
+                    kind,
+                    P[tile],
+                    Q[tile.start :] if symmetric else Q,
+                    steps,
+                    mode,
+                    symmetric,
+                )
+                for tile, steps in keys
+            ]
+        )
+        out = np.zeros((P.shape[0], Q.shape[0]) + mode.output_shape(self.n_outputs))
+        for (tile, _), block in zip(keys, results, strict=True):
+            offset = tile.start if symmetric else 0
+            out[tile, offset:] += block
+            if symmetric:
+                width = tile.stop - tile.start
+                out[tile.stop :, tile] += mode.transpose(block[:, width:])
+        return out
+
+    def diag(self, A, a_train):
+        """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
+        mask = as_mask(a_train, A.shape[0])
+        tiles = self.planner.query_tiles(A.shape[0], 0, TEST_TEST_NODES * self.n_nodes)
+        keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
+        results = self.scheduler.run(
+            [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
+        )
+        diag = np.zeros(A.shape[0])
+        for (tile, _), block in zip(keys, results, strict=True):
+            diag[tile] += block
+        return diag

@@ -1,0 +1,121 @@
+"""The path's steps on the device, and the network probe of each thread.
+
+A :class:`Step` is ``w_s`` and ``w_{s+1} - w_s`` of one step, moved from the
+recorded path (host memory or disk) to the device. :class:`PathSteps` hands them
+out and remembers, per thread, the last step asked: a step is evaluated many
+times in a row (kinks, nodes, certificate), and the same tensors let the probe
+reuse their unflattened parameters. :class:`ThreadProbes` gives every worker
+thread its own probe (probes register forward hooks on their module while they
+evaluate it).
+
+Cost: one host-to-device copy of two weight vectors (``2 W`` numbers) per step
+and thread; one copy of the module per worker thread.
+"""
+
+import copy
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ._probe import NetworkProbe
+
+
+@dataclass(frozen=True)
+class Step:
+    """Step ``index`` of the path: it moves along ``w(t) = start + t direction``.
+
+    Attributes
+    ----------
+    index : int
+    start : torch.Tensor of shape (W,)
+        ``w_s``, on the device.
+    direction : torch.Tensor of shape (W,)
+        ``w_{s+1} - w_s``, on the device.
+    """
+
+    index: int
+    start: torch.Tensor
+    direction: torch.Tensor
+
+
+class PathSteps:
+    """The weights and steps of ``path`` on ``device``.
+
+    Parameters
+    ----------
+    path : WeightPath
+    device : torch.device
+    """
+
+    def __init__(self, path, device):
+        self.path = path
+        self.device = device
+        self._last = {}  # thread ident -> the last Step that thread asked for
+
+    def __getstate__(self):
+        return {"path": self.path, "device": self.device, "_last": {}}
+
+    def weights(self, index):
+        """Row ``index`` of the weight path, on the device (a new tensor)."""
+        return self.path.weights[index].to(self.device)
+
+    def step(self, index):
+        """Step ``index`` as a :class:`Step` (the calling thread's last one when it
+        asks for the same step again)."""
+        ident = threading.get_ident()
+        last = self._last.get(ident)
+        if last is None or last.index != index:
+            start = self.weights(index)
+            last = Step(index, start, self.weights(index + 1) - start)
+            self._last[ident] = last
+        return last
+
+    def metric(self, index, rules):
+        """The weight-space metric of step ``index``'s kernel, per rule: Adam's
+        preconditioner ``P_s`` in the rule's layout, or None (the identity)."""
+        preconditioners = self.path.update.preconditioners
+        if preconditioners is None:
+            return None
+        scales = self.path.unflatten(preconditioners[index].to(self.device))
+        return [rule.flatten(scales) for rule in rules]
+
+    def on_device(self, array):
+        """A numpy array (row indices, nodes, weights) as a tensor on the device."""
+        return torch.as_tensor(array, device=self.device)
+
+
+class ThreadProbes:
+    """The network probe of each thread: the main thread's, and one per worker
+    thread on its own copy of the module.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+    path : WeightPath
+    example : torch.Tensor
+        Input rows for the probe's dry run.
+    link : callable
+        ``f`` from the module's output.
+    """
+
+    def __init__(self, module, path, example, link):
+        self.module, self.path, self.example, self.link = module, path, example, link
+        self.main = NetworkProbe(module, path, example, link=link)
+        self._workers = {}  # thread ident -> NetworkProbe
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_workers"] = {}
+        return state
+
+    def current(self):
+        """The probe of the calling thread."""
+        if threading.current_thread() is threading.main_thread():
+            return self.main
+        ident = threading.get_ident()
+        if ident not in self._workers:
+            self._workers[ident] = NetworkProbe(
+                copy.deepcopy(self.module), self.path, self.example, link=self.link
+            )
+        return self._workers[ident]

@@ -1,0 +1,175 @@
+"""The test copy of one step: ``phi_s(x)`` of query rows, integrated and certified.
+
+``phi_s(x) = int_0^1 g(x; w_s(t)) dt`` by the engine's quadrature rule
+(:mod:`.integration._quadrature`): the rule gives each row its nodes, the probe
+evaluates their factors in passes (:meth:`TestCopy.evaluate`), and
+:class:`~._features.StepFeatures` holds them; the certificate
+(:mod:`.integration._certificate`) measures each row's integration error and,
+for an adaptive rule, integrates the failing rows again.
+
+Cost, per step: one forward and backward pass per ``pass_rows`` nodes (a row has
+``n_nodes`` per smooth piece for the exact rule, ``T`` for a fixed one), the kink
+search's forward passes (exact rule), and the certificate (two forward passes,
+free after the kink search).
+"""
+
+from typing import NamedTuple
+
+from ._features import NodeChunk, StepFeatures
+from .integration._certificate import StepIntegral
+
+
+class IntegratedStep(NamedTuple):
+    """``phi_s`` of some rows, with what came with it.
+
+    Attributes
+    ----------
+    features : StepFeatures
+    quadrature_error : ndarray of shape (n_rows,) or None
+        Per row, the certificate's error (None when it was not asked for and
+        the rule did not need it).
+    start_factors : list or None
+        The factors of the rows asked for with ``with_rows`` at the step's start
+        (None without).
+    """
+
+    features: StepFeatures
+    quadrature_error: object
+    start_factors: object
+
+
+class TestCopy:
+    """Integrates and certifies the test copy of a step.
+
+    Parameters
+    ----------
+    probes : ThreadProbes
+    steps : PathSteps
+    planner : Planner
+    rule : QuadratureRule
+    certificate : Certificate
+    n_nodes : int
+        Gauss-Legendre nodes per smooth piece (exact rule).
+    n_outputs : int
+    """
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, probes, steps, planner, rule, certificate, n_nodes, n_outputs):
+        self.probes, self.steps, self.planner = probes, steps, planner
+        self.rule, self.certificate = rule, certificate
+        self.n_nodes, self.n_outputs = n_nodes, n_outputs
+
+    def features(self, chunks, n_rows, outputs_per_pair=1):
+        """The :class:`StepFeatures` of evaluated node ``chunks`` of ``n_rows`` rows."""
+        return StepFeatures(self.probes.current().rules, chunks, n_rows, outputs_per_pair)
+
+    def evaluate(self, step, X, nodes):
+        """Factors of every node, in passes: a list of :class:`NodeChunk`."""
+        probe = self.probes.current()
+        chunks = []
+        for part in self._parts(nodes):
+            rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
+            factors = probe.factors(step.start, X[rows], direction=step.direction, t=t)
+            chunks.append(NodeChunk(rows, self.steps.on_device(part.weights), factors))
+        return chunks
+
+    def evaluate_with(self, step, X, nodes, X_start, outputs):
+        """:meth:`evaluate`, and the factors of the rows ``X_start`` at the step's
+        start (as ``probe.factors(start, X_start, outputs)``), from the first
+        pass when that costs less than passes of their own.
+
+        Returns
+        -------
+        chunks : list of NodeChunk
+        start_factors : list
+        """
+        probe = self.probes.current()
+        chunks, start_factors = [], None
+        for part in self._parts(nodes):
+            rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
+            if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
+                factors, start_factors = probe.factors_with(
+                    step.start, X[rows], X_start, outputs, direction=step.direction, t=t
+                )
+            else:
+                factors = probe.factors(step.start, X[rows], direction=step.direction, t=t)
+            chunks.append(NodeChunk(rows, self.steps.on_device(part.weights), factors))
+        if start_factors is None:
+            start_factors = probe.factors(step.start, X_start, outputs)
+        return chunks, start_factors
+
+    def _parts(self, nodes):
+        size = self.planner.pass_rows()
+        return [nodes.take(slice(begin, begin + size)) for begin in range(0, nodes.rows.size, size)]
+
+    def _share_pass(self, n_nodes, X_start, outputs):
+        """Whether rows at the step's start join the nodes' passes.
+
+        A pass's fixed cost is that of many small rows; sharing it back-propagates
+        every output for the joining rows too, so they join when they need every
+        output, or when that extra work is at most the nodes' own backward pass.
+        """
+        if not self.probes.current().per_row_t:
+            return False
+        extra = 0 if outputs is None else (self.n_outputs - 1) * X_start.shape[0]
+        return extra <= self.n_outputs * n_nodes
+
+    def integrate(
+        self,
+        index,
+        X,
+        *,
+        n_nodes=None,
+        outputs_per_pair=1,
+        with_rows=None,
+        measure_error=False,
+    ):
+        """The test-copy features ``phi_s`` of step ``index`` for every row of ``X``.
+
+        Parameters
+        ----------
+        index : int
+        X : torch.Tensor of shape (n, ...)
+        n_nodes : int, default=None
+            Nodes per smooth piece (the engine's ``n_nodes`` when None).
+        outputs_per_pair : int, default=1
+            See :class:`StepFeatures`.
+        with_rows : tuple (X_start, outputs) or None
+            Also the factors of these rows at the step's start (see
+            :meth:`evaluate_with`).
+        measure_error : bool, default=False
+            Measure the certificate even for a rule that does not refine.
+
+        Returns
+        -------
+        IntegratedStep
+            With an adaptive rule, rows above their tolerance (kinks that cancel
+            between detection points) were integrated again.
+        """
+        step = self.steps.step(index)
+        n_nodes = n_nodes or self.n_nodes
+        n_rows = X.shape[0]
+        row_nodes = self.rule.row_nodes(self.probes.current(), step, X, n_nodes)
+        if with_rows is None:
+            chunks, start_factors = self.evaluate(step, X, row_nodes.nodes), None
+        else:
+            chunks, start_factors = self.evaluate_with(step, X, row_nodes.nodes, *with_rows)
+        features = self.features(chunks, n_rows, outputs_per_pair)
+        if not self.rule.adaptive:
+            error = None
+            if measure_error:
+                error = self.certificate.check(step, X, features, row_nodes.ends).errors
+            return IntegratedStep(features, error, start_factors)
+        check = self.certificate.check(step, X, features, row_nodes.ends)
+        integral = self.certificate.refine(
+            step,
+            X,
+            self.rule,
+            row_nodes,
+            StepIntegral(chunks, features, check),
+            n_nodes,
+            outputs_per_pair,
+            self,
+        )
+        return IntegratedStep(integral.features, integral.check.errors, start_factors)

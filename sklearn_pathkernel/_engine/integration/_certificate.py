@@ -1,0 +1,207 @@
+"""The certificate of a step's quadrature, and the refinement of the rows that fail it.
+
+By the chain rule, ``<phi_s(x), w_{s+1} - w_s> = f(x; w_{s+1}) - f(x; w_s)``
+exactly; a quadrature's features miss it by their integration error. Per row,
+:meth:`Certificate.check` measures ``max_k |f(w_{s+1}) - f(w_s) - <phi_s,
+w_{s+1} - w_s>|`` and holds it to the loss's ``certificate_tolerance``, or to
+the rounding floor of the logits where that is larger. An adaptive rule
+(:class:`._quadrature.KinkSplittingRule`) then integrates the failing rows again
+(:meth:`Certificate.refine`): on finer kink grids (``REFINEMENT_GRIDS``), then
+by bisecting their pieces until each piece passes its own certificate.
+
+Cost: two forward passes of the rows per step (none when the kink search
+computed both ends), one directional derivative of the features; for each
+failing row, the kink search and nodes of each finer grid, then two forward
+passes and the nodes of every piece per bisection level.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ._kinks import StepEnds
+from ._quadrature import Nodes, gauss_on_pieces, pieces
+
+#: ... unless rounding alone explains the miss: f(w_{s+1}) - f(w_s) is known only
+#: to about eps * |logits|, so with large logits (a saturated softmax on unscaled
+#: inputs: |logits| ~ 1e3) no quadrature can get below this many eps times the
+#: largest logit.
+ROUNDING_ULPS = 64
+#: The kink grids a failing row is searched on again, coarse to fine.
+REFINEMENT_GRIDS = tuple(np.linspace(0.0, 1.0, n) for n in (9, 65))
+#: Last resort for rows whose certificate still fails (two kinks closer than the
+#: grid, e.g. a squared distance plus bias touching zero, or a sharp but smooth
+#: transition of a nearly saturated softmax): bisect their pieces until each
+#: piece's own certificate passes, at most this deep and into at most this many
+#: pieces per row (a row past the cap keeps its pieces; its certificate reports
+#: the error).
+MAX_BISECTIONS = 48
+MAX_PIECES_PER_ROW = 512
+#: A bisected piece passes at the tolerance over this (its row has many pieces).
+PIECE_TOLERANCE_DIVISOR = 64
+
+
+def rounding_floor(*scales):
+    """Per row, the error that rounding alone can cause in ``f(b) - f(a)``.
+
+    ``scales`` are the rows' largest absolute logits at the points compared.
+    """
+    return ROUNDING_ULPS * torch.finfo(scales[0].dtype).eps * sum(scales)
+
+
+class StepCheck(NamedTuple):
+    """Per row, the certificate's error (ndarray) and the tolerance it is held to."""
+
+    errors: np.ndarray
+    tolerance: np.ndarray
+
+    def failed(self):
+        """Positions of the rows above their tolerance."""
+        return np.flatnonzero(self.errors > self.tolerance)
+
+
+class StepIntegral(NamedTuple):
+    """A step's test copy for some rows: its node chunks, the features they make
+    (:class:`~sklearn_pathkernel._engine._features.StepFeatures`) and their
+    certificate."""
+
+    chunks: list
+    features: object
+    check: StepCheck
+
+
+class Certificate:
+    """Checks a step's features against the network's own change, and refines.
+
+    Parameters
+    ----------
+    probes : ThreadProbes
+    steps : PathSteps
+    tolerance : float
+        The loss's ``certificate_tolerance``, in units of ``f``.
+    """
+
+    def __init__(self, probes, steps, tolerance):
+        self.probes, self.steps, self.tolerance = probes, steps, tolerance
+
+    def ends(self, step, X):
+        """``f`` and the largest logit of each row of ``X`` at both ends of ``step``."""
+        probe = self.probes.current()
+        f_start, scale_start = probe.output_with_scale(step.start, X)
+        f_end, scale_end = probe.output_with_scale(self.steps.weights(step.index + 1), X)
+        return StepEnds(f_start, scale_start, f_end, scale_end)
+
+    def check(self, step, X, features, ends=None):
+        """Per row, ``max_k |f(w_{s+1}) - f(w_s) - <phi_s, w_{s+1} - w_s>|``.
+
+        ``ends`` (from the kink search's passes at ``t = 0`` and ``t = 1``)
+        saves two forward passes.
+        """
+        ends = self.ends(step, X) if ends is None else ends
+        direction = self.probes.current().params(step.direction)
+        error = ends.f_end - ends.f_start - features.directional(direction)
+        floor = rounding_floor(ends.scale_start, ends.scale_end)
+        tolerance = torch.clamp(floor, min=self.tolerance)
+        return StepCheck(error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy())
+
+    def refine(self, step, X, rule, row_nodes, integral, n_nodes, outputs_per_pair, evaluator):
+        """``integral`` (a :class:`StepIntegral`) again for the rows that fail its check.
+
+        The failing rows are searched for kinks on each of ``REFINEMENT_GRIDS``
+        in turn, then bisected (:meth:`bisected_nodes`); only they are evaluated
+        again. ``row_nodes`` is the rule's first answer (its kinks and ends);
+        ``evaluator`` evaluates nodes and makes features (the engine's test copy:
+        ``evaluate(step, X, nodes)``, ``features(chunks, n_rows, outputs_per_pair)``).
+        """
+        chunks, features, check = integral
+        kinks = list(row_nodes.kinks)
+        for grid in (*REFINEMENT_GRIDS, None):  # None: bisection, the last resort
+            failed = check.failed()
+            if failed.size == 0:
+                break
+            if grid is None:
+                nodes = self.bisected_nodes(
+                    step, X, failed, [kinks[r] for r in failed], n_nodes, evaluator
+                )
+            else:
+                refined = rule.refined_nodes(self.probes.current(), step, X, failed, grid, n_nodes)
+                nodes = refined.nodes
+                for row, row_kinks in zip(failed, refined.kinks, strict=True):
+                    kinks[row] = row_kinks
+            kept = _without_rows(chunks, self.steps.on_device(failed))
+            chunks = kept + evaluator.evaluate(step, X, nodes)
+            features = evaluator.features(chunks, X.shape[0], outputs_per_pair)
+            check = self.check(step, X, features, row_nodes.ends)
+        return StepIntegral(chunks, features, check)
+
+    def bisected_nodes(self, step, X, rows, kinks, n_nodes, evaluator):
+        """Adaptive nodes: halve every piece whose own certificate fails.
+
+        The pieces start as each row's kink partition (``kinks``, per row). The
+        exact change of ``f`` over any piece ``[a, b]`` is known (two forward
+        passes), so each piece is certified on its own; a piece holding an
+        undetected kink, or a transition too sharp for its nodes, shrinks
+        geometrically until its error is negligible. A piece passes below the
+        tolerance over ``PIECE_TOLERANCE_DIVISOR`` or the rounding floor of its
+        ends, whichever is larger; a row stops splitting at ``MAX_PIECES_PER_ROW``
+        (so a row that rounding keeps from passing cannot split without end).
+        """
+        probe = self.probes.current()
+        step_params = probe.params(step.direction)
+        tolerance = self.tolerance / PIECE_TOLERANCE_DIVISOR
+        on_device = self.steps.on_device
+        pending = pieces(rows, kinks)
+        done = []
+        for depth in range(MAX_BISECTIONS + 1):
+            piece_rows, a, b = pending
+            if piece_rows.size == 0:
+                break
+            nodes = gauss_on_pieces(piece_rows, a, b, n_nodes)
+            if depth == MAX_BISECTIONS:
+                done.append(nodes)
+                break
+            # <integral over each piece, w_{s+1} - w_s>: the nodes' factors, summed per piece
+            piece_of_node = on_device(np.repeat(np.arange(piece_rows.size), n_nodes))
+            by_piece, offset = [], 0
+            for chunk in evaluator.evaluate(step, X, nodes):
+                size = chunk.weights.numel()
+                by_piece.append(chunk._replace(rows=piece_of_node[offset : offset + size]))
+                offset += size
+            estimate = evaluator.features(by_piece, piece_rows.size).directional(step_params)
+            # f at both ends of every piece, in one pass
+            X_rows = X[on_device(np.concatenate([piece_rows, piece_rows]))]
+            f_ab, scale_ab = probe.output_with_scale(
+                step.start, X_rows, step.direction, on_device(np.concatenate([a, b]))
+            )
+            (f_a, f_b), (scale_a, scale_b) = f_ab.chunk(2), scale_ab.chunk(2)
+            floor = torch.clamp(rounding_floor(scale_a, scale_b), min=tolerance)
+            ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).cpu().numpy()
+            # Rows that would split into more pieces than the cap keep the ones they have.
+            n_failing = np.bincount(piece_rows[~ok], minlength=X.shape[0])[piece_rows]
+            ok |= 2 * n_failing > MAX_PIECES_PER_ROW
+            done.append(nodes.take(np.repeat(ok, n_nodes)))
+            bad_rows, bad_a, bad_b = piece_rows[~ok], a[~ok], b[~ok]
+            middle = 0.5 * (bad_a + bad_b)
+            pending = (
+                np.concatenate([bad_rows, bad_rows]),
+                np.concatenate([bad_a, middle]),
+                np.concatenate([middle, bad_b]),
+            )
+        return Nodes.cat(done)
+
+
+def _without_rows(chunks, rows):
+    """The evaluated node chunks without the nodes of ``rows``."""
+    kept = []
+    for chunk in chunks:
+        keep = ~torch.isin(chunk.rows, rows)
+        if keep.all():
+            kept.append(chunk)
+        elif keep.any():
+            kept.append(
+                type(chunk)(
+                    chunk.rows[keep], chunk.weights[keep], [f.take(keep) for f in chunk.factors]
+                )
+            )
+    return kept

@@ -1,0 +1,87 @@
+"""Memory planning: requests that cannot fit fail early, and results do not depend
+on the tiles, tasks and passes the planner chooses."""
+
+import numpy as np
+import pytest
+import torch
+
+
+def test_requests_that_cannot_fit_fail_early_with_sizes(relu_case, monkeypatch, engine_cases):
+    from sklearn_pathkernel._engine import _planning as _memory
+
+    module, path, X, y, A = relu_case
+    engine = engine_cases.engine_for(module, path, X, y)
+    monkeypatch.setattr(_memory, "available_memory", lambda: 1000)
+    with pytest.raises(MemoryError, match=r"Gram of shape \(9, 30, 3, 3\).*output='trace'"):
+        engine.gram(A, X, b_train=True, output="full")
+    with pytest.raises(MemoryError, match="decompose on 9 rows"):
+        engine.decompose(A)
+
+
+def test_large_rows_are_tiled_within_the_block_budget(relu_case, monkeypatch, engine_cases):
+    from sklearn_pathkernel._engine import _planning as _memory
+
+    module, path, X, y, A = relu_case
+    reference = engine_cases.engine_for(module, path, X, y).gram(A, X, b_train=True, output="full")
+    monkeypatch.setattr(_memory, "BLOCK_BUDGET_BYTES", 8 * 30 * 9 * 2)  # two rows per block
+    engine = engine_cases.engine_for(module, path, X, y)
+    assert len(engine._planner.tiles(9, 8 * 30 * 9)) == 5
+    np.testing.assert_allclose(
+        engine.gram(A, X, b_train=True, output="full"), reference, rtol=1e-12
+    )
+
+
+@pytest.mark.slow
+def test_gram_tasks_split_by_the_working_budget(relu_case, monkeypatch, engine_cases):
+    """With a working budget too small for one task, the rows are split into
+    several step-major tasks (and the symmetric Gram's tiles mirrored between
+    them), with products of ``tile_size`` rows inside each: every block equals
+    the one-task result."""
+    from sklearn_pathkernel._engine import _planning as _memory
+    from sklearn_pathkernel._engine._blocks import BlockKind
+
+    module, path, X, y, A = relu_case
+    rows = torch.cat([X[:8], A])
+    on_train = np.r_[np.ones(8, bool), np.zeros(len(A), bool)]
+
+    def grams(engine):
+        return [
+            engine.gram(X, a_train=True),
+            engine.gram(A, X, b_train=True),
+            engine.gram(A, X, b_train=True, output="full"),
+            engine.gram(X[:11], X, a_train=True, b_train=True, output="full"),
+            engine.gram(rows, a_train=on_train),
+        ]
+
+    expected = grams(engine_cases.engine_for(module, path, X, y))
+    monkeypatch.setattr(_memory, "working_budget", lambda device, n_workers=1: 1)
+    engine = engine_cases.engine_for(module, path, X, y, tile_size=4)
+    tiles = engine._planner.task_tiles(BlockKind.TRAINING, X.shape[0], X.shape[0], 1, 3)
+    assert len(tiles) > 2
+    for actual, reference in zip(grams(engine), expected, strict=True):
+        np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
+
+
+def test_results_do_not_depend_on_the_pass_size(relu_case, monkeypatch, engine_cases):
+    """One row per forward and backward pass (a tiny pass budget) gives the same
+    Grams, diagonal and decomposition as the default passes."""
+    from sklearn_pathkernel._engine import _planning as _memory
+
+    module, path, X, y, A = relu_case
+
+    def results(engine):
+        parts = engine.decompose(A)
+        return [
+            engine.gram(X, a_train=True),
+            engine.gram(A, X, b_train=True, output="full"),
+            engine.diag(A),
+            parts.contributions,
+            parts.residual,
+        ]
+
+    expected = results(engine_cases.engine_for(module, path, X, y))
+    monkeypatch.setattr(_memory, "PASS_BUDGET_BYTES", 1)
+    engine = engine_cases.engine_for(module, path, X, y)
+    assert engine._planner.pass_rows() == 1
+    for actual, reference in zip(results(engine), expected, strict=True):
+        np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
