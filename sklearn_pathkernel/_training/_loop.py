@@ -174,15 +174,17 @@ def train_module(
 
             optimizer.zero_grad(set_to_none=False)
             f = loss_fn.link(module(X[index]))
-            f.retain_grad()  # -dL/df: the output gradients the kernel needs
-            loss = (share * loss_fn.per_sample(f, y[index])).sum()
+            loss = loss_fn.batch_loss(f.detach(), y[index], share)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"The training loss became {loss.item()} at step {step} "
                     f"(epoch {epoch}) with learning_rate={lr:g}; lower the "
                     "learning rate or scale the input features."
                 )
-            loss.backward()
+            # e = -dL/df, the output gradients the kernel needs; the module's
+            # gradient is their backward pass, G_s = -sum_i e_i . grad_w f(x_i).
+            output_gradient = loss_fn.output_gradient(f, y[index], share)
+            f.backward(-output_gradient)
             for param in params:
                 # A parameter the loss does not reach gets a zero gradient, not None,
                 # so that every optimiser updates it (momentum, weight decay) as the
@@ -204,7 +206,7 @@ def train_module(
                     f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
                 )
             path.batches.append(batch)
-            path.output_gradients.append((-f.grad).to("cpu", copy=True))
+            path.output_gradients.append(output_gradient.to("cpu", copy=True))
             learning_rates.append(lr)
             rates.append(rule.rates(lr, step))
             epoch_loss += loss.item() * float(sample_weight[index].sum())
