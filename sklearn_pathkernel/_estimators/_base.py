@@ -23,7 +23,7 @@ from .._engine._device import CPU, loadable_device, on_host, resolve_device
 from .._training._loop import train_module
 from .._training._losses import CrossEntropy, SquaredError
 from .._training._module_checks import check_module
-from .._training._updates import UPDATE_RULES, SolverSettings
+from .._training._updates import SolverSettings, solver_constraints
 
 DTYPE = torch.float64
 # Attributes validate_data(reset=True) sets on the estimator.
@@ -70,13 +70,7 @@ class BasePathEstimator(BaseEstimator):
         "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "batch_size": [Interval(Integral, 1, None, closed="left"), None],
-        "solver": [StrOptions(set(UPDATE_RULES))],
-        "momentum": [Interval(Real, 0, 1, closed="left")],
-        "nesterovs_momentum": ["boolean"],
-        "beta_1": [Interval(Real, 0, 1, closed="left")],
-        "beta_2": [Interval(Real, 0, 1, closed="left")],
-        "epsilon": [Interval(Real, 0, None, closed="neither")],
-        "weight_decay": [Interval(Real, 0, None, closed="left")],
+        **solver_constraints(),
         "shuffle": ["boolean"],
         "tol": [Interval(Real, 0, None, closed="left"), None],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
@@ -167,15 +161,7 @@ class BasePathEstimator(BaseEstimator):
             y_t,
             loss=self._loss,
             sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
-            solver=SolverSettings(
-                solver=self.solver,
-                momentum=self.momentum,
-                nesterovs_momentum=self.nesterovs_momentum,
-                beta_1=self.beta_1,
-                beta_2=self.beta_2,
-                epsilon=self.epsilon,
-                weight_decay=self.weight_decay,
-            ),
+            solver=SolverSettings.of(self),
             learning_rate=self.learning_rate,
             max_iter=self.max_iter,
             batch_size=self.batch_size,

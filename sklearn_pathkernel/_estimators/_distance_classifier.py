@@ -4,38 +4,26 @@ from sklearn.utils._param_validation import StrOptions
 
 from .._nn._builders import HEADS
 from ._base import BasePathClassifier
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, SOLVER_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
 from ._networks import DistanceNetworkMixin
 
-# The shared solver text with this estimator's reasons for its defaults (solver,
-# epsilon); the defaults themselves are checked against the signature in the tests.
-_SOLVER_PARAMETERS = (
-    SOLVER_PARAMETERS.replace(
-        '"Optimisers").',
-        '"Optimisers"). ``"adam"`` is the default here: full-batch Adam reaches\n'
-        "        MLPClassifier's accuracy on the benchmark where gradient descent\n"
-        "        trailed it by up to 15 points (``doc/benchmarks_distance.rst``).",
-        1,
-    )
-    .replace("epsilon : float, default=1e-8", "epsilon : float, default=1e-4", 1)
-    .replace(
-        'Added to the denominator of ``"adam"`` and ``"adamw"``.',
-        'Added to the denominator of ``"adam"`` and ``"adamw"``. ``1e-4`` here,\n'
-        "        not torch's ``1e-8``: it bounds Adam's preconditioner by ``1 / epsilon``\n"
-        "        where the training points' gradients nearly cancel, and so the size\n"
-        "        of the training points' contributions. With ``1e-8`` they reached\n"
-        "        ``1e4`` (for outputs below 25 in size) on iris and moons; ``1e-4``\n"
-        "        scored the same on the benchmark, ``1e-3`` lower.",
-        1,
-    )
-)
+# This estimator's reasons for its own solver defaults (the measurements:
+# doc/benchmarks_distance.rst).
+_NOTES = {
+    "solver": '``"adam"`` is the default here: with full batches it reaches '
+    "MLPClassifier's accuracy where gradient descent does not "
+    "(``doc/benchmarks_distance.rst``).",
+    "epsilon": "``1e-4`` here, not torch's ``1e-8``: it bounds Adam's preconditioner "
+    "by ``1 / epsilon`` where the training points' gradients nearly cancel, and so "
+    "the size of the training points' contributions (``doc/benchmarks_distance.rst``, "
+    '"Why epsilon=1e-4").',
+}
 
 
 @fill_doc(
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
-    solver_parameters=_SOLVER_PARAMETERS,
-    solver_default="adam",
+    training_parameters=training_parameters(_NOTES),
 )
 class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
@@ -96,14 +84,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         Full batches are the default: the kernel's cost grows with the number
         of steps, and mini-batches of 200 (Adam, ``learning_rate=0.01``, 100
         epochs) scored lower on the benchmark.
-    {solver_parameters}
-    shuffle : bool, default=True
-        Reshuffle mini-batches each epoch.
-    tol : float or None, default=None
-        Stop when the training loss has not improved by ``tol`` for
-        ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
-    n_iter_no_change : int, default=10
-        See ``tol``.
+    {training_parameters}
     {path_parameters}
 
     Attributes

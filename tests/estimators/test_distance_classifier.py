@@ -161,7 +161,7 @@ def test_default_settings_give_an_exact_kernel(data):
 
 def test_docstring_states_the_defaults():
     # Every parameter's "default=" in the docstring is the signature's default
-    # (the solver text is shared with other estimators and edited for this one).
+    # (the solver text is generated from the update rules, with this estimator's notes).
     doc = DistanceKernelClassifier.__doc__
     for name, parameter in inspect.signature(DistanceKernelClassifier).parameters.items():
         match = re.search(rf"^    {name} : .*default=(.+)$", doc, flags=re.MULTILINE)
