@@ -64,26 +64,20 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         is a constant); ``"distance"``: one memory per class, logits
         ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``). ``"linear"`` is
         the default: the distance head's gradients carry a ``1 / n_memories``
-        factor; with gradient descent it fails AND and XOR, and with the
-        default Adam it learns them but trails the linear head by 1.5 to 7
-        points on the benchmark's harder data sets.
+        factor, which slows its training (``doc/benchmarks_distance.rst``).
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
     learning_rate : float or callable, default=0.02
         Step size, or a schedule ``learning_rate(step) -> float``. The default
-        is for ``solver="adam"``, chosen by 5-fold CV against MLPClassifier on
-        eleven data sets: 0.01 to 0.03 score alike, 0.1 (300 steps) scored 4
-        to 5 points lower on two of them. Plain gradient descent
-        (``solver="sgd"``) needs a much larger step (1.5 was its default).
+        goes with ``solver="adam"``; plain gradient descent (``solver="sgd"``)
+        needs a much larger step (``doc/benchmarks_distance.rst``).
     max_iter : int, default=500
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
-        step: the training path of the EPK paper. 300 Adam steps scored 1 to 2
-        points lower on the benchmark's two hardest data sets.
+        step: the training path of the EPK paper.
     batch_size : int or None, default=None
         Mini-batch size; ``None`` uses the whole training set at every step.
         Full batches are the default: the kernel's cost grows with the number
-        of steps, and mini-batches of 200 (Adam, ``learning_rate=0.01``, 100
-        epochs) scored lower on the benchmark.
+        of steps.
     {training_parameters}
     {path_parameters}
 
