@@ -23,7 +23,7 @@ from .._engine._device import CPU, loadable_device, on_host, resolve_device
 from .._training._loop import train_module
 from .._training._losses import CrossEntropy, SquaredError
 from .._training._module_checks import check_module
-from .._training._updates import UPDATE_RULES, SolverSettings
+from .._training._updates import SolverSettings, solver_constraints
 
 DTYPE = torch.float64
 # Attributes validate_data(reset=True) sets on the estimator.
@@ -70,13 +70,7 @@ class BasePathEstimator(BaseEstimator):
         "learning_rate": [Interval(Real, 0, None, closed="neither"), callable],
         "max_iter": [Interval(Integral, 1, None, closed="left")],
         "batch_size": [Interval(Integral, 1, None, closed="left"), None],
-        "solver": [StrOptions(set(UPDATE_RULES))],
-        "momentum": [Interval(Real, 0, 1, closed="left")],
-        "nesterovs_momentum": ["boolean"],
-        "beta_1": [Interval(Real, 0, 1, closed="left")],
-        "beta_2": [Interval(Real, 0, 1, closed="left")],
-        "epsilon": [Interval(Real, 0, None, closed="neither")],
-        "weight_decay": [Interval(Real, 0, None, closed="left")],
+        **solver_constraints(),
         "shuffle": ["boolean"],
         "tol": [Interval(Real, 0, None, closed="left"), None],
         "n_iter_no_change": [Interval(Integral, 1, None, closed="left")],
@@ -160,24 +154,14 @@ class BasePathEstimator(BaseEstimator):
         # a copy: the targets may be the user's read-only array (a memmap)
         y_t = torch.tensor(targets.values, device=device)
         # Refused with the reason, or left in eval mode (the mode it is trained in).
-        check_module(
-            module, X_t, targets.n_outputs, classifier=isinstance(self._loss, CrossEntropy)
-        )
+        check_module(module, X_t, targets.n_outputs, classifier=self._loss.classifies)
         result = train_module(
             module,
             X_t,
             y_t,
             loss=self._loss,
             sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
-            solver=SolverSettings(
-                solver=self.solver,
-                momentum=self.momentum,
-                nesterovs_momentum=self.nesterovs_momentum,
-                beta_1=self.beta_1,
-                beta_2=self.beta_2,
-                epsilon=self.epsilon,
-                weight_decay=self.weight_decay,
-            ),
+            solver=SolverSettings.of(self),
             learning_rate=self.learning_rate,
             max_iter=self.max_iter,
             batch_size=self.batch_size,
@@ -205,12 +189,16 @@ class BasePathEstimator(BaseEstimator):
 
     # -- the network -------------------------------------------------------
 
-    def _output(self, X):
-        """``f = link(module(X))`` of validated rows, on the host: (n, n_outputs)."""
+    def _output(self, X, transform=None):
+        """The output ``f = link(module(X))`` of validated rows, or ``transform(f)``
+        (a prediction transform of the loss), on the host: (n, n_outputs)."""
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         with torch.no_grad():
-            return self._loss.link(self.module_(as_tensor(X, self.device_))).cpu().numpy()
+            output = self._loss.link(self.module_(as_tensor(X, self.device_)))
+            if transform is not None:
+                output = transform(output)
+            return output.cpu().numpy()
 
     # -- the path kernel ---------------------------------------------------
 
@@ -281,8 +269,9 @@ class BasePathEstimator(BaseEstimator):
         """Write the network's output on ``X`` as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals the network's output
-        ``f(X)`` (``predict_log_proba(X)`` for a classifier, ``predict(X)`` for a
-        regressor); ``residual`` says by how much it misses, measured against the
+        ``f(X)`` (``predict_log_proba(X)`` for the cross-entropy of the
+        classifiers, ``predict(X)`` for the squared error of the regressors);
+        ``residual`` says by how much it misses, measured against the
         network's own output. ``X`` is always on the test copy, so the
         identity holds at every point, training points included.
 
@@ -302,8 +291,8 @@ class BasePathEstimator(BaseEstimator):
             ``i`` added to output ``k`` over the whole run; ``bias`` (n_samples,
             n_outputs): the initial network's output; ``decay`` (n_samples,
             n_outputs): what weight decay moved (zeros without it); ``output``
-            (n_samples, n_outputs): the trained network's output (log-probabilities
-            of the classes, or the regressor's prediction). A regressor fitted on
+            (n_samples, n_outputs): the trained network's output ``f``
+            (log-probabilities of the classes, or the regressor's prediction). A regressor fitted on
             a 1-d ``y`` drops the ``n_outputs`` axis, like its ``predict``;
             ``residual`` (n_samples,): the exactness certificate, ``max_k |bias +
             sum_i contributions + decay - output|``, with ``output`` evaluated by
@@ -335,7 +324,8 @@ class BasePathEstimator(BaseEstimator):
 
 
 class BasePathClassifier(ClassifierMixin, BasePathEstimator):
-    """Base of the classifiers: cross-entropy of ``f = log_softmax(module(x))``."""
+    """Base of the classifiers: a :class:`~.._training._losses.ClassificationLoss`
+    (the cross-entropy of ``f = log_softmax(module(x))``) on class codes."""
 
     _loss = CrossEntropy()
 
@@ -350,7 +340,8 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
         return Targets(codes.astype(np.int64), classes.shape[0], {"classes_": classes})
 
     def predict_log_proba(self, X):
-        """Log-probabilities of the classes, ``log_softmax(module(X))``.
+        """Log-probabilities of the classes: the loss's ``log_proba`` of the output
+        (``log_softmax(module(X))`` for the cross-entropy).
 
         Parameters
         ----------
@@ -361,10 +352,11 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
         log_proba : ndarray of shape (n_samples, n_classes)
             Columns follow ``classes_``.
         """
-        return self._output(X)
+        return self._output(X, self._loss.log_proba)
 
     def predict_proba(self, X):
-        """Class probabilities, ``softmax(module(X))``.
+        """Class probabilities, ``exp(predict_log_proba(X))`` (``softmax(module(X))``
+        for the cross-entropy).
 
         Parameters
         ----------
@@ -375,10 +367,10 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
         proba : ndarray of shape (n_samples, n_classes)
             Columns follow ``classes_``.
         """
-        return np.exp(self._output(X))
+        return np.exp(self._output(X, self._loss.log_proba))
 
     def decision_function(self, X):
-        """The network's log-probabilities (the function the path kernel reproduces).
+        """The network's output ``f`` (the function the path kernel reproduces).
 
         Parameters
         ----------
@@ -387,14 +379,15 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
         Returns
         -------
         scores : ndarray of shape (n_samples, n_classes) or (n_samples,)
-            ``log_softmax(module(X))``, columns following ``classes_``. For two
-            classes, scikit-learn's convention: the log-odds of ``classes_[1]``,
-            ``f_1(x) - f_0(x)``, positive when ``classes_[1]`` is predicted.
+            ``f``, columns following ``classes_`` (``log_softmax(module(X))`` for
+            the cross-entropy). For two classes, scikit-learn's convention:
+            ``f_1(x) - f_0(x)`` (the log-odds of ``classes_[1]`` for the
+            cross-entropy), positive when ``classes_[1]`` is predicted.
         """
-        log_proba = self._output(X)
-        if log_proba.shape[1] == 2:
-            return log_proba[:, 1] - log_proba[:, 0]
-        return log_proba
+        output = self._output(X)
+        if output.shape[1] == 2:
+            return output[:, 1] - output[:, 0]
+        return output
 
     def predict(self, X):
         """Predicted class labels.
@@ -407,15 +400,14 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
         -------
         y_pred : ndarray of shape (n_samples,)
         """
-        log_proba = self._output(X)
+        log_proba = self._output(X, self._loss.log_proba)
         return self.classes_[np.argmax(log_proba, axis=1)]
 
 
 class BasePathRegressor(RegressorMixin, BasePathEstimator):
-    """Base of the regressors: squared error of ``f = module(x)`` (no link).
-
-    The loss is ``MLPRegressor``'s, half the mean squared error over the outputs,
-    averaged over each batch with the sample weights.
+    """Base of the regressors: a :class:`~.._training._losses.RegressionLoss` on
+    numeric targets, ``MLPRegressor``'s half mean squared error of ``f = module(x)``
+    (no link) over the outputs, averaged over each batch with the sample weights.
     """
 
     _loss = SquaredError()
@@ -429,7 +421,9 @@ class BasePathRegressor(RegressorMixin, BasePathEstimator):
         return Targets(values, values.shape[1], {"n_outputs_": values.shape[1], "_y_ndim": y.ndim})
 
     def predict(self, X):
-        """The network's prediction, ``module(X)`` (the function the path kernel reproduces).
+        """The network's prediction: the loss's ``prediction`` of the output
+        ``f`` (``module(X)`` itself for the squared error, the function the path
+        kernel reproduces).
 
         Parameters
         ----------
@@ -440,8 +434,8 @@ class BasePathRegressor(RegressorMixin, BasePathEstimator):
         y_pred : ndarray of shape (n_samples,) or (n_samples, n_outputs)
             1-d when the model was fitted on a 1-d ``y``.
         """
-        output = self._output(X)
-        return output[:, 0] if self._y_ndim == 1 else output
+        prediction = self._output(X, self._loss.prediction)
+        return prediction[:, 0] if self._y_ndim == 1 else prediction
 
     def _outputs_as_fitted(self, parts):
         if self._y_ndim != 1:
@@ -454,4 +448,3 @@ class BasePathRegressor(RegressorMixin, BasePathEstimator):
         tags = super().__sklearn_tags__()
         tags.target_tags.multi_output = True
         return tags
-

@@ -1,17 +1,14 @@
 """ExactPathKernelClassifier: a network trained by gradient descent, as a kernel machine."""
 
-
-
 from ._base import BasePathClassifier
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
 from ._networks import MLPNetworkMixin
 
 
 @fill_doc(
-    training_parameters=TRAINING_PARAMETERS,
+    training_parameters=training_parameters(),
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
-    solver_default="sgd",
 )
 class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
     """Neural network classifier that is exactly a kernel machine.

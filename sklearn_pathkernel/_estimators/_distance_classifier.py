@@ -4,38 +4,26 @@ from sklearn.utils._param_validation import StrOptions
 
 from .._nn._builders import HEADS
 from ._base import BasePathClassifier
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, SOLVER_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
 from ._networks import DistanceNetworkMixin
 
-# The shared solver text with this estimator's reasons for its defaults (solver,
-# epsilon); the defaults themselves are checked against the signature in the tests.
-_SOLVER_PARAMETERS = (
-    SOLVER_PARAMETERS.replace(
-        '"Optimisers").',
-        '"Optimisers"). ``"adam"`` is the default here: full-batch Adam reaches\n'
-        "        MLPClassifier's accuracy on the benchmark where gradient descent\n"
-        "        trailed it by up to 15 points (``doc/benchmarks_distance.rst``).",
-        1,
-    )
-    .replace("epsilon : float, default=1e-8", "epsilon : float, default=1e-4", 1)
-    .replace(
-        'Added to the denominator of ``"adam"`` and ``"adamw"``.',
-        'Added to the denominator of ``"adam"`` and ``"adamw"``. ``1e-4`` here,\n'
-        "        not torch's ``1e-8``: it bounds Adam's preconditioner by ``1 / epsilon``\n"
-        "        where the training points' gradients nearly cancel, and so the size\n"
-        "        of the training points' contributions. With ``1e-8`` they reached\n"
-        "        ``1e4`` (for outputs below 25 in size) on iris and moons; ``1e-4``\n"
-        "        scored the same on the benchmark, ``1e-3`` lower.",
-        1,
-    )
-)
+# This estimator's reasons for its own solver defaults (the measurements:
+# doc/benchmarks_distance.rst).
+_NOTES = {
+    "solver": '``"adam"`` is the default here: with full batches it reaches '
+    "MLPClassifier's accuracy where gradient descent does not "
+    "(``doc/benchmarks_distance.rst``).",
+    "epsilon": "``1e-4`` here, not torch's ``1e-8``: it bounds Adam's preconditioner "
+    "by ``1 / epsilon`` where the training points' gradients nearly cancel, and so "
+    "the size of the training points' contributions (``doc/benchmarks_distance.rst``, "
+    '"Why epsilon=1e-4").',
+}
 
 
 @fill_doc(
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
-    solver_parameters=_SOLVER_PARAMETERS,
-    solver_default="adam",
+    training_parameters=training_parameters(_NOTES),
 )
 class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
     """Network of distance layers ("memories"), trained by gradient descent, as a kernel machine.
@@ -76,34 +64,21 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         is a constant); ``"distance"``: one memory per class, logits
         ``-k(h, c_k) + b_k`` (similarities ``k(h, c_k) + b_k``). ``"linear"`` is
         the default: the distance head's gradients carry a ``1 / n_memories``
-        factor; with gradient descent it fails AND and XOR, and with the
-        default Adam it learns them but trails the linear head by 1.5 to 7
-        points on the benchmark's harder data sets.
+        factor, which slows its training (``doc/benchmarks_distance.rst``).
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
     learning_rate : float or callable, default=0.02
         Step size, or a schedule ``learning_rate(step) -> float``. The default
-        is for ``solver="adam"``, chosen by 5-fold CV against MLPClassifier on
-        eleven data sets: 0.01 to 0.03 score alike, 0.1 (300 steps) scored 4
-        to 5 points lower on two of them. Plain gradient descent
-        (``solver="sgd"``) needs a much larger step (1.5 was its default).
+        goes with ``solver="adam"``; plain gradient descent (``solver="sgd"``)
+        needs a much larger step (``doc/benchmarks_distance.rst``).
     max_iter : int, default=500
         Number of epochs. With ``batch_size=None`` each epoch is one full-batch
-        step: the training path of the EPK paper. 300 Adam steps scored 1 to 2
-        points lower on the benchmark's two hardest data sets.
+        step: the training path of the EPK paper.
     batch_size : int or None, default=None
         Mini-batch size; ``None`` uses the whole training set at every step.
         Full batches are the default: the kernel's cost grows with the number
-        of steps, and mini-batches of 200 (Adam, ``learning_rate=0.01``, 100
-        epochs) scored lower on the benchmark.
-    {solver_parameters}
-    shuffle : bool, default=True
-        Reshuffle mini-batches each epoch.
-    tol : float or None, default=None
-        Stop when the training loss has not improved by ``tol`` for
-        ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
-    n_iter_no_change : int, default=10
-        See ``tol``.
+        of steps.
+    {training_parameters}
     {path_parameters}
 
     Attributes

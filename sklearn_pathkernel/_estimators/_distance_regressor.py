@@ -1,15 +1,14 @@
 """DistanceKernelRegressor: a network of distance layers, as an exact kernel regression."""
 
 from ._base import BasePathRegressor
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
 from ._networks import DistanceNetworkMixin
 
 
 @fill_doc(
-    training_parameters=TRAINING_PARAMETERS,
+    training_parameters=training_parameters(),
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
-    solver_default="adam",
 )
 class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
     """Network of distance layers ("memories"), trained on the squared error, as a kernel machine.

@@ -1,36 +1,135 @@
-"""Docstring fragments shared by the estimators (one text, no copies)."""
+"""Docstring fragments shared by the estimators (one text, no copies).
 
-SOLVER_PARAMETERS = """solver : {"sgd", "adam", "adamw"}, default="{solver_default}"
-        The torch.optim optimiser: ``"sgd"`` (gradient descent, with optional
-        ``momentum``), ``"adam"`` or ``"adamw"``. The exact path kernel holds for
-        every solver: its updates are linear in the training gradients once the
-        run's own Adam preconditioner is taken as given (see the user guide,
-        "Optimisers").
-    momentum : float, default=0.0
-        Momentum of ``"sgd"`` (dampening 0, as ``torch.optim.SGD``).
-    nesterovs_momentum : bool, default=False
-        Nesterov momentum for ``"sgd"`` (only with ``momentum > 0``).
-    beta_1 : float, default=0.9
-        Decay of the first-moment estimate of ``"adam"`` and ``"adamw"``.
-    beta_2 : float, default=0.999
-        Decay of the second-moment estimate of ``"adam"`` and ``"adamw"``.
-    epsilon : float, default=1e-8
-        Added to the denominator of ``"adam"`` and ``"adamw"``.
-    weight_decay : float, default=0.0
-        Weight decay, exactly as torch.optim: an L2 term added to the gradient
-        for ``"sgd"`` and ``"adam"``, decoupled (``w <- (1 - lr weight_decay) w``)
-        for ``"adamw"``. What it moves is reported apart from the training
-        points' contributions (``decompose(X).decay``)."""
+An estimator's docstring holds ``{name}`` placeholders that :func:`fill_doc` replaces
+by fragments: a text, or a callable of the class that returns one (the solver
+parameters, whose list comes from the registered update rules and whose defaults
+come from the estimator's signature). A placeholder without a fragment, a fragment
+without a placeholder, or a note on a parameter that does not exist is an error at
+import, never a silently unchanged text.
+"""
+
+import inspect
+import re
+import textwrap
+
+from .._training._updates import UPDATE_RULES, solver_hyperparameters, solvers_taking
+
+_NAME_INDENT, _TEXT_INDENT = " " * 4, " " * 8
+_PLACEHOLDER = re.compile(r"\{[a-z_]+\}")
+
+_SOLVER_TEXT = (
+    "The torch.optim optimiser: {options}. The exact path kernel holds for every "
+    "solver: its updates are linear in the training gradients once the run's own "
+    'Adam preconditioner is taken as given (see the user guide, "Optimisers").'
+)
 
 
-TRAINING_PARAMETERS = """""" + SOLVER_PARAMETERS + """
-    shuffle : bool, default=True
+def _literal(value):
+    """A default as the parameter docs write it (``"adam"``, ``0.9``, ``1e-8``)."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, float) and value != 0 and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return repr(value)
+
+
+def _solvers(names):
+    """``"a"``, ``"b"`` and ``"c"`` (``none`` for no solver)."""
+    if not names:
+        return "none"
+    quoted = [f'``"{name}"``' for name in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _entry(name, kind, default, text):
+    """One numpydoc parameter: ``name : kind, default=...`` and its wrapped description."""
+    body = textwrap.fill(
+        " ".join(text.split()),
+        width=80,
+        initial_indent=_TEXT_INDENT,
+        subsequent_indent=_TEXT_INDENT,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+    return f"{name} : {kind}, default={_literal(default)}\n{body}"
+
+
+def _defaults(cls, names):
+    parameters = inspect.signature(cls).parameters
+    missing = [name for name in names if name not in parameters]
+    if missing:
+        raise TypeError(f"{cls.__name__}.__init__ lacks the solver parameters {missing}.")
+    return {name: parameters[name].default for name in names}
+
+
+def solver_parameters(notes=None):
+    """The fragment documenting ``solver`` and every registered hyperparameter.
+
+    Parameters
+    ----------
+    notes : dict of str to str, default=None
+        Text appended to a parameter's description (an estimator's reason for its
+        own default); a name that is not a solver parameter is a ``KeyError``.
+
+    Returns
+    -------
+    fragment : callable
+        ``fragment(cls) -> str``, the defaults taken from ``cls``'s signature.
+    """
+    notes = dict(notes or {})
+    hyperparameters = solver_hyperparameters()
+    unknown = sorted(set(notes) - {"solver", *hyperparameters})
+    if unknown:
+        raise KeyError(f"Notes on parameters that are not solver parameters: {unknown}.")
+
+    def fragment(cls):
+        defaults = _defaults(cls, ["solver", *hyperparameters])
+        options = ", ".join(f'``"{name}"`` ({rule.summary})' for name, rule in UPDATE_RULES.items())
+        kind = "{" + ", ".join(f'"{name}"' for name in UPDATE_RULES) + "}"
+        entries = [
+            _entry(
+                "solver",
+                kind,
+                defaults["solver"],
+                _SOLVER_TEXT.format(options=options) + " " + notes.get("solver", ""),
+            )
+        ]
+        decoupled = [name for name, rule in UPDATE_RULES.items() if rule.decoupled_decay]
+        for name, hyperparameter in hyperparameters.items():
+            takers = solvers_taking(name)
+            text = hyperparameter.description.format(
+                solvers=_solvers(takers),
+                coupled=_solvers([s for s in takers if s not in decoupled]),
+                decoupled=_solvers([s for s in takers if s in decoupled]),
+            )
+            entries.append(
+                _entry(name, hyperparameter.kind, defaults[name], text + " " + notes.get(name, ""))
+            )
+        return ("\n" + _NAME_INDENT).join(entries)
+
+    return fragment
+
+
+_LOOP_PARAMETERS = """shuffle : bool, default=True
         Reshuffle mini-batches each epoch.
     tol : float or None, default=None
         Stop when the training loss has not improved by ``tol`` for
         ``n_iter_no_change`` epochs; ``None`` runs all ``max_iter`` epochs.
     n_iter_no_change : int, default=10
         See ``tol``."""
+
+
+def training_parameters(notes=None):
+    """The solver parameters (:func:`solver_parameters`), then ``shuffle``, ``tol`` and
+    ``n_iter_no_change``: a fragment ``fragment(cls) -> str``."""
+    solver = solver_parameters(notes)
+
+    def fragment(cls):
+        return solver(cls) + "\n" + _NAME_INDENT + _LOOP_PARAMETERS
+
+    return fragment
+
 
 PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         How the test-copy features integrate the gradient along each step:
@@ -90,13 +189,23 @@ FITTED_ATTRIBUTES = """module_ : torch.nn.Module
 
 
 def fill_doc(**fragments):
-    """Class decorator: replace ``{name}`` in the docstring by ``fragments[name]``,
-    in the order given (so a fragment may hold a later placeholder)."""
+    """Class decorator: replace each ``{name}`` of the docstring by ``fragments[name]``
+    (a text, or ``fragment(cls) -> str``).
+
+    Raises ``ValueError`` when a fragment's placeholder is not in the docstring or
+    a placeholder is left without a fragment.
+    """
 
     def decorate(cls):
         doc = cls.__doc__
-        for name, text in fragments.items():
-            doc = doc.replace("{" + name + "}", text)
+        for name, fragment in fragments.items():
+            placeholder = "{" + name + "}"
+            if placeholder not in doc:
+                raise ValueError(f"The docstring of {cls.__name__} has no {placeholder}.")
+            doc = doc.replace(placeholder, fragment(cls) if callable(fragment) else fragment)
+        left = _PLACEHOLDER.findall(doc)
+        if left:
+            raise ValueError(f"The docstring of {cls.__name__} has unfilled placeholders {left}.")
         cls.__doc__ = doc
         return cls
 

@@ -79,17 +79,20 @@ def _digest(*arrays):
 
 
 class ExactPathKernel(Kernel):
-    """The Exact Path Kernel of a network trained by gradient descent.
+    """The Exact Path Kernel of a trained network.
 
-    The kernel a fitted path classifier (e.g.
-    :class:`ExactPathKernelClassifier`) has learned, as a
+    The kernel a fitted path estimator (e.g. :class:`ExactPathKernelClassifier`
+    or :class:`ExactPathKernelRegressor`) has learned, as a
     :class:`sklearn.gaussian_process.kernels.Kernel`: use it in
     ``SVC(kernel=clf.kernel_)``, ``GaussianProcessClassifier(kernel=clf.kernel_)``
     or ``GaussianProcessRegressor(kernel=ConstantKernel() * clf.kernel_)``.
     Get it from the classifier's ``kernel_`` attribute rather than building it.
 
-    ``k(x, x') = sum_s sum_k <phi_s(x)_k, phi_s(x')_k>`` sums over the training
-    steps ``s`` and the outputs ``k`` (log-probabilities of the classes). **Which
+    ``k(x, x') = sum_s sum_k <phi_s(x)_k, P_s * phi_s(x')_k>`` sums over the
+    training steps ``s`` and the outputs ``k`` of the network's output ``f``
+    (log-probabilities of the classes for the cross-entropy), with ``P_s`` the
+    run's elementwise preconditioner of step ``s`` (Adam's; ones for gradient
+    descent, momentum and Nesterov; user guide, "Optimisers"). **Which
     copy a row is on** (the paper's two copies of input space, made explicit):
     a row equal to a training row (bitwise after conversion to float64, with
     ``-0.0 == 0.0``) is on the *training copy*, ``phi_s(x_i) = grad_w f(x_i; w_s)``
@@ -107,7 +110,7 @@ class ExactPathKernel(Kernel):
     Parameters
     ----------
     engine : PathKernelEngine
-        The fitted kernel engine of a classifier's training path (immutable;
+        The fitted kernel engine of an estimator's training path (immutable;
         shared, never copied, by :func:`~sklearn.base.clone` and
         :func:`copy.deepcopy`).
     output : {"trace", "full"}, default="trace"

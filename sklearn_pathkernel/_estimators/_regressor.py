@@ -1,17 +1,14 @@
 """ExactPathKernelRegressor: a network trained on the squared error, as a kernel machine."""
 
-
-
 from ._base import BasePathRegressor
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, TRAINING_PARAMETERS, fill_doc
+from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
 from ._networks import MLPNetworkMixin
 
 
 @fill_doc(
-    training_parameters=TRAINING_PARAMETERS,
+    training_parameters=training_parameters(),
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
-    solver_default="adam",
 )
 class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
     """Neural network regressor that is exactly a kernel machine.
@@ -50,10 +47,9 @@ class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
         Mini-batch size (the whole training set when it has fewer rows);
         ``None`` uses the whole training set at every step. The defaults
         (Adam, ``learning_rate=0.001``, batches of 200, 200 epochs) are
-        ``MLPRegressor``'s: with them the R^2 is on par with it on the benchmark
-        of the documentation, where full-batch gradient descent trailed by up to
-        8 points. The kernel's cost grows with the number of steps: a Gram matrix
-        of a mini-batch run needs every training row at every step, while
+        ``MLPRegressor``'s (comparison: ``doc/benchmarks_regression.rst``). The
+        kernel's cost grows with the number of steps: a Gram matrix of a
+        mini-batch run needs every training row at every step, while
         ``decompose`` needs only each step's batch.
     {training_parameters}
     {path_parameters}

@@ -17,9 +17,10 @@ from ._base import BasePathEstimator
 class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     """Exact path kernel features: the kernel between the data and the training points.
 
-    A supervised transformer: :meth:`fit` trains a path classifier (a clone of
-    ``estimator``) on ``X, y``; :meth:`transform` maps rows to their Exact
-    Path Kernel against the training rows, ``estimator_.kernel_(X, X_fit_)``.
+    A supervised transformer: :meth:`fit` trains a path estimator, classifier or
+    regressor (a clone of ``estimator``), on ``X, y``; :meth:`transform` maps rows
+    to their Exact Path Kernel against the training rows,
+    ``estimator_.kernel_(X, X_fit_)``.
     Followed by ``SVC(kernel="precomputed")`` (or any estimator taking a
     precomputed kernel) it makes a kernel machine of the network's learned
     kernel whose settings a grid search can tune, e.g.
@@ -35,9 +36,9 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     Parameters
     ----------
     estimator : estimator object, default=None
-        A classifier of this package with a path kernel (``kernel_``), e.g.
-        :class:`ExactPathKernelClassifier` or :class:`DistanceKernelClassifier`,
-        trained with plain gradient descent. ``None`` uses
+        An estimator of this package with a path kernel (``kernel_``), e.g.
+        :class:`ExactPathKernelClassifier`, :class:`ExactPathKernelRegressor` or
+        :class:`DistanceKernelClassifier`, with any of its solvers. ``None`` uses
         ``ExactPathKernelClassifier(random_state=random_state)``. It is cloned,
         never fitted in place.
     random_state : int, RandomState instance or None, default=None
@@ -133,8 +134,8 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         ----------
         X : array-like of shape (n_samples, n_features)
             Training data.
-        y : array-like of shape (n_samples,)
-            Class labels.
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            The estimator's targets: class labels, or values for a regressor.
         **fit_params : dict
             Passed to ``estimator.fit``.
 

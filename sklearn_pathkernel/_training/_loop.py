@@ -1,13 +1,13 @@
-"""Training core shared by the estimators: gradient descent that records its path.
+"""The training loop: gradient descent that records its path.
 
-The loss is a sample-weighted mean over each batch of a per-sample loss of
-``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax, or
-squared error). Every step is taken by a torch.optim optimiser (plain SGD,
-momentum, Nesterov, Adam, AdamW, weight decay) and recorded as a
-:class:`~sklearn_pathkernel._training._path.WeightPath`: the weights of every step, each
-step's batch and output gradients ``-dL_s/df(x_i)``, and the update's linear form
-(:class:`~sklearn_pathkernel._training._updates.UpdateRecord`, with Adam's preconditioner
-taken from the run), which is all the exact path kernel needs.
+The loss is a sample-weighted mean over each batch of a per-sample loss of the
+output ``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax,
+or squared error). Every step is taken by a torch.optim optimiser (an update rule of
+``_updates``: plain SGD, momentum, Nesterov, Adam, AdamW, weight decay) and recorded
+by a :class:`~sklearn_pathkernel._training._path.PathRecorder`: the weights of every
+step, each step's batch and output gradients ``-dL_s/df(x_i)``, and the update's
+linear form (with Adam's preconditioner taken from the run), which is all the exact
+path kernel needs.
 
 Only trainable parameters (``requires_grad=True``) are recorded: frozen ones are
 constants of the path, taken from the module itself.
@@ -21,8 +21,8 @@ import torch
 from sklearn.utils import check_random_state
 
 from ._losses import CrossEntropy
-from ._path import WeightPath, allocate_weights, flatten_parameters
-from ._updates import SolverSettings, UpdateRecord
+from ._path import PathRecorder, WeightPath
+from ._updates import SolverSettings
 
 
 @dataclass
@@ -79,7 +79,8 @@ def train_module(
     Parameters
     ----------
     module : torch.nn.Module
-        Maps ``X`` of shape (n_samples, ...) to logits (n_samples, n_classes).
+        Maps ``X`` of shape (n_samples, ...) to the outputs (n_samples, K) that
+        ``loss.link`` turns into ``f`` (logits for the cross-entropy).
         It is run in eval mode (no dropout, frozen normalisation statistics) so
         that training and prediction evaluate one and the same function.
         Training runs on the device of ``X``, where the module, ``y`` and
@@ -108,7 +109,8 @@ def train_module(
     verbose : int
     path_storage : "memory", "disk" or path-like
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
-        (and Adam's preconditioners, as many numbers again) live: RAM, or a memory-mapped file (see
+        (and Adam's preconditioners, as many numbers again) live: RAM, or a
+        memory-mapped file (see
         :func:`~sklearn_pathkernel._training._path.allocate_weights`). The values are the same.
         The path is on the host whatever the device: each step's weights and
         coefficients are copied from the device after the step.
@@ -141,48 +143,33 @@ def train_module(
     n_batches = (
         1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
     )
-    n_rows = max_iter * n_batches + 1
-    flat0, names, shapes = flatten_parameters(module)
-    weights, storage = allocate_weights(n_rows, flat0.numel(), path_storage, dtype=flat0.dtype)
-    weights[0] = flat0.to(weights.device)
-    preconditioners = None
-    if rule.preconditioned:
-        preconditioners = allocate_weights(
-            n_rows - 1, flat0.numel(), path_storage, dtype=flat0.dtype
-        )[0]
-    path = WeightPath(weights, [], [], None, names, shapes, storage)
-    rates = []
-
-    loss_curve, learning_rates = [], []
-    best_loss, no_improvement, step = np.inf, 0, 0
+    recorder = PathRecorder(module, max_iter * n_batches, path_storage, rule)
+    stopping = _EarlyStopping(tol, n_iter_no_change)
+    loss_curve = []
     for epoch in range(max_iter):
         batches = _batches(n_samples, batch_size, shuffle, rng) or [full_batch]
         epoch_loss = 0.0
         for batch in batches:
+            step = recorder.n_steps
             lr = learning_rate_at(learning_rate, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             index = torch.as_tensor(batch, device=X.device)
-            batch_weight = sample_weight[index].sum()
-            # A batch whose points all weigh 0 has zero loss: its gradient is 0
-            # (the step may still move the weights: momentum, weight decay).
-            share = (
-                sample_weight[index] / batch_weight
-                if batch_weight > 0
-                else torch.zeros_like(sample_weight[index])
-            )
+            share = _shares(sample_weight[index])
 
             optimizer.zero_grad(set_to_none=False)
             f = loss_fn.link(module(X[index]))
-            f.retain_grad()  # -dL/df: the output gradients the kernel needs
-            loss = (share * loss_fn.per_sample(f, y[index])).sum()
+            loss = loss_fn.batch_loss(f.detach(), y[index], share)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"The training loss became {loss.item()} at step {step} "
                     f"(epoch {epoch}) with learning_rate={lr:g}; lower the "
                     "learning rate or scale the input features."
                 )
-            loss.backward()
+            # e = -dL/df, the output gradients the kernel needs; the module's
+            # gradient is their backward pass, G_s = -sum_i e_i . grad_w f(x_i).
+            output_gradient = loss_fn.output_gradient(f, y[index], share)
+            f.backward(-output_gradient)
             for param in params:
                 # A parameter the loss does not reach gets a zero gradient, not None,
                 # so that every optimiser updates it (momentum, weight decay) as the
@@ -192,61 +179,54 @@ def train_module(
             optimizer.step()
 
             with torch.no_grad():
-                flat = torch.nn.utils.parameters_to_vector(params)
-                weights[step + 1] = flat.to(weights.device)  # the path stays on the host
-                if preconditioners is not None:
-                    preconditioners[step] = rule.preconditioner(optimizer, params, step).to(
-                        preconditioners.device
-                    )
-            if not bool(torch.isfinite(weights[step + 1]).all()):
+                weights = torch.nn.utils.parameters_to_vector(params)
+            if not bool(torch.isfinite(weights).all()):
                 raise FloatingPointError(
                     f"The weights stopped being finite at step {step} (epoch "
                     f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
                 )
-            path.batches.append(batch)
-            path.output_gradients.append((-f.grad).to("cpu", copy=True))
-            learning_rates.append(lr)
-            rates.append(rule.rates(lr, step))
+            preconditioner = (
+                rule.preconditioner(optimizer, params, step) if rule.preconditioned else None
+            )
+            recorder.record(weights, batch, output_gradient, lr, preconditioner)
             epoch_loss += loss.item() * float(sample_weight[index].sum())
-            step += 1
 
         epoch_loss /= float(sample_weight.sum())
         loss_curve.append(epoch_loss)
         if verbose:
             print(f"Iteration {epoch + 1}, loss = {epoch_loss:.8f}")
-        if tol is not None:
-            if epoch_loss > best_loss - tol:
-                no_improvement += 1
-            else:
-                no_improvement = 0
-            best_loss = min(best_loss, epoch_loss)
-            if no_improvement >= n_iter_no_change:
-                break
+        if stopping.stop(epoch_loss):
+            break
 
-    if step + 1 < path.weights.shape[0]:
-        # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
-        path.weights = path.weights[: step + 1]
-        if preconditioners is not None:
-            preconditioners = preconditioners[:step]
-        if storage == "memory":
-            path.weights = path.weights.clone()
-            if preconditioners is not None:
-                preconditioners = preconditioners.clone()
-    path.learning_rates = np.asarray(learning_rates, dtype=float)
-    alpha, zeta, decoupled = np.asarray(rates, dtype=float).reshape(-1, 3).T
-    path.update = UpdateRecord(
-        buffer_decay=rule.buffer_decay,
-        gradient_scale=rule.gradient_scale,
-        coupled_decay=rule.coupled_decay,
-        gradient_rates=alpha,
-        direct_rates=zeta,
-        decoupled_decays=decoupled,
-        preconditioners=preconditioners,
-    )
     return TrainingResult(
         loss_curve=loss_curve,
         n_iter=len(loss_curve),
-        n_steps=step,
-        path=path,
+        n_steps=recorder.n_steps,
+        path=recorder.finish(),
         fit_time=time.perf_counter() - start,
     )
+
+
+def _shares(batch_weight):
+    """The points' shares ``a_{s,i}`` of a batch's sample weight. A batch whose points
+    all weigh 0 has zero loss: its gradient is 0 (the step may still move the
+    weights: momentum, weight decay)."""
+    total = batch_weight.sum()
+    return batch_weight / total if total > 0 else torch.zeros_like(batch_weight)
+
+
+class _EarlyStopping:
+    """Stop when the epoch loss has not improved by ``tol`` for ``n_iter_no_change``
+    epochs (never with ``tol=None``)."""
+
+    def __init__(self, tol, n_iter_no_change):
+        self.tol, self.n_iter_no_change = tol, n_iter_no_change
+        self.best, self.stale = np.inf, 0
+
+    def stop(self, epoch_loss):
+        """Whether training stops after an epoch of loss ``epoch_loss``."""
+        if self.tol is None:
+            return False
+        self.stale = self.stale + 1 if epoch_loss > self.best - self.tol else 0
+        self.best = min(self.best, epoch_loss)
+        return self.stale >= self.n_iter_no_change

@@ -1,15 +1,16 @@
 """Training losses: the function ``f`` the path kernel reproduces, and the loss on it.
 
-A loss has two parts. Its *link* turns the module's output into ``f``, the function
-whose change along the path the kernel decomposes (the log-probabilities for
-classification, the prediction itself for regression). Its per-sample value
-``l(f(x_i), y_i)`` is averaged over a batch with the points' shares ``a_{s,i}``
-(sample weights normalised over the batch). Training records, per step and batch
-point, the *output gradient*
+A loss owns its mathematics. Its *link* turns the module's output into ``f``, the
+network's *output*: the function whose change along the path the kernel decomposes
+(the log-probabilities for the cross-entropy, the prediction itself for the squared
+error). Its per-sample value ``l(f(x_i), y_i)`` is averaged over a batch with the
+points' shares ``a_{s,i}`` (sample weights normalised over the batch). Training
+records, per step and batch point, the *output gradient*
 
 .. math::
 
     e_{s,i} = -\\frac{\\partial L_s}{\\partial f(x_i; w_s)} \\in \\mathbb{R}^K,
+    \\qquad L_s = \\sum_{i \\in B_s} a_{s,i}\\, l(f(x_i; w_s), y_i),
 
 so that the step's loss gradient is :math:`G_s = -\\sum_{i \\in B_s} \\sum_k e_{s,i,k}
 \\nabla_w f_k(x_i; w_s)` for any loss. For the cross-entropy of ``log_softmax``,
@@ -17,11 +18,19 @@ so that the step's loss gradient is :math:`G_s = -\\sum_{i \\in B_s} \\sum_k e_{
 ``MLPRegressor`` (:math:`\\frac{1}{2K} \\|f - y\\|^2`),
 :math:`e_{s,i} = a_{s,i} (y_i - f(x_i; w_s)) / K`, the residual at the step's start.
 
-A new loss is one :class:`Loss` subclass.
+A loss also says what its targets are (:class:`ClassificationLoss`: class codes;
+:class:`RegressionLoss`: values), how closely the certificate holds ``f``
+(:attr:`Loss.certificate_tolerance`) and how the estimators turn ``f`` into
+predictions (:meth:`ClassificationLoss.log_proba`, :meth:`RegressionLoss.prediction`).
+
+A new loss is one subclass of :class:`ClassificationLoss` or :class:`RegressionLoss`
+(a link and a per-sample value; the output gradient follows by autograd), set as
+the ``_loss`` of the estimator base that trains on it.
 """
 
 from abc import ABC, abstractmethod
 
+import torch
 import torch.nn.functional as F
 
 
@@ -43,23 +52,70 @@ def log_softmax(out):
 
 
 class Loss(ABC):
-    """A training loss on ``f = link(module(x))``."""
+    """A training loss on the output ``f = link(module(x))``.
+
+    Subclasses give :meth:`link` and :meth:`per_sample`; :meth:`batch_loss` and
+    :meth:`output_gradient` follow from them.
+    """
 
     #: The largest absolute error, in units of ``f``, that the certificate lets a
     #: step's quadrature have before it integrates the step again more finely.
     certificate_tolerance = 1e-11
+    #: Whether the targets are class codes and the module's outputs one score per
+    #: class (the module checks' wording: "logits" of "classes", or "predictions").
+    classifies = False
 
     @abstractmethod
     def link(self, out):
-        """``f`` from the module's output ``out`` (n, K)."""
+        """The output ``f`` (n, K) from the module's output ``out`` (n, K)."""
 
     @abstractmethod
     def per_sample(self, f, targets):
-        """The loss of each row, (n,), given ``f`` (n, K) and the batch's targets."""
+        """The loss of each row, (n,), given the output ``f`` (n, K) and the targets."""
+
+    def batch_loss(self, f, targets, shares):
+        """:math:`L = \\sum_i a_i\\, l(f_i, y_i)`, a scalar tensor; ``shares`` (n,) are the
+        :math:`a_i`. Cost: one :meth:`per_sample`."""
+        return (shares * self.per_sample(f, targets)).sum()
+
+    def output_gradient(self, f, targets, shares):
+        """The output gradients :math:`e_i = -\\partial L / \\partial f_i`, (n, K).
+
+        By autograd of :meth:`batch_loss` at ``f`` (detached: no gradient flows to
+        the module), exactly the cotangent that ``batch_loss(...).backward()``
+        would send into the module. Cost: one :meth:`per_sample` and its backward.
+        """
+        with torch.enable_grad():
+            f = f.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.batch_loss(f, targets, shares), f)
+        return -grad
 
 
-class CrossEntropy(Loss):
-    """Cross-entropy of the log-softmax; targets are class codes (n,), int64."""
+class ClassificationLoss(Loss):
+    """A loss on class codes (n,), int64: the module's outputs score the classes."""
+
+    classifies = True
+
+    @abstractmethod
+    def log_proba(self, f):
+        """The classes' log-probabilities (n, K) from the output ``f`` (n, K): what
+        ``predict_log_proba`` returns, and ``predict`` takes the largest of."""
+
+
+class RegressionLoss(Loss):
+    """A loss on target values (n, K), float64."""
+
+    def prediction(self, f):
+        """The estimator's prediction (n, K) from the output ``f``: ``f`` itself."""
+        return f
+
+
+class CrossEntropy(ClassificationLoss):
+    """Cross-entropy of the log-softmax: ``f = log_softmax(out)``, ``l = -f_y``.
+
+    Output gradient :math:`e_i = a_i\\, \\mathrm{onehot}(y_i)`; ``f`` is the
+    log-probabilities themselves.
+    """
 
     def link(self, out):
         return log_softmax(out)
@@ -67,10 +123,16 @@ class CrossEntropy(Loss):
     def per_sample(self, f, targets):
         return -f.gather(1, targets[:, None]).squeeze(1)
 
+    def log_proba(self, f):
+        return f
 
-class SquaredError(Loss):
-    """Half the mean squared error over the outputs (``MLPRegressor``'s loss);
-    targets are (n, K) floats."""
+
+class SquaredError(RegressionLoss):
+    """Half the mean squared error over the outputs (``MLPRegressor``'s loss),
+    ``l = |f - y|^2 / (2K)`` with ``f = out``.
+
+    Output gradient :math:`e_i = a_i (y_i - f_i) / K`, the scaled residual.
+    """
 
     def link(self, out):
         return out

@@ -137,6 +137,97 @@ def flatten_parameters(module):
     return torch.cat(tensors), names, shapes
 
 
+class PathRecorder:
+    """Records a training run, step by step, into a :class:`WeightPath` on the host.
+
+    Allocates the weights ``w_0 .. w_S`` (and, for a preconditioned rule, the
+    preconditioners ``P_0 .. P_{S-1}``) up front in ``path_storage`` (see
+    :func:`allocate_weights`); each :meth:`record` copies one step from the device;
+    :meth:`finish` drops the rows of steps not taken (early stopping) and returns
+    the path with its :class:`~sklearn_pathkernel._training._updates.UpdateRecord`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The module at ``w_0`` (its trainable parameters are recorded).
+    max_steps : int
+        An upper bound on the number of steps.
+    path_storage : "memory", "disk" or path-like
+    rule : UpdateRule
+        The update rule of the run (whether it records preconditioners, and the
+        constants of its linear form).
+    """
+
+    def __init__(self, module, max_steps, path_storage, rule):
+        flat0, self._names, self._shapes = flatten_parameters(module)
+        self._rule = rule
+        self._weights, self._storage = allocate_weights(
+            max_steps + 1, flat0.numel(), path_storage, dtype=flat0.dtype
+        )
+        self._weights[0] = flat0.to(self._weights.device)
+        self._preconditioners = None
+        if rule.preconditioned:
+            self._preconditioners = allocate_weights(
+                max_steps, flat0.numel(), path_storage, dtype=flat0.dtype
+            )[0]
+        self._batches, self._output_gradients = [], []
+        self._learning_rates, self._rates = [], []
+
+    @property
+    def n_steps(self):
+        """Steps recorded so far."""
+        return len(self._batches)
+
+    def record(self, weights, batch, output_gradient, learning_rate, preconditioner=None):
+        """Record one step: the weights after it (flat, on the device), its batch's
+        indices, their output gradients ``e_{s,i}``, its learning rate and, for a
+        preconditioned rule, its ``P_s``."""
+        step = self.n_steps
+        with torch.no_grad():
+            self._weights[step + 1] = weights.to(self._weights.device)
+            if self._preconditioners is not None:
+                self._preconditioners[step] = preconditioner.to(self._preconditioners.device)
+        self._batches.append(batch)
+        self._output_gradients.append(output_gradient.to("cpu", copy=True))
+        self._learning_rates.append(learning_rate)
+        self._rates.append(self._rule.rates(learning_rate, step))
+
+    def finish(self):
+        """The recorded :class:`WeightPath` of the steps taken."""
+        n_steps = self.n_steps
+        weights, preconditioners = self._weights, self._preconditioners
+        if n_steps + 1 < weights.shape[0]:
+            # Stopped early: drop the unused rows (a view on disk, a copy in RAM).
+            weights = weights[: n_steps + 1]
+            if preconditioners is not None:
+                preconditioners = preconditioners[:n_steps]
+            if self._storage == "memory":
+                weights = weights.clone()
+                if preconditioners is not None:
+                    preconditioners = preconditioners.clone()
+        rule = self._rule
+        alpha, zeta, decoupled = np.asarray(self._rates, dtype=float).reshape(-1, 3).T
+        update = UpdateRecord(
+            buffer_decay=rule.buffer_decay,
+            gradient_scale=rule.gradient_scale,
+            coupled_decay=rule.coupled_decay,
+            gradient_rates=alpha,
+            direct_rates=zeta,
+            decoupled_decays=decoupled,
+            preconditioners=preconditioners,
+        )
+        return WeightPath(
+            weights,
+            self._batches,
+            self._output_gradients,
+            np.asarray(self._learning_rates, dtype=float),
+            self._names,
+            self._shapes,
+            self._storage,
+            update,
+        )
+
+
 def _gib(nbytes):
     return f"{nbytes / 2**30:.2f} GiB"
 

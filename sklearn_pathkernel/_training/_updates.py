@@ -26,14 +26,20 @@ momentum buffer, :math:`P_s` an elementwise preconditioner (ones for SGD), and
 - AdamW: as Adam with :math:`\\lambda_c = 0` and :math:`d_s = -\\eta_s \\lambda`
   (the weights are multiplied by :math:`1 - \\eta_s \\lambda` first).
 
-A new optimiser is one :class:`UpdateRule` subclass registered in :data:`UPDATE_RULES`.
+A new optimiser is one :class:`UpdateRule` subclass registered in :data:`UPDATE_RULES`;
+its hyperparameters are :class:`Hyperparameter` declarations on the class, from which
+the estimators' solver settings (:class:`SolverSettings`), parameter constraints
+(:func:`solver_constraints`) and parameter docs follow.
 """
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from numbers import Real
+from types import MappingProxyType
 
 import numpy as np
 import torch
+from sklearn.utils._param_validation import Interval, StrOptions
 
 
 @dataclass
@@ -157,11 +163,80 @@ class BackwardAccumulation:
         ]
 
 
+@dataclass(frozen=True)
+class Hyperparameter:
+    """A solver hyperparameter, as an estimator parameter.
+
+    Attributes
+    ----------
+    name : str
+        The estimators' parameter (``MLPClassifier``'s name where it has one).
+    default : object
+        Its default (an estimator may choose another in its signature).
+    constraints : tuple
+        scikit-learn parameter constraints (``_parameter_constraints`` entries).
+    description : str
+        Its numpydoc description. ``{solvers}`` stands for the solvers that take
+        it; ``{coupled}`` and ``{decoupled}`` for those among them whose weight
+        decay is an L2 term or decoupled.
+    kind : str, default="float"
+        Its type in the parameter docs.
+    argument : str or None, default=None
+        The rule's keyword argument, when it differs from ``name``.
+    """
+
+    name: str
+    default: object
+    constraints: tuple
+    description: str
+    kind: str = "float"
+    argument: str = None
+
+    @property
+    def keyword(self):
+        """The :class:`UpdateRule` keyword argument that takes the value."""
+        return self.argument or self.name
+
+
+_UNIT = (Interval(Real, 0, 1, closed="left"),)
+
+MOMENTUM = Hyperparameter(
+    "momentum", 0.0, _UNIT, "Momentum of {solvers} (dampening 0, as ``torch.optim.SGD``)."
+)
+NESTEROVS_MOMENTUM = Hyperparameter(
+    "nesterovs_momentum",
+    False,
+    ("boolean",),
+    "Nesterov momentum for {solvers} (only with ``momentum > 0``).",
+    kind="bool",
+    argument="nesterov",
+)
+BETA_1 = Hyperparameter("beta_1", 0.9, _UNIT, "Decay of the first-moment estimate of {solvers}.")
+BETA_2 = Hyperparameter("beta_2", 0.999, _UNIT, "Decay of the second-moment estimate of {solvers}.")
+EPSILON = Hyperparameter(
+    "epsilon",
+    1e-8,
+    (Interval(Real, 0, None, closed="neither"),),
+    "Added to the denominator of {solvers}.",
+)
+WEIGHT_DECAY = Hyperparameter(
+    "weight_decay",
+    0.0,
+    (Interval(Real, 0, None, closed="left"),),
+    "Weight decay, exactly as torch.optim: an L2 term added to the gradient\n"
+    "for {coupled}, decoupled (``w <- (1 - lr weight_decay) w``) for {decoupled}.\n"
+    "What it moves is reported apart from the training points' contributions\n"
+    "(``decompose(X).decay``).",
+)
+
+
 class UpdateRule(ABC):
     """One torch.optim update in the linear form of the module docstring.
 
     Subclasses build the optimizer and say, after each of its steps, what the
-    step's :math:`\\alpha_s, \\zeta_s, d_s` and :math:`P_s` were.
+    step's :math:`\\alpha_s, \\zeta_s, d_s` and :math:`P_s` were, and declare their
+    :attr:`hyperparameters`: ``from_settings`` passes each value to the rule's
+    keyword argument of the same name (:attr:`Hyperparameter.keyword`).
     """
 
     #: :math:`\\beta`, :math:`\\gamma`
@@ -169,19 +244,30 @@ class UpdateRule(ABC):
     gradient_scale = 1.0
     #: whether :math:`P_s` differs from ones (then it is recorded every step)
     preconditioned = False
+    #: whether weight decay is decoupled (:math:`d_s`) rather than an L2 term (:math:`\\lambda_c`)
+    decoupled_decay = False
+    #: The rule's own hyperparameters (every rule also takes :data:`WEIGHT_DECAY`).
+    hyperparameters = ()
+    #: What the solver is, for the ``solver`` parameter's doc.
+    summary = ""
 
     def __init__(self, *, weight_decay=0.0):
         self.weight_decay = float(weight_decay)
 
     @classmethod
-    @abstractmethod
+    def all_hyperparameters(cls):
+        """The rule's hyperparameters, weight decay last."""
+        return (*cls.hyperparameters, WEIGHT_DECAY)
+
+    @classmethod
     def from_settings(cls, settings):
         """The rule for an estimator's :class:`SolverSettings`."""
+        return cls(**{h.keyword: settings.values[h.name] for h in cls.all_hyperparameters()})
 
     @property
     def coupled_decay(self):
-        """:math:`\\lambda_c`: weight decay added to the gradient (L2)."""
-        return self.weight_decay
+        """:math:`\\lambda_c`: weight decay added to the gradient (L2); 0 when decoupled."""
+        return 0.0 if self.decoupled_decay else self.weight_decay
 
     @abstractmethod
     def optimizer(self, params, learning_rate):
@@ -199,20 +285,15 @@ class UpdateRule(ABC):
 class SGDUpdate(UpdateRule):
     """``torch.optim.SGD`` with momentum (dampening 0), Nesterov and L2 weight decay."""
 
+    hyperparameters = (MOMENTUM, NESTEROVS_MOMENTUM)
+    summary = "gradient descent, with optional ``momentum``"
+
     def __init__(self, *, momentum=0.0, nesterov=False, weight_decay=0.0):
         super().__init__(weight_decay=weight_decay)
         self.momentum = float(momentum)
         # torch (like MLPClassifier) applies Nesterov only with momentum.
         self.nesterov = bool(nesterov) and self.momentum > 0
         self.buffer_decay = self.momentum
-
-    @classmethod
-    def from_settings(cls, settings):
-        return cls(
-            momentum=settings.momentum,
-            nesterov=settings.nesterovs_momentum,
-            weight_decay=settings.weight_decay,
-        )
 
     def optimizer(self, params, learning_rate):
         return torch.optim.SGD(
@@ -233,6 +314,8 @@ class AdamUpdate(UpdateRule):
     """``torch.optim.Adam`` (no amsgrad), with L2 weight decay added to the gradient."""
 
     preconditioned = True
+    hyperparameters = (BETA_1, BETA_2, EPSILON)
+    summary = "Adam"
     #: The torch.optim class that takes the steps.
     optimizer_class = torch.optim.Adam
 
@@ -240,15 +323,6 @@ class AdamUpdate(UpdateRule):
         super().__init__(weight_decay=weight_decay)
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
         self.buffer_decay, self.gradient_scale = self.beta_1, 1.0 - self.beta_1
-
-    @classmethod
-    def from_settings(cls, settings):
-        return cls(
-            beta_1=settings.beta_1,
-            beta_2=settings.beta_2,
-            epsilon=settings.epsilon,
-            weight_decay=settings.weight_decay,
-        )
 
     def optimizer(self, params, learning_rate):
         return self.optimizer_class(
@@ -276,10 +350,8 @@ class AdamWUpdate(AdamUpdate):
     """``torch.optim.AdamW``: Adam with decoupled weight decay ``w <- (1 - eta lambda) w``."""
 
     optimizer_class = torch.optim.AdamW
-
-    @property
-    def coupled_decay(self):
-        return 0.0
+    decoupled_decay = True
+    summary = "Adam with decoupled weight decay"
 
     def rates(self, learning_rate, step):
         alpha, zeta, _ = super().rates(learning_rate, step)
@@ -290,17 +362,63 @@ class AdamWUpdate(AdamUpdate):
 UPDATE_RULES = {"sgd": SGDUpdate, "adam": AdamUpdate, "adamw": AdamWUpdate}
 
 
-@dataclass(frozen=True)
-class SolverSettings:
-    """An estimator's solver parameters (the names of ``MLPClassifier``)."""
+def solver_hyperparameters():
+    """Every registered rule's hyperparameters, each once, ``{name: Hyperparameter}``,
+    in registration order (weight decay last)."""
+    found = {}
+    for rule in UPDATE_RULES.values():
+        for hyperparameter in rule.all_hyperparameters():
+            found.setdefault(hyperparameter.name, hyperparameter)
+    weight_decay = found.pop(WEIGHT_DECAY.name)
+    return MappingProxyType({**found, weight_decay.name: weight_decay})
 
-    solver: str = "sgd"
-    momentum: float = 0.0
-    nesterovs_momentum: bool = False
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-8
-    weight_decay: float = 0.0
+
+def solvers_taking(name):
+    """The registered solvers whose rule takes the hyperparameter ``name``, in order."""
+    return [
+        solver
+        for solver, rule in UPDATE_RULES.items()
+        if any(h.name == name for h in rule.all_hyperparameters())
+    ]
+
+
+def solver_constraints():
+    """The estimators' ``_parameter_constraints`` of ``solver`` and every hyperparameter."""
+    return {
+        "solver": [StrOptions(set(UPDATE_RULES))],
+        **{name: list(h.constraints) for name, h in solver_hyperparameters().items()},
+    }
+
+
+class SolverSettings:
+    """An estimator's solver and the values of every registered hyperparameter.
+
+    Parameters
+    ----------
+    solver : str, default="sgd"
+        A key of :data:`UPDATE_RULES`.
+    **values
+        Hyperparameter values by name (:func:`solver_hyperparameters`); those not
+        given take their declared default.
+    """
+
+    def __init__(self, solver="sgd", **values):
+        known = solver_hyperparameters()
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise TypeError(f"Unknown solver hyperparameters {unknown}; expected {list(known)}.")
+        self.solver = solver
+        self.values = MappingProxyType(
+            {name: values.get(name, h.default) for name, h in known.items()}
+        )
+
+    @classmethod
+    def of(cls, estimator):
+        """The settings of an estimator (its ``solver`` and hyperparameter attributes)."""
+        return cls(
+            estimator.solver,
+            **{name: getattr(estimator, name) for name in solver_hyperparameters()},
+        )
 
     def update_rule(self):
         """The registered :class:`UpdateRule` of ``solver``, with these settings."""

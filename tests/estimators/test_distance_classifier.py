@@ -18,6 +18,7 @@ X_BOOL = np.array([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
 LOGIC = {"and": np.array([0, 0, 0, 1]), "xor": np.array([0, 1, 1, 0])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["and", "xor"])
 def test_default_settings_learn_and_xor_for_every_seed(name):
     y = LOGIC[name]
@@ -31,6 +32,7 @@ def test_default_settings_learn_and_xor_for_every_seed(name):
     assert failures == [], f"{name} not learned for random_state in {failures}"
 
 
+@pytest.mark.slow
 def test_xor_needs_the_nonlinear_transform():
     # Squared distances share one |x|^2 term, and on {0,1}^2 |x|^2 = x1 + x2: a
     # linear head on raw squared distances is a linear classifier, so XOR fails.
@@ -138,6 +140,7 @@ def test_decomposition_reproduces_the_network(transform):
     assert np.max(parts.residual) < 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["iris", "moons"])
 def test_default_settings_give_an_exact_kernel(data):
     # The defaults (full-batch Adam, log1p distances, 100 memories, 500 steps) on
@@ -161,7 +164,7 @@ def test_default_settings_give_an_exact_kernel(data):
 
 def test_docstring_states_the_defaults():
     # Every parameter's "default=" in the docstring is the signature's default
-    # (the solver text is shared with other estimators and edited for this one).
+    # (the solver text is generated from the update rules, with this estimator's notes).
     doc = DistanceKernelClassifier.__doc__
     for name, parameter in inspect.signature(DistanceKernelClassifier).parameters.items():
         match = re.search(rf"^    {name} : .*default=(.+)$", doc, flags=re.MULTILINE)

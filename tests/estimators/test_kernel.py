@@ -13,16 +13,6 @@ from sklearn.gaussian_process.kernels import ConstantKernel
 from sklearn_pathkernel import ExactPathKernel, ExactPathKernelClassifier
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny tensors on a shared 2-core box: torch's spinning thread pool costs far more
-    # than it gains (50x slower Grams measured under load).
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
-
-
 @pytest.fixture(scope="module")
 def data():
     X, y = make_blobs(n_samples=30, n_features=4, centers=3, random_state=0)

@@ -6,7 +6,6 @@ and (5, 5, 0, ...), smaller than in the paper for speed.
 
 import numpy as np
 import pytest
-import torch
 from sklearn.gaussian_process import GaussianProcessClassifier, GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, WhiteKernel
 from sklearn.model_selection import GridSearchCV
@@ -17,15 +16,6 @@ from sklearn_pathkernel import ExactPathKernelClassifier, PathKernelTransformer
 
 # Chance is 1/3; the network itself reaches about 0.83 with these settings.
 MIN_ACCURACY = 0.75
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Small tensors on a shared 2-core box: torch's thread pool only spins.
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
 
 
 def paper_toy(n_per_class, rng):

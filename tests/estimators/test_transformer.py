@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 from sklearn.base import clone
 from sklearn.datasets import make_blobs
 from sklearn.linear_model import LogisticRegression
@@ -12,15 +11,6 @@ from sklearn_pathkernel import (
     ExactPathKernelClassifier,
     PathKernelTransformer,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny tensors on a shared 2-core box: torch's thread pool only spins.
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
 
 
 @pytest.fixture(scope="module")
