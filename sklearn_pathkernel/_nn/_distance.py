@@ -38,6 +38,41 @@ def _euclidean(x, memories):
     return torch.cdist(x, memories, compute_mode="donot_use_mm_for_euclid_dist")
 
 
+def _root_msd(layer, x):
+    """``sqrt(msd(x, m_j))``, exact (see the module docstring), shape (n, J)."""
+    return _euclidean(x, layer.memories) / math.sqrt(layer.in_features)
+
+
+def _sqeuclidean(layer, x):
+    return _root_msd(layer, x).square()
+
+
+def _rbf(layer, x):
+    return torch.exp(-torch.exp(layer.log_gamma) * _sqeuclidean(layer, x))
+
+
+def _laplacian(layer, x):
+    mad = torch.abs(x[:, None, :] - layer.memories[None, :, :]).mean(-1)
+    return torch.exp(-torch.exp(layer.log_gamma) * mad)
+
+
+def _cosine(layer, x):
+    memories = layer.memories
+    x_norm = torch.clamp(torch.linalg.vector_norm(x, dim=1, keepdim=True), min=COSINE_EPS)
+    m_norm = torch.clamp(torch.linalg.vector_norm(memories, dim=1), min=COSINE_EPS)
+    return (x @ memories.T) / (x_norm * m_norm)
+
+
+#: ``k(x, m_j)`` of each kernel, as a function of the layer and its input.
+_SIMILARITIES = {
+    "sqeuclidean": _sqeuclidean,
+    "euclidean": _root_msd,
+    "rbf": _rbf,
+    "laplacian": _laplacian,
+    "cosine": _cosine,
+}
+
+
 class DistanceLayer(nn.Module):
     """Compare each example with ``n_memories`` learned vectors ("memories").
 
@@ -143,21 +178,7 @@ class DistanceLayer(nn.Module):
 
     def similarity(self, x):
         """The kernel values ``k(x, m_j)`` without the bias, shape (n, n_memories)."""
-        kernel, memories = self.kernel, self.memories
-        if kernel == "cosine":
-            x_norm = torch.clamp(torch.linalg.vector_norm(x, dim=1, keepdim=True), min=COSINE_EPS)
-            m_norm = torch.clamp(torch.linalg.vector_norm(memories, dim=1), min=COSINE_EPS)
-            return (x @ memories.T) / (x_norm * m_norm)
-        if kernel == "laplacian":
-            mad = torch.abs(x[:, None, :] - memories[None, :, :]).mean(-1)
-            return torch.exp(-torch.exp(self.log_gamma) * mad)
-        distance = _euclidean(x, memories) / math.sqrt(self.in_features)  # sqrt(msd)
-        if kernel == "euclidean":
-            return distance
-        msd = distance.square()
-        if kernel == "sqeuclidean":
-            return msd
-        return torch.exp(-torch.exp(self.log_gamma) * msd)
+        return _SIMILARITIES[self.kernel](self, x)
 
     def extra_repr(self):
         return (

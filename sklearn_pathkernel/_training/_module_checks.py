@@ -27,6 +27,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from .._nested import nested_tensors
+
 # Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
 N_CHECK_ROWS = 4
 _CANDIDATE_ROWS = 64
@@ -298,13 +300,7 @@ def _record(module, run):
 def _tensors(value):
     """The tensors in a nest of tuples, lists and dicts, as copies (a later
     in-place operation must not change what was recorded)."""
-    if isinstance(value, torch.Tensor):
-        return [value.detach().clone()]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
+    return [tensor.detach().clone() for tensor in nested_tensors(value)]
 
 
 def _first_culprit(reference, others, difference):
