@@ -187,6 +187,25 @@ class DistanceLayer(nn.Module):
         )
 
 
+def _sqrt(z):
+    # clamp at the smallest normal number: finite gradient at 0.
+    return torch.sqrt(torch.clamp(z, min=torch.finfo(z.dtype).tiny))
+
+
+def _log1p(z):
+    return torch.log1p(torch.clamp(z, min=0.0))
+
+
+def _standardize(z):
+    centred = z - z.mean(dim=1, keepdim=True)
+    variance = centred.square().mean(dim=1, keepdim=True)
+    return centred / torch.sqrt(variance + STANDARDIZE_EPS)
+
+
+#: Each transform of :class:`Transform`, as a function of the layer outputs.
+_TRANSFORMS = {"none": lambda z: z, "sqrt": _sqrt, "log1p": _log1p, "standardize": _standardize}
+
+
 class Transform(nn.Module):
     """Per-example reshaping of a distance layer's outputs before the next layer.
 
@@ -212,16 +231,7 @@ class Transform(nn.Module):
         self.kind = kind
 
     def forward(self, z):
-        if self.kind == "sqrt":
-            # clamp at the smallest normal number: finite gradient at 0.
-            return torch.sqrt(torch.clamp(z, min=torch.finfo(z.dtype).tiny))
-        if self.kind == "log1p":
-            return torch.log1p(torch.clamp(z, min=0.0))
-        if self.kind == "standardize":
-            centred = z - z.mean(dim=1, keepdim=True)
-            variance = centred.square().mean(dim=1, keepdim=True)
-            return centred / torch.sqrt(variance + STANDARDIZE_EPS)
-        return z
+        return _TRANSFORMS[self.kind](z)
 
     def extra_repr(self):
         return repr(self.kind)
