@@ -51,11 +51,13 @@ def cast_path(path, dtype):
     )
 
 
-def results(engine, X, A):
+def results(engine, X, A, many=None):
+    """Grams, diagonal and decomposition; the trace cross Gram of ``many`` queries
+    (``A`` when None)."""
     parts = engine.decompose(A)
     return {
         "train": engine.gram(X, a_train=True),
-        "cross": engine.gram(A, X, b_train=True),
+        "cross": engine.gram(A if many is None else many, X, b_train=True),
         "cross_full": engine.gram(A, X, b_train=True, output="full"),
         "test": engine.gram(A),
         "diag": engine.diag(A),
@@ -94,10 +96,12 @@ def test_cuda_engine_gives_the_cpu_results_on_the_same_path(
         monkeypatch.setattr(_planning, "GPU_BLOCK_ROWS", 700)
         monkeypatch.setattr(_transfer, "STAGING_BYTES", 2**16)
     module, path, X, A = recorded(engine_cases, sizes, n, steps)
-    if n > 1000:  # enough left rows for the output subspaces of the cross Gram
-        A = torch.cat([A] * 60)
-    on_cpu = results(engine_on(module, path, X), X, A)
-    on_cuda = results(engine_on(module, path, X, "cuda"), X.cuda(), A.cuda())
+    many = None
+    if n > 1000:  # enough query nodes for the output subspaces of the trace cross Gram;
+        A, many = A[:3], torch.cat([A] * 30)  # the test x test Gram of few (shared nodes)
+    on_cpu = results(engine_on(module, path, X), X, A, many)
+    cuda_many = None if many is None else many.cuda()
+    on_cuda = results(engine_on(module, path, X, "cuda"), X.cuda(), A.cuda(), cuda_many)
     residual = on_cpu.pop("residual"), on_cuda.pop("residual")
     assert_agree(on_cuda, on_cpu, 1e-12)
     assert np.all(residual[1] <= 1e-10) and np.all(residual[0] <= 1e-10)
