@@ -15,6 +15,7 @@ import torch
 
 from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
+from ._transfer import to_host
 from .integration._quadrature import TEST_TEST_NODES
 
 
@@ -55,6 +56,29 @@ class BlockKind(enum.Enum):
         """Whether the left side's features are materialised under Adam's metric."""
         return self is BlockKind.MIXED
 
+    @classmethod
+    def covering(cls, a_mask, b_mask):
+        """The one kind that holds every pair of a Gram's rows, or None.
+
+        ``a_mask``, ``b_mask``: per row of each side, whether it is on the
+        training copy. Every row on the training copy: ``TRAINING``; the left
+        rows on the test copy and the right ones on the training copy:
+        ``MIXED``; every row on the test copy: ``TEST``. None for empty sides
+        and for mixtures (the Gram is then assembled from several kinds).
+        """
+        if not (a_mask.size and b_mask.size):
+            return None
+        sides = (a_mask.all(), not a_mask.any(), b_mask.all(), not b_mask.any())
+        return _COVERING.get(sides)
+
+
+#: (left all training, left all test, right all training, right all test) -> kind
+_COVERING = {
+    (True, False, True, False): BlockKind.TRAINING,
+    (False, True, True, False): BlockKind.MIXED,
+    (False, True, False, True): BlockKind.TEST,
+}
+
 
 class GramBlocks:
     """The blocks of one engine's Gram matrices and diagonals.
@@ -90,6 +114,22 @@ class GramBlocks:
             for rule, a, b, scale in zip(rules, left, right, metric, strict=True)
         )
 
+    def add_inner(self, left, right, mode, metric, out):
+        """``out += inner(left, right, mode, metric)``, and ``out`` returned.
+
+        An accumulator, as torch's ``out=`` (the training Gram's hot loop sums
+        every product into one block in place). Where the planner says so (on a
+        GPU) and without a metric, each rule adds its products into ``out``
+        itself (:meth:`LayerRule.add_inner`: fewer passes over the (rows, rows)
+        temporaries); otherwise the layers' products are summed, then added.
+        """
+        if metric is not None or not self.planner.accumulates_in_place:
+            out += self.inner(left, right, mode, metric)
+            return out
+        for rule, a, b in zip(self.probes.current().rules, left, right, strict=True):
+            rule.add_inner(a, b, mode, out)
+        return out
+
     def factors_of(self, start, X):
         """Training-copy factors of every row of ``X`` (every output) at ``start``,
         computed in passes of ``pass_rows()`` rows and joined per layer."""
@@ -103,13 +143,20 @@ class GramBlocks:
         shape = (P.shape[0], Q.shape[0]) + mode.output_shape(self.n_outputs)
         return torch.zeros(shape, dtype=P.dtype, device=P.device)
 
-    def block(self, kind, P, Q, steps, mode, prefix=False):
-        """The block of ``P`` x ``Q`` over ``steps`` (a slice), as a numpy array;
-        ``prefix``: ``P`` is ``Q``'s first rows (a tile of a symmetric Gram)."""
+    def block(self, kind, P, Q, steps, mode, prefix=False, whole=False):
+        """The block of ``P`` x ``Q`` over ``steps`` (a slice), as a numpy array.
+
+        ``prefix``: ``P`` is ``Q``'s first rows (a tile of a symmetric Gram);
+        ``whole``: they are all of them over every step (the whole symmetric
+        Gram), which is then made exactly symmetric on the device.
+        """
         if kind is BlockKind.TRAINING:
-            return self._training_block(P, Q, steps, mode, prefix)
+            return self._training_block(P, Q, steps, mode, prefix, whole)
         block = self._zeros(P, Q, mode)
-        q_tiles = self.planner.tiles(Q.shape[0])
+        if kind is BlockKind.MIXED:
+            q_tiles = self.planner.product_tiles(Q.shape[0])
+        else:
+            q_tiles = self.planner.tiles(Q.shape[0])
         for index in range(steps.start, steps.stop):
             start = self.steps.step(index).start
             metric = self.steps.metric(index, self.probes.current().rules)
@@ -132,9 +179,9 @@ class GramBlocks:
                 if right is None or tile is not q_tiles[0]:
                     right = self.factors_of(start, Q[tile])
                 features.add_inner(right, mode, block[:, tile])
-        return block.cpu().numpy()
+        return self._handed_back(block, mode, whole, self.planner.block_size())
 
-    def _training_block(self, P, Q, steps, mode, prefix):
+    def _training_block(self, P, Q, steps, mode, prefix, whole):
         """Training x training block, step-major.
 
         Per step, the factors of ``Q`` (and of ``P``, unless it is ``Q``'s
@@ -163,13 +210,22 @@ class GramBlocks:
             if prefix:
                 left = [f.take(slice(0, P.shape[0])) for f in right]
             for a, b in products:
-                block[a, b] += self.inner(
-                    [f.take(a) for f in left], [f.take(b) for f in right], mode, metric
+                self.add_inner(
+                    [f.take(a) for f in left], [f.take(b) for f in right], mode, metric, block[a, b]
                 )
         if prefix:  # the diagonal square's lower products, from the upper ones
             for a, b in ((a, b) for a in p_blocks for b in q_blocks if b.start < a.start):
                 block[a, b] = mode.transpose(block[b, a])
-        return block.cpu().numpy()
+        return self._handed_back(block, mode, whole, self.planner.block_size(pairs))
+
+    @staticmethod
+    def _handed_back(block, mode, whole, size):
+        """A task's ``block`` as a numpy array (:func:`~._transfer.to_host`); the
+        ``whole`` symmetric Gram made exactly symmetric first, on its device, in
+        squares of ``size`` rows."""
+        if whole:
+            mode.symmetrize(block, size)
+        return to_host(block)
 
     def _in_output_subspaces(self, right, left, n_left):
         """Factors of both sides projected, per rule, onto the right rows' output

@@ -9,8 +9,9 @@ has no float64. Where the data live:
   per-step coefficients: on the host, copied from the device after each step and
   moved to the device, one step at a time, when the engine evaluates them;
 - the engine's work: each block (a tile of query rows times a chunk of steps) is
-  accumulated in float64 on the device and handed back as a numpy array; blocks
-  are summed and assembled into the Gram or decomposition on the host;
+  accumulated in float64 on the device and handed back as a numpy array (a large
+  one from a GPU through pinned buffers, :mod:`._transfer`); blocks are summed
+  and assembled into the Gram or decomposition on the host;
 - everything handed back to the user: numpy arrays on the host.
 
 Initial weights are drawn on the CPU (its generator, the training data on the

@@ -56,7 +56,10 @@ class PathKernelEngine:
     Parameters
     ----------
     module : torch.nn.Module
-        The network (float64). Only its structure is used; weights come from ``path``.
+        The network. Only its structure is used; weights come from ``path``.
+        The engine computes in the path's dtype: float64 (the estimators'), or
+        float32 for a float32 copy of the module, rows and path, with the
+        certificate held to float32's rounding.
     path : WeightPath
         The recorded training path.
     X_train : torch.Tensor of shape (M, ...)

@@ -5,7 +5,10 @@ is four blocks, one per :class:`~._blocks.BlockKind` (the training-by-test block
 is the transposed mixed one); each block is a sum of independent tasks over
 (tile of rows, chunk of steps), run by the scheduler and summed here. A
 symmetric request computes each tile's columns from its first row on and
-mirrors them, and is made exactly symmetric.
+mirrors them, and is made exactly symmetric. A request that one kind covers
+(a training Gram, a cross Gram of test rows against training rows) is that
+kind's block, handed back as it is: no assembly, and with one task, no copy
+on the host.
 
 Cost: that of the blocks (see :class:`~._blocks.BlockKind`), plus the output
 (``nA nB`` numbers, ``K^2`` times that for ``output="full"``) on the host.
@@ -14,6 +17,7 @@ Cost: that of the blocks (see :class:`~._blocks.BlockKind`), plus the output
 from functools import partial
 
 import numpy as np
+import torch
 
 from ._blocks import BlockKind
 from ._planning import check_fits
@@ -23,6 +27,11 @@ from .integration._quadrature import TEST_TEST_NODES
 def as_mask(flag, n):
     """``flag`` (a bool or an array of bools) as a writable boolean mask of ``n`` rows."""
     return np.broadcast_to(np.asarray(flag, dtype=bool), (n,)).copy()
+
+
+def numpy_dtype(tensor):
+    """The numpy dtype of ``tensor``'s values (float64 for a float64 engine)."""
+    return torch.empty(0, dtype=tensor.dtype, device="cpu").numpy().dtype
 
 
 class Gram:
@@ -55,7 +64,10 @@ class Gram:
             f"A {mode.public_output!r} Gram of shape {(A.shape[0], B.shape[0]) + output_shape}",
             "request fewer rows at a time, or output='trace' instead of 'full'.",
         )
-        gram = np.zeros((A.shape[0], B.shape[0]) + output_shape)
+        kind = BlockKind.covering(a_mask, b_mask)
+        if kind is not None:  # made exactly symmetric by _kind
+            return self._kind(kind, A, B, mode, symmetric)
+        gram = np.zeros((A.shape[0], B.shape[0]) + output_shape, dtype=numpy_dtype(A))
 
         def rows(X, index):
             return X[self.steps.on_device(index)]
@@ -79,16 +91,17 @@ class Gram:
                 BlockKind.TEST, rows(A, a_te), rows(B, b_te), mode, symmetric
             )
         if symmetric:  # exactly symmetric, not just up to rounding
-            gram = 0.5 * (gram + mode.transpose(gram))
+            mode.symmetrize(gram)
         return gram
 
     def _kind(self, kind, P, Q, mode, symmetric=False):
         """One kind of block between rows ``P`` and ``Q``, as independent tasks.
 
         Tasks are (tile of ``P``, chunk of steps); a symmetric request computes
-        only the columns from the tile's first row on and mirrors them. Tiles of
-        ``P`` are as large as the device's working budget allows (one tile for a
-        host Gram of a few thousand rows, tens of thousands on a GPU).
+        only the columns from the tile's first row on and mirrors them, and is
+        made exactly symmetric. Tiles of ``P`` are as large as the device's
+        working budget allows (one tile for a host Gram of a few thousand rows,
+        tens of thousands on a GPU). One task's block is the result.
         """
         pairs = mode.values_per_pair(self.n_outputs)
         if kind is BlockKind.TEST:
@@ -96,6 +109,7 @@ class Gram:
         else:
             tiles = self.planner.task_tiles(kind, P.shape[0], Q.shape[0], pairs, self.n_outputs)
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
+        whole = symmetric and len(keys) == 1  # symmetrized by the task, on its device
         results = self.scheduler.run(
             [
                 partial(
@@ -106,18 +120,22 @@ class Gram:
                     steps,
                     mode,
                     symmetric,
+                    whole,
                 )
                 for tile, steps in keys
             ]
         )
-        out = np.zeros((P.shape[0], Q.shape[0]) + mode.output_shape(self.n_outputs))
+        if len(results) == 1:
+            return results[0]
+        shape = (P.shape[0], Q.shape[0]) + mode.output_shape(self.n_outputs)
+        out = np.zeros(shape, dtype=results[0].dtype)
         for (tile, _), block in zip(keys, results, strict=True):
             offset = tile.start if symmetric else 0
             out[tile, offset:] += block
             if symmetric:
                 width = tile.stop - tile.start
                 out[tile.stop :, tile] += mode.transpose(block[:, width:])
-        return out
+        return mode.symmetrize(out) if symmetric else out
 
     def diag(self, A, a_train):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
@@ -127,7 +145,7 @@ class Gram:
         results = self.scheduler.run(
             [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
         )
-        diag = np.zeros(A.shape[0])
+        diag = np.zeros(A.shape[0], dtype=numpy_dtype(A))
         for (tile, _), block in zip(keys, results, strict=True):
             diag[tile] += block
         return diag

@@ -4,6 +4,9 @@ import enum
 
 import torch
 
+#: Rows a side of the squares :meth:`OutputMode.symmetrize` works in.
+SYMMETRIZE_ROWS = 1024
+
 
 class OutputMode(str, enum.Enum):
     """The output axes of an inner product of per-example gradients.
@@ -58,6 +61,23 @@ class OutputMode(str, enum.Enum):
         """
         axes = (1, 0, 3, 2) if self is OutputMode.PAIRS else (1, 0)
         return block.permute(*axes) if torch.is_tensor(block) else block.transpose(axes)
+
+    def symmetrize(self, gram, size=SYMMETRIZE_ROWS):
+        """``gram`` (a numpy array or a tensor) made exactly symmetric, in place,
+        and returned: ``0.5 (gram + transpose(gram))``, the same values, computed
+        square by square (``size`` rows a side).
+
+        Cost: one read and one write of every entry, and a temporary of one
+        square; no copy of the whole Gram (two of 8 GB at M = 32 000).
+        """
+        n = gram.shape[0]
+        for i in range(0, n, size):
+            for j in range(i, n, size):
+                upper, lower = gram[i : i + size, j : j + size], gram[j : j + size, i : i + size]
+                mean = 0.5 * (upper + self.transpose(lower))
+                upper[...] = mean
+                lower[...] = self.transpose(mean)
+        return gram
 
 
 _PUBLIC_OUTPUTS = {"trace": OutputMode.TRACE, "full": OutputMode.PAIRS}

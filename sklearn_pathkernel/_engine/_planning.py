@@ -21,6 +21,11 @@ BLOCK_BUDGET_BYTES = 256 * 2**20
 #: pass over many outputs slows down once its gradients leave the cache (for an
 #: MLP 64-128-128-10 with 10 outputs, 24 KiB of factors a row, this is 512 rows).
 PASS_BUDGET_BYTES = 12 * 2**20
+#: On a GPU, rows per side of a product at most. A symmetric Gram computes the
+#: products on and above the diagonal only: products of a quarter of the rows or
+#: less leave about 60 % of the pairs, where 14 000-row products (an eighth of an
+#: H100's budget) computed 90 % at M = 16 000; 4096 x 4096 products still fill it.
+GPU_BLOCK_ROWS = 4096
 #: What one step-major Gram task may hold on the host (its output block and one
 #: step's factors): at most this, and at most a quarter of the available memory.
 HOST_WORKING_BYTES = 2**30
@@ -172,8 +177,28 @@ class Planner:
         caches). On a GPU, as many rows as an eighth of the working budget holds
         in a product's three square temporaries (input Gram, delta Gram, their
         product; ``pairs`` values per pair of rows), so that each product keeps
-        the device busy.
+        the device busy, and at most ``GPU_BLOCK_ROWS`` (so that a symmetric
+        Gram skips most products below its diagonal).
         """
         if self.device.type != "cuda":
             return self.tile_size
-        return max(self.tile_size, math.isqrt(self.working_budget() // (8 * 3 * 8 * pairs)))
+        rows = math.isqrt(self.working_budget() // (8 * 3 * 8 * pairs))
+        return max(self.tile_size, min(GPU_BLOCK_ROWS, rows))
+
+    def product_tiles(self, n):
+        """Tiles of the training rows of a mixed block, one product each.
+
+        :meth:`tiles` on the host; on a GPU :meth:`sub_blocks`, as large as its
+        products (a Python loop over ``tile_size`` tiles of 32 000 rows kept it
+        waiting).
+        """
+        return self.sub_blocks(n) if self.device.type == "cuda" else self.tiles(n)
+
+    @property
+    def accumulates_in_place(self):
+        """Whether the rules add each product into a Gram block themselves
+        (``LayerRule.add_inner``): on a GPU, where the passes over the (rows,
+        rows) temporaries, not the products, bound the training Gram. On the
+        host the layers' products are summed first, then added (caches hide
+        those passes)."""
+        return self.device.type == "cuda"

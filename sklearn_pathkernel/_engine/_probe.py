@@ -148,6 +148,8 @@ class NetworkProbe:
         self._ensure_checked(X)
         if t is not None and not isinstance(t, torch.Tensor):
             start, t = start + t * direction, None
+        if t is not None and t.dtype != start.dtype:  # float64 nodes, a float32 path
+            t = t.to(start.dtype)
         if t is not None and not self.per_row_t:
             raise ValueError("A per-row t needs every layer to take one (per_row_t); use per_row.")
         params = self.params(start)

@@ -16,6 +16,7 @@ import copy
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._probe import NetworkProbe
@@ -81,8 +82,12 @@ class PathSteps:
         return [rule.flatten(scales) for rule in rules]
 
     def on_device(self, array):
-        """A numpy array (row indices, nodes, weights) as a tensor on the device."""
-        return torch.as_tensor(array, device=self.device)
+        """A numpy array (row indices, nodes, weights) as a tensor on the device;
+        floating values in the path's dtype (float64 nodes of a float32 path
+        would otherwise promote its products to float64)."""
+        floating = np.asarray(array).dtype.kind == "f"
+        dtype = self.path.weights.dtype if floating else None
+        return torch.as_tensor(array, dtype=dtype, device=self.device)
 
 
 class ThreadProbes:

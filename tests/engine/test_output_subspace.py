@@ -249,3 +249,20 @@ def test_results_do_not_depend_on_whether_outputs_are_projected(classifier, monk
         )
     for projected, plain in zip(*results, strict=True):
         np.testing.assert_allclose(projected, plain, rtol=1e-12, atol=1e-14 * np.abs(plain).max())
+
+
+@pytest.mark.parametrize("n", [700, 769])
+def test_the_two_level_r_is_an_r_of_the_whole_matrix(n):
+    """The GPU's tall-skinny QR (run here on the host): ``R^T R`` is the matrix's
+    Gram, and its singular values are the matrix's; chunks that do not divide
+    the rows are padded with zeros."""
+    matrices = torch.randn(3, n, 6, generator=torch.Generator().manual_seed(0), dtype=DTYPE)
+    triangle = _output_subspace._tall_skinny_r(matrices, 256)
+    assert triangle.shape == (3, 6, 6)
+    torch.testing.assert_close(
+        triangle.mT @ triangle, matrices.mT @ matrices, rtol=1e-12, atol=1e-10
+    )
+    torch.testing.assert_close(
+        torch.linalg.svdvals(triangle), torch.linalg.svdvals(matrices), rtol=1e-12, atol=0
+    )
+    assert torch.equal(_output_subspace._r_factor(matrices), torch.linalg.qr(matrices, mode="r")[1])

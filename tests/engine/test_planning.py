@@ -85,3 +85,26 @@ def test_results_do_not_depend_on_the_pass_size(relu_case, monkeypatch, engine_c
     assert engine._planner.pass_rows() == 1
     for actual, reference in zip(results(engine), expected, strict=True):
         np.testing.assert_allclose(actual, reference, rtol=1e-12, atol=1e-15)
+
+
+def test_a_gpu_plans_capped_products_in_place_and_the_host_keeps_its_own(monkeypatch):
+    """On a GPU (planned here without one): products of at most ``GPU_BLOCK_ROWS``
+    rows however large the budget, a cross Gram's training rows in such products,
+    and products added into the block rule by rule; on the host, ``tile_size``,
+    ``tiles`` and sums."""
+    from sklearn_pathkernel._engine import _planning
+    from sklearn_pathkernel._engine._scheduling import Scheduler
+
+    monkeypatch.setattr(_planning, "working_budget", lambda device, n_workers=1: 2**40)
+
+    def planner(device):
+        scheduler = Scheduler(None, 0, 3)
+        return _planning.Planner(torch.device(device), 512, 4, None, scheduler, None, None, None)
+
+    gpu, host = planner("cuda"), planner("cpu")
+    assert gpu.block_size() == gpu.block_size(100) == _planning.GPU_BLOCK_ROWS
+    assert host.block_size() == 512
+    assert gpu.product_tiles(10000) == gpu.sub_blocks(10000)
+    assert [t.stop - t.start for t in gpu.product_tiles(10000)] == [4096, 4096, 1808]
+    assert host.product_tiles(1300) == host.tiles(1300)
+    assert gpu.accumulates_in_place and not host.accumulates_in_place

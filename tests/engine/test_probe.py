@@ -5,6 +5,8 @@ evaluates; on an estimator's ``module_`` they would race with a ``predict`` from
 another thread. References: the estimator's own predictions, taken before.
 """
 
+import copy
+import dataclasses
 import threading
 
 import numpy as np
@@ -78,3 +80,17 @@ def test_predict_from_another_thread_during_kernel_and_decompose():
     assert count[0] > 0
     assert untouched(clf.module_)
     assert np.array_equal(clf.predict_proba(X), expected)
+
+
+def test_a_float64_t_on_a_float32_path_is_taken_in_the_path_s_dtype(relu_case):
+    """Quadrature nodes come in float64; on a float32 path the rows are evaluated
+    in float32, as with float32 nodes (no promotion to float64)."""
+    module, path, X, _, _ = relu_case
+    path = dataclasses.replace(path, weights=path.weights.float())
+    probe = NetworkProbe(copy.deepcopy(module).float(), path, X[:1].float())
+    t = torch.linspace(0.0, 1.0, 5, dtype=torch.float64)
+    start, direction = path.weights[1], path.weights[2] - path.weights[1]
+    output = probe.output(start, X[:5].float(), direction=direction, t=t)
+    assert output.dtype == torch.float32
+    expected = probe.output(start, X[:5].float(), direction=direction, t=t.float())
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)

@@ -1,7 +1,9 @@
 """The path's steps on the device and the probe of each thread."""
 
+import dataclasses
 import threading
 
+import numpy as np
 import torch
 
 from sklearn_pathkernel._engine._steps import PathSteps, Step, ThreadProbes
@@ -42,3 +44,13 @@ def test_each_thread_gets_its_own_probe_on_its_own_module(relu_case):
     thread.join()
     assert seen[0] is seen[1] and seen[0] is not probes.main
     assert seen[0].module is not module  # a copy: hooks never touch the caller's module
+
+
+def test_floating_arrays_come_in_the_path_s_dtype(relu_case):
+    """Nodes and weights (float64 numpy arrays) of a float32 path are float32 on
+    the device; row indices stay integers."""
+    _, path, _, _, _ = relu_case
+    steps = PathSteps(dataclasses.replace(path, weights=path.weights.float()), torch.device("cpu"))
+    assert steps.on_device(np.linspace(0.0, 1.0, 3)).dtype == torch.float32
+    assert steps.on_device(np.arange(3)).dtype == torch.int64
+    assert PathSteps(path, torch.device("cpu")).on_device(np.ones(2)).dtype == torch.float64

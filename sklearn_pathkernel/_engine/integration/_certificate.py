@@ -4,7 +4,8 @@ By the chain rule, ``<phi_s(x), w_{s+1} - w_s> = f(x; w_{s+1}) - f(x; w_s)``
 exactly; a quadrature's features miss it by their integration error. Per row,
 :meth:`Certificate.check` measures ``max_k |f(w_{s+1}) - f(w_s) - <phi_s,
 w_{s+1} - w_s>|`` and holds it to the loss's ``certificate_tolerance``, or to
-the rounding floor of the logits where that is larger. An adaptive rule
+the rounding floor of the logits where that is larger (and, in float32, at
+least the rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
 (:class:`._quadrature.KinkSplittingRule`) then integrates the failing rows again
 (:meth:`Certificate.refine`): on finer kink grids (``REFINEMENT_GRIDS``), then
 by bisecting their pieces until each piece passes its own certificate.
@@ -48,6 +49,17 @@ def rounding_floor(*scales):
     ``scales`` are the rows' largest absolute logits at the points compared.
     """
     return ROUNDING_ULPS * torch.finfo(scales[0].dtype).eps * sum(scales)
+
+
+def least_tolerance(dtype, tolerance):
+    """``tolerance``, or ``ROUNDING_ULPS`` eps of ``dtype`` where that is larger.
+
+    In float32, rounding alone misses by about 1e-7 even where every logit is
+    near zero (``f``, the log-probabilities, is not), so a float32 path is held
+    to about 8e-6; float64 keeps ``tolerance`` (1e-11 and 1e-11 / 64 are above
+    its 1.4e-14).
+    """
+    return max(tolerance, ROUNDING_ULPS * torch.finfo(dtype).eps)
 
 
 class StepCheck(NamedTuple):
@@ -102,7 +114,7 @@ class Certificate:
         direction = self.probes.current().params(step.direction)
         error = ends.f_end - ends.f_start - features.directional(direction)
         floor = rounding_floor(ends.scale_start, ends.scale_end)
-        tolerance = torch.clamp(floor, min=self.tolerance)
+        tolerance = torch.clamp(floor, min=least_tolerance(floor.dtype, self.tolerance))
         return StepCheck(error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy())
 
     def refine(self, step, X, rule, row_nodes, integral, n_nodes, outputs_per_pair, evaluator):
@@ -149,7 +161,7 @@ class Certificate:
         """
         probe = self.probes.current()
         step_params = probe.params(step.direction)
-        tolerance = self.tolerance / PIECE_TOLERANCE_DIVISOR
+        tolerance = least_tolerance(step.start.dtype, self.tolerance / PIECE_TOLERANCE_DIVISOR)
         on_device = self.steps.on_device
         pending = pieces(rows, kinks)
         done = []

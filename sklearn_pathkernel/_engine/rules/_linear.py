@@ -144,6 +144,28 @@ class LinearRule(WeightAndBiasRule):
             return self._factored_inner(left, right, mode)
         return contract(self.materialise(left), self.materialise(right), mode)
 
+    def add_inner(self, left, right, mode, out):
+        """``out += inner(left, right, mode)`` in fewer passes over the (n, m)
+        temporaries, for a trace of factored gradients with weight and bias: the
+        input Gram's ``+ 1`` from a column of ones in its product, and the delta
+        Gram multiplied into ``out`` in one ``addcmul_`` (two passes over (n, m)
+        fewer than ``inner`` and an addition). Same cost in multiply-adds; the
+        sums round differently (the ``1`` inside the product). Otherwise as the
+        protocol's default."""
+        if (
+            mode != OutputMode.TRACE
+            or not factored(left, right)
+            or self.weight_name is None
+            or self.bias_name is None
+        ):
+            return super().add_inner(left, right, mode, out)
+        a, b = left.inputs, right.inputs
+        input_gram = (
+            torch.cat([a, a.new_ones(a.shape[0], 1)], 1)
+            @ torch.cat([b, b.new_ones(b.shape[0], 1)], 1).T
+        )
+        return out.addcmul_(input_gram, contract(left.deltas, right.deltas, mode))
+
     def node_inner(self, nodes, weights, right, mode):
         if factored(nodes, right):
             return self._factored_inner(nodes, right, mode, weights)

@@ -130,6 +130,17 @@ class LayerRule(ABC):
         (n, m), PAIRS (n, m, K, K') or DIAG (n,).
         """
 
+    def add_inner(self, left, right, mode, out):
+        """``out += inner(left, right, mode)``, and ``out`` returned.
+
+        An accumulator, as torch's ``out=``: the engine adds the products of
+        every layer and step into one Gram block in place (on a GPU, where the
+        passes over the (n, m) temporaries bound the training Gram). Rules that
+        can add their product with fewer such passes override this.
+        """
+        out += self.inner(left, right, mode)
+        return out
+
     def node_inner(self, nodes, weights, right, mode):
         """``weights[e] * inner(node e, right row)``: the weighted inner products of
         quadrature nodes with other rows, ``mode`` TRACE or PAIRS (see

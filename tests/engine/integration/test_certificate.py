@@ -158,3 +158,18 @@ def test_saturated_softmax_on_unscaled_inputs_is_certified_without_blowup(engine
     parts = engine.decompose(A)
     assert parts.residual.max() < 1e-10
     assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-10
+
+
+def test_the_least_tolerance_follows_the_dtype_s_rounding():
+    """float64 keeps the loss's tolerance (and its bisection's 64th); float32 is
+    held to ``ROUNDING_ULPS`` of its own eps, which rounding alone can reach."""
+    from sklearn_pathkernel._engine.integration._certificate import (
+        ROUNDING_ULPS,
+        least_tolerance,
+    )
+
+    assert least_tolerance(torch.float64, 1e-11) == 1e-11
+    assert least_tolerance(torch.float64, 1e-11 / 64) == 1e-11 / 64
+    single = ROUNDING_ULPS * torch.finfo(torch.float32).eps
+    assert least_tolerance(torch.float32, 1e-11) == single
+    assert 1e-6 < single < 1e-5

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from sklearn_pathkernel._engine._modes import OutputMode
 from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._gradients import FactoredGradients, Gradients
 from sklearn_pathkernel._engine.rules._linear import LinearRule
@@ -90,3 +91,29 @@ def test_linear_dense_inner_against_autograd(
         for mode in modes:
             actual = rule.dense_inner(dense, FactoredGradients(inputs=x, deltas=delta), mode)
             assert_metric_close(actual, contract(dense, grads, mode))
+
+
+@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
+@pytest.mark.parametrize("mode", [OutputMode.TRACE, OutputMode.PAIRS])
+@pytest.mark.parametrize("materialised", [False, True])
+def test_linear_add_inner_adds_inner(names, mode, materialised):
+    """``add_inner`` (fused for a trace with weight and bias: the engine's on a
+    GPU; else the protocol's default) adds what ``inner`` gives into ``out``,
+    in place."""
+    gen = torch.Generator().manual_seed(3)
+    rule = LinearRule(nn.Linear(5, 4).to(DTYPE), *names)
+
+    def side(n):
+        factors = FactoredGradients(
+            inputs=torch.randn(n, 5, generator=gen, dtype=DTYPE),
+            deltas=torch.randn(n, 3, 4, generator=gen, dtype=DTYPE),
+        )
+        return Gradients(grads=rule.materialise(factors)) if materialised else factors
+
+    left, right = side(7), side(6)
+    start = torch.randn((7, 6) + mode.output_shape(3), generator=gen, dtype=DTYPE)
+    out = start.clone()
+    assert rule.add_inner(left, right, mode, out) is out
+    torch.testing.assert_close(out, start + rule.inner(left, right, mode), rtol=1e-13, atol=1e-13)
+    default = LayerRule.add_inner(rule, left, right, mode, start.clone())
+    torch.testing.assert_close(out, default, rtol=1e-13, atol=1e-13)
