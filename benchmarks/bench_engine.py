@@ -195,7 +195,7 @@ def measure(spec):
     if spec["task"] == "decompose":
         total = result.bias + result.contributions.sum(1)
         report["sum_error"] = float(np.abs(total - result.output).max())
-        report["max_residual"] = float(result.residual.max())
+        report["max_residual"] = float(result.quadrature_error.max())
         result = result.contributions
     if spec.get("save"):
         np.save(spec["save"], result)

@@ -85,7 +85,7 @@ def main():
         elapsed = time.perf_counter() - start
         error = np.abs(parts.bias + parts.contributions.sum(1) - network).max()
         name = quadrature if n_points in (None, 1) else f"{quadrature} T={n_points}"
-        print(f"{name:<22}{error:>14.2e}{parts.residual.max():>14.2e}{elapsed:>10.2f}")
+        print(f"{name:<22}{error:>14.2e}{parts.quadrature_error.max():>14.2e}{elapsed:>10.2f}")
     pieces, nodes, searches, passes = count_exact_cost(engine, Q)
     print(
         f"exact: {pieces:.3f} pieces, {nodes:.2f} gradient nodes and {searches:.2f} "

@@ -282,7 +282,7 @@ class NaivePathKernelEngine:
         -------
         Bunch
             ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
-            ``output`` (n, K) and ``residual`` (n,), as float64 numpy arrays.
+            ``output`` (n, K) and ``quadrature_error`` (n,), as float64 numpy arrays.
         """
         update = self.path.update
         contributions = torch.zeros((X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype)
@@ -309,7 +309,7 @@ class NaivePathKernelEngine:
             bias=self._f(self.path.weights[0], X).numpy(),
             decay=decay.numpy(),
             output=self._f(self.path.weights[-1], X).numpy(),
-            residual=residual.numpy(),
+            quadrature_error=residual.numpy(),
         )
 
     def certificate(self, X):

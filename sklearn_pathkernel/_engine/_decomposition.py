@@ -96,7 +96,7 @@ class Decomposition:
             bias=probe.output(self.steps.weights(0), X).cpu().numpy(),
             decay=decay,
             output=probe.output(self.steps.weights(-1), X).cpu().numpy(),
-            residual=quadrature_error,
+            quadrature_error=quadrature_error,
         )
 
     def _per_step(self, X, steps):

@@ -85,12 +85,12 @@ def resolve_device(device):
 
 def on_host(module):
     """A CPU copy of ``module`` (the module itself when it is already on the CPU)."""
-    if all(t.device.type == "cpu" for t in _tensors(module)):
+    if all(t.device.type == "cpu" for t in _parameters_and_buffers(module)):
         return module
     return copy.deepcopy(module).cpu()
 
 
-def _tensors(module):
+def _parameters_and_buffers(module):
     yield from module.parameters()
     yield from module.buffers()
 

@@ -228,7 +228,7 @@ class PathKernelEngine:
         -------
         Bunch
             ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
-            ``output`` (n, K) (``f`` at the path's last weights) and ``residual``
+            ``output`` (n, K) (``f`` at the path's last weights) and ``quadrature_error``
             (n,) (the quadrature's certificate, summed over steps), as float64
             numpy arrays.
         """

@@ -186,7 +186,7 @@ class NetworkProbe:
         computed to about ``eps`` times it (a saturated softmax can have small
         log-probabilities from huge logits)."""
         with torch.no_grad():
-            result = self.per_row(_LogProba(self), start, X, direction, t)
+            result = self.per_row(_Output(self), start, X, direction, t)
         return result.value, result.scale
 
     def factors(self, start, X, outputs=None, *, direction=None, t=None):
@@ -210,16 +210,16 @@ class NetworkProbe:
 
         Returns
         -------
-        log_proba : torch.Tensor of shape (n, K)
+        output : torch.Tensor of shape (n, K)
         factors : list of Factors, one per layer rule.
         """
         self._ensure_checked(X)
         if self.jacobian is not None:
             # One vmap over the rows, each at its own weights: no pass per distinct t.
-            log_proba, factors = self.jacobian.evaluate(X, start, outputs, direction=direction, t=t)
-            return log_proba, [factors]
+            output, factors = self.jacobian.evaluate(X, start, outputs, direction=direction, t=t)
+            return output, [factors]
         result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
-        return result.log_proba, result.factors
+        return result.output, result.factors
 
     def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t):
         """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
@@ -279,18 +279,18 @@ class NetworkProbe:
             return output.clone()
 
         with torch.enable_grad():
-            log_proba = self._forward(start, X, direction, t, hook=capture)
+            output = self._forward(start, X, direction, t, hook=capture)
         outs = [out for _, out in captured]
         if outputs is None:
             # Every output of every row from one forward pass: a batched backward
             # pass, cotangent k back-propagating output k.
-            n_outputs = log_proba.shape[1]
-            eye = torch.eye(n_outputs, dtype=log_proba.dtype, device=log_proba.device)
-            cotangent = eye[:, None, :].expand(n_outputs, *log_proba.shape)
+            n_outputs = output.shape[1]
+            eye = torch.eye(n_outputs, dtype=output.dtype, device=output.device)
+            cotangent = eye[:, None, :].expand(n_outputs, *output.shape)
         else:
-            cotangent = output_cotangent(outputs, log_proba.shape[1], log_proba.dtype)
+            cotangent = output_cotangent(outputs, output.shape[1], output.dtype)
         grads = torch.autograd.grad(
-            log_proba, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
+            output, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
         )
         point = RowWeights(self.params(start))
         row_weights = None
@@ -312,8 +312,8 @@ class NetworkProbe:
                 at = row_weights.rows(rows) if at_own_t else point
                 part_factors.append(rule.factors(part_inputs, part_delta, at))
         if split is None:
-            return log_proba.detach(), factors[0]
-        return log_proba[: split[0]].detach(), factors
+            return output.detach(), factors[0]
+        return output[: split[0]].detach(), factors
 
 
 def _layer_cotangents(out, grad, n_outputs):
@@ -384,36 +384,36 @@ def _forward_at(rule, weights):
     return forward
 
 
-class _LogProba:
-    """``per_row`` adapter for plain evaluations (log-probabilities and logit scale)."""
+class _Output:
+    """``per_row`` adapter for plain evaluations (the output ``f`` and the logit scale)."""
 
     def __init__(self, probe, value=None, scale=None):
         self.probe, self.value, self.scale = probe, value, scale
 
     def __call__(self, start, X, direction, t, rows=None):
         logits = self.probe._forward(start, X, direction, t, logits=True)
-        return _LogProba(self.probe, self.probe.link(logits), logits.abs().amax(1))
+        return _Output(self.probe, self.probe.link(logits), logits.abs().amax(1))
 
     def cat(self, parts):
-        return _LogProba(
+        return _Output(
             self.probe, torch.cat([p.value for p in parts]), torch.cat([p.scale for p in parts])
         )
 
     def take(self, rows):
-        return _LogProba(self.probe, self.value[rows], self.scale[rows])
+        return _Output(self.probe, self.value[rows], self.scale[rows])
 
 
 class _FactorsAt:
     """``per_row`` adapter for factor evaluations."""
 
-    def __init__(self, probe, outputs, log_proba=None, factors=None):
+    def __init__(self, probe, outputs, output=None, factors=None):
         self.probe, self.outputs = probe, outputs
-        self.log_proba, self.factors = log_proba, factors
+        self.output, self.factors = output, factors
 
     def __call__(self, start, X, direction, t, rows=None):
         outputs = self.outputs if rows is None or self.outputs is None else self.outputs[rows]
-        log_proba, factors = self.probe._factors(start, X, outputs, direction, t)
-        return _FactorsAt(self.probe, self.outputs, log_proba, factors)
+        output, factors = self.probe._factors(start, X, outputs, direction, t)
+        return _FactorsAt(self.probe, self.outputs, output, factors)
 
     def cat(self, parts):
         factors = [
@@ -421,10 +421,10 @@ class _FactorsAt:
             for i in range(len(parts[0].factors))
         ]
         return _FactorsAt(
-            self.probe, self.outputs, torch.cat([p.log_proba for p in parts]), factors
+            self.probe, self.outputs, torch.cat([p.output for p in parts]), factors
         )
 
     def take(self, rows):
         return _FactorsAt(
-            self.probe, self.outputs, self.log_proba[rows], [f.take(rows) for f in self.factors]
+            self.probe, self.outputs, self.output[rows], [f.take(rows) for f in self.factors]
         )

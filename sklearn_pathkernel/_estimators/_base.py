@@ -314,7 +314,7 @@ class BasePathEstimator(BaseEstimator):
             decay=parts.decay,
             output=output,
             residual=np.abs(total - output).max(axis=1),
-            quadrature_error=parts.residual,
+            quadrature_error=parts.quadrature_error,
         )
         return self._outputs_as_fitted(result)
 

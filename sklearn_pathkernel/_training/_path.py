@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -115,6 +115,22 @@ class WeightPath:
                 self.param_names, self.param_shapes, torch.split(flat, sizes), strict=True
             )
         }
+
+    def astype(self, dtype):
+        """A copy of the path with its floating tensors (weights, output gradients,
+        preconditioners) rounded to ``dtype``: the engine computes in the path's
+        dtype, so a float32 copy gives the float32 kernel of the same run."""
+        update = self.update
+        preconditioners = update.preconditioners
+        return replace(
+            self,
+            weights=self.weights.to(dtype),
+            output_gradients=[g.to(dtype) for g in self.output_gradients],
+            update=replace(
+                update,
+                preconditioners=None if preconditioners is None else preconditioners.to(dtype),
+            ),
+        )
 
     def step_direction(self, step):
         """``w_{s+1} - w_s``, the straight line the weights follow in step ``s``."""

@@ -33,7 +33,7 @@ def test_sum_identity_mlps(name, engine_cases):
         network = F.log_softmax(module(A), 1).numpy()
     np.testing.assert_allclose(parts.output, network, rtol=0, atol=1e-12)
     assert np.abs(reconstructed - network).max() < 1e-9
-    assert parts.residual.max() < 1e-9
+    assert parts.quadrature_error.max() < 1e-9
 
 
 def test_sum_identity_cnn_with_max_pool(engine_cases):

@@ -113,7 +113,7 @@ def test_sum_identity_gauss_on_smooth_network():
     result = engine(module, path, X, y, quadrature="gauss", n_points=20).decompose(queries())
     assert result.contributions.shape == (6, N_TRAIN, N_CLASSES)
     assert sum_identity_error(result) < 1e-10
-    assert result.residual.max() < 1e-10
+    assert result.quadrature_error.max() < 1e-10
     with torch.no_grad():
         expected = torch.log_softmax(module(queries()), dim=1).numpy()
     np.testing.assert_allclose(result.output, expected, atol=1e-14)
@@ -149,14 +149,16 @@ def test_riemann_error_decreases_like_one_over_t_on_relu():
     np.testing.assert_allclose(ratios, 4.0, rtol=0.35)
 
 
-def test_residual_is_the_per_step_error_and_bounds_the_sum_identity():
+def test_quadrature_error_is_the_per_step_error_and_bounds_the_sum_identity():
     X, y = make_data()
     module, path = trained(mlp(nn.ReLU, width=16), X, y)
     ref = engine(module, path, X, y, quadrature="riemann", n_points=5)
     result = ref.decompose(queries())
     gaps = np.abs(result.bias + result.contributions.sum(1) - result.output).max(1)
-    assert np.all(gaps <= result.residual + 1e-14)
-    np.testing.assert_allclose(ref.certificate(queries()), result.residual, rtol=0, atol=1e-15)
+    assert np.all(gaps <= result.quadrature_error + 1e-14)
+    np.testing.assert_allclose(
+        ref.certificate(queries()), result.quadrature_error, rtol=0, atol=1e-15
+    )
 
 
 @pytest.mark.parametrize(
@@ -295,7 +297,9 @@ def test_fast_engine_agrees_with_the_reference(activation, fast_rule, reference_
     fast_parts, ref_parts = fast.decompose(Q), ref.decompose(Q)
     np.testing.assert_allclose(fast_parts.contributions, ref_parts.contributions, rtol=0, atol=atol)
     if fast_rule == reference_rule:  # same nodes: same quadrature error
-        np.testing.assert_allclose(fast_parts.residual, ref_parts.residual, rtol=1e-9, atol=1e-14)
+        np.testing.assert_allclose(
+            fast_parts.quadrature_error, ref_parts.quadrature_error, rtol=1e-9, atol=1e-14
+        )
     for output in ("trace", "full"):
         expected = ref.gram(A, a_train=mask, output=output)
         np.testing.assert_allclose(

@@ -150,3 +150,18 @@ def test_invalid_storage(data, tmp_path):
         fit(data, path_storage=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="path_storage"):
         ExactPathKernelClassifier(path_storage=3).fit(X, y)
+
+
+def test_astype_rounds_every_floating_tensor_and_keeps_the_rest(data):
+    X, y = data
+    clf = ExactPathKernelClassifier(
+        hidden_layer_sizes=(4,), solver="adam", max_iter=3, random_state=0
+    ).fit(X, y)
+    path = clf.path_
+    single = path.astype(torch.float32)
+    assert single.weights.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in single.output_gradients)
+    assert single.update.preconditioners.dtype == torch.float32
+    torch.testing.assert_close(single.weights, path.weights.float(), rtol=0, atol=0)
+    assert single.batches is path.batches and single.n_steps == path.n_steps
+    assert path.weights.dtype == torch.float64  # the original is untouched

@@ -63,7 +63,7 @@ class JacobianRule(LayerRule):
         Bytes of Jacobian per tile; ``None`` means ``BLOCK_BUDGET_BYTES``.
     """
 
-    # The probe's own forward passes (kink search, log-probabilities) run the
+    # The probe's own forward passes (kink search, outputs) run the
     # whole module at one scalar t per pass; ``factors`` takes per-row t itself.
     # Not registered for any module type: the probe chooses it for the whole
     # network (see ``per_layer_hazards``).
@@ -79,7 +79,7 @@ class JacobianRule(LayerRule):
         # Why vmap over rows failed on this module (then rows go one by one), or None.
         self.vmap_failure = None
 
-    def _log_proba(self, flat, x):
+    def _output(self, flat, x):
         """``link(module(x))`` of one sample at flat path weights, (K,)."""
         out = functional_call(
             self.module, self.path.unflatten(flat), (x[None],), tie_weights=self.tie_weights
@@ -108,7 +108,7 @@ class JacobianRule(LayerRule):
 
         Returns
         -------
-        log_proba : torch.Tensor of shape (n, K)
+        output : torch.Tensor of shape (n, K)
         factors : Gradients
         """
         start, unflatten = start.detach(), self.path.unflatten
@@ -131,7 +131,7 @@ class JacobianRule(LayerRule):
         forward pass of one row, without gradients)."""
         row = X[0] if X.shape[0] else X.new_zeros(X.shape[1:])
         with torch.no_grad():
-            return self._log_proba(self.flatten(weights.params).detach(), row).shape[0]
+            return self._output(self.flatten(weights.params).detach(), row).shape[0]
 
     def factors(self, inputs, delta, weights):
         """The per-sample Jacobians of the rows (see :meth:`output_and_factors`)."""
@@ -157,7 +157,7 @@ class JacobianRule(LayerRule):
 
         Returns
         -------
-        log_proba : torch.Tensor of shape (n, K)
+        output : torch.Tensor of shape (n, K)
         factors : Gradients
             The Jacobians (n, K', W), in path order.
         """
@@ -182,7 +182,7 @@ class JacobianRule(LayerRule):
         )
         row_bytes = _BYTES_PER_ENTRY * (n_outputs if not every and kept > 1 else kept)
         size = rows_per_tile(n, row_bytes * max(n_weights, 1), self.budget)
-        log_proba, grads = [], []
+        output, grads = [], []
         for begin in range(0, n, size):
             rows = slice(begin, begin + size)
             tile_weights = start
@@ -191,35 +191,35 @@ class JacobianRule(LayerRule):
                 tile_weights = start + t_rows[:, None] * direction[None]
             picked = None if every else delta[rows]
             values, jacobians = self._tile(X[rows], tile_weights, picked, per_row)
-            log_proba.append(values)
+            output.append(values)
             grads.append(jacobians)
-        return torch.cat(log_proba), Gradients(torch.cat(grads))
+        return torch.cat(output), Gradients(torch.cat(grads))
 
     def _tile(self, X, weights, cotangents, per_row):
-        """``(log_proba, grads)`` of a tile: ``vmap`` over its rows, or a loop over
+        """``(output, grads)`` of a tile: ``vmap`` over its rows, or a loop over
         them once ``vmap`` has failed on this module. ``cotangents`` (n, K', K)
         or None for every output."""
-        # Each row: its log-probabilities (aux) and the Jacobian of every output,
+        # Each row: its output f (aux) and the Jacobian of every output,
         # or the gradient of its one cotangent (one backward pass, not K).
         if cotangents is None or cotangents.shape[1] > 1:
 
             def one_row(flat, x):
-                values = self._log_proba(flat, x)
+                values = self._output(flat, x)
                 return values, values.detach()
 
             per_row_fn, args = jacrev(one_row, has_aux=True), (weights, X)
         else:
 
             def one_output(flat, x, cotangent):
-                values = self._log_proba(flat, x)
+                values = self._output(flat, x)
                 return (values * cotangent).sum(), values.detach()
 
             per_row_fn, args = grad(one_output, has_aux=True), (weights, X, cotangents[:, 0])
         in_dims = (0 if per_row else None, *([0] * (len(args) - 1)))
         if self.vmap_failure is None:
             try:
-                jacobians, log_proba = vmap(per_row_fn, in_dims=in_dims)(*args)
-                return log_proba, _selected(jacobians, cotangents)
+                jacobians, output = vmap(per_row_fn, in_dims=in_dims)(*args)
+                return output, _selected(jacobians, cotangents)
             except RuntimeError as error:
                 # E.g. data-dependent control flow or .item() in the forward pass,
                 # which vmap cannot batch: the same computation, row by row.
@@ -232,8 +232,8 @@ class JacobianRule(LayerRule):
             ]
             rows.append(per_row_fn(*row_args))
         jacobians = torch.stack([row[0] for row in rows])
-        log_proba = torch.stack([row[1] for row in rows])
-        return log_proba, _selected(jacobians, cotangents)
+        output = torch.stack([row[1] for row in rows])
+        return output, _selected(jacobians, cotangents)
 
     def inner(self, left, right, mode):
         return left.inner(right, mode)

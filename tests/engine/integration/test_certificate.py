@@ -117,9 +117,9 @@ def test_certificate_measures_quadrature_error(relu_case, engine_cases):
     riemann = engine_cases.engine_for(module, path, X, y, quadrature="riemann", n_points=5)
     parts = riemann.decompose(A)
     sum_error = np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max(1)
-    assert parts.residual.max() > 1e-6
+    assert parts.quadrature_error.max() > 1e-6
     # the certificate bounds the error of the sum identity (up to rounding)
-    assert (sum_error <= parts.residual + 1e-12).all()
+    assert (sum_error <= parts.quadrature_error + 1e-12).all()
 
 
 def test_bisection_certifies_a_double_crossing_the_grids_miss(engine_cases):
@@ -156,7 +156,7 @@ def test_saturated_softmax_on_unscaled_inputs_is_certified_without_blowup(engine
     _, scale = engine.probe.output_with_scale(path.weights[1], A)
     assert scale.min() > 100  # saturated after one step: the case this test is about
     parts = engine.decompose(A)
-    assert parts.residual.max() < 1e-10
+    assert parts.quadrature_error.max() < 1e-10
     assert np.abs(parts.bias + parts.contributions.sum(1) - parts.output).max() < 1e-10
 
 

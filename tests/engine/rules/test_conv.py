@@ -164,4 +164,4 @@ def test_cnn_sum_identity_with_a_factored_layer(cnn_case):
     with torch.no_grad():
         network = F.log_softmax(module(A), 1).numpy()
     assert np.abs(parts.bias + parts.contributions.sum(1) - network).max() < 1e-9
-    assert parts.residual.max() < 1e-9
+    assert parts.quadrature_error.max() < 1e-9
