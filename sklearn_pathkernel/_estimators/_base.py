@@ -20,6 +20,8 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
 from .._engine._device import CPU, loadable_device, on_host, resolve_device
+from .._explain._estimator_context import estimator_context
+from .._explain._mixin import ExplanationMixin
 from .._training._loop import train_module
 from .._training._losses import CrossEntropy, SquaredError
 from .._training._module_checks import check_module
@@ -54,7 +56,7 @@ class Targets:
     attributes: dict = field(default_factory=dict)
 
 
-class BasePathEstimator(BaseEstimator):
+class BasePathEstimator(ExplanationMixin, BaseEstimator):
     """Base class: a torch module trained by gradient descent, path recorded.
 
     Subclasses set the loss (``_loss``), validate the targets (:meth:`_targets`),
@@ -184,6 +186,7 @@ class BasePathEstimator(BaseEstimator):
         self.loss_curve_ = result.loss_curve
         self.path_ = result.path
         self._fit_X = X_t
+        self._fit_targets = targets.values  # what explanations label the training rows by
         self.__dict__.pop("_kernel_cache", None)
         return self
 
@@ -317,6 +320,10 @@ class BasePathEstimator(BaseEstimator):
             quadrature_error=parts.quadrature_error,
         )
         return self._outputs_as_fitted(result)
+
+    def _explanation_context(self):
+        """See :class:`~.._explain._mixin.ExplanationMixin`."""
+        return estimator_context(self)
 
     def _outputs_as_fitted(self, parts):
         """The decomposition's output axes as the targets had them (identity here)."""

@@ -1,0 +1,210 @@
+"""The decomposition step by step, and each training point's contribution to itself.
+
+The engine's decomposition (see :mod:`._decomposition`) sums, for every query
+``x`` and training point ``i``,
+
+    c_i(x) = sum_s [i in B_s] <psi_s(x), sum_k e_{s,i,k} g_k(x_i; w_s)>,
+
+over the steps ``s``, with ``psi_s`` the test side of step ``s``'s training
+gradients (``eta_s phi_s`` for plain gradient descent; momentum and Adam
+accumulate ``P_r phi_r`` of the later steps ``r >= s`` backward, see
+``UpdateRecord.backward``). This module keeps the terms apart:
+
+- :meth:`StepwiseDecomposition.terms` hands back each step's term ``(n, |B_s|,
+  K)`` (the steps last to first), from which the explanations build the
+  attribution over training time; the terms sum to the contributions exactly
+  (up to the order of the floating-point sums);
+- :meth:`StepwiseDecomposition.self_influence` gives ``c_i(x_i)``, the diagonal
+  of ``decompose(X_train).contributions``, without its ``(M, M, K)`` array: for
+  updates that move along their own gradient (plain SGD), only the steps whose
+  batch holds ``i`` are integrated at ``x_i``, ``sum_s |B_s|`` test copies in all
+  (``M`` times the epochs); for updates that mix steps (momentum, Adam),
+  ``psi_s(x_i)`` needs every later step, ``M S`` test copies, and no product
+  with the other training points in either case.
+
+Both work on materialised features (``K W`` numbers per row and layer,
+``W`` the weights): each step's ``psi_s`` meets the batch's per-example
+gradients in one product per layer. Cost per step and row: the test copy (as
+``decompose``), ``K W`` for the features, and ``|B_s| K W`` for the term
+(``K W`` for the diagonal). Memory: three ``K W`` arrays per row of a tile
+(``ROW_BUDGET_BYTES`` in all).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+#: Bytes of materialised features (features, buffer, psi) per tile of rows.
+ROW_BUDGET_BYTES = 256 * 2**20
+
+
+class StepTerm(NamedTuple):
+    """One step's term of the decomposition of some query rows.
+
+    Attributes
+    ----------
+    step : int
+    batch : ndarray of shape (b,)
+        The training indices of the step's batch.
+    values : ndarray of shape (n, b, K)
+        ``<psi_s(x), sum_k e_{s,i,k} g_k(x_i; w_s)>`` per query row and batch row.
+    """
+
+    step: int
+    batch: np.ndarray
+    values: np.ndarray
+
+
+class StepwiseDecomposition:
+    """Per-step terms and the self-influence of a :class:`PathKernelEngine`'s path.
+
+    Parameters
+    ----------
+    engine : PathKernelEngine
+        Read only: its path, probes, steps and test copy.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.path = engine.path
+        self.update = engine.path.update
+
+    # -- the pieces ----------------------------------------------------------
+
+    def _probe(self):
+        return self.engine.probe
+
+    def _scaled_features(self, index, X, with_rows=None):
+        """``u_s = P_s phi_s(X)`` per rule (n, K, W_l), and the start factors of
+        ``with_rows`` when given."""
+        integrated = self.engine._test_copy.integrate(
+            index, X, outputs_per_pair=self.engine.n_outputs, with_rows=with_rows
+        )
+        u = integrated.features.materialised()
+        if self.update.preconditioners is not None:
+            scales = self.path.unflatten(self.update.preconditioners[index].to(self.engine.device))
+            rules = self._probe().rules
+            u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
+        return u, integrated.start_factors
+
+    def _training_gradients(self, index, rows, factors=None):
+        """``sum_k e_{s,i,k} g_k(x_i; w_s)`` of the training ``rows`` (a host index
+        array), per rule (b, W_l)."""
+        probe = self._probe()
+        if factors is None:
+            start = self.engine._steps.step(index).start
+            gradients = self._output_gradients(index, rows)
+            X = self.engine.X_train[self.engine._steps.on_device(rows)]
+            factors = probe.factors(start, X, gradients)
+        return [rule.materialise(f)[:, 0] for rule, f in zip(probe.rules, factors, strict=True)]
+
+    def _output_gradients(self, index, rows):
+        """``e_{s,i}`` of the training ``rows`` (all in step ``index``'s batch)."""
+        batch = np.asarray(self.path.batches[index])
+        position = _positions(batch, rows)
+        return self.path.output_gradients[index][position].to(self.engine.device)
+
+    def _tiles(self, n_rows):
+        """Row slices whose materialised features fit ``ROW_BUDGET_BYTES``."""
+        row_bytes = 3 * 8 * self.engine.n_outputs * self.path.n_weights
+        size = max(1, ROW_BUDGET_BYTES // row_bytes)
+        return [slice(begin, min(begin + size, n_rows)) for begin in range(0, n_rows, size)]
+
+    # -- the terms -----------------------------------------------------------
+
+    def terms(self, X):
+        """Each step's term of the decomposition of ``X``, the steps last to first.
+
+        Parameters
+        ----------
+        X : torch.Tensor of shape (n, ...)
+            Query rows (on the test copy), on the engine's device.
+
+        Yields
+        ------
+        StepTerm
+            Over all tiles of rows, ``values`` has every row of ``X``: the rows
+            are cut into tiles of ``ROW_BUDGET_BYTES`` only inside each step.
+        """
+        tiles = self._tiles(X.shape[0])
+        accumulations = [self.update.backward() for _ in tiles]
+        for index in reversed(range(self.path.n_steps)):
+            batch = np.asarray(self.path.batches[index])
+            gradients = self._training_gradients(index, batch)
+            values = np.empty((X.shape[0], batch.size, self.engine.n_outputs))
+            for tile, accumulation in zip(tiles, accumulations, strict=True):
+                u, _ = self._scaled_features(index, X[tile])
+                psi = accumulation.psi(index, u)
+                values[tile] = _inner(psi, gradients).cpu().numpy()
+            yield StepTerm(index, batch, values)
+
+    # -- the self-influence ----------------------------------------------------
+
+    def self_influence(self):
+        """``c_i(x_i)`` per training point and output: (M, K), the diagonal of
+        ``decompose(X_train).contributions`` (``x_i`` on the test copy)."""
+        if self.update.per_step:
+            return self._self_influence_per_step()
+        return self._self_influence_accumulated()
+
+    def _self_influence_per_step(self):
+        """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
+        M, K = self.engine.n_train, self.engine.n_outputs
+        total = torch.zeros((M, K), dtype=self.engine.X_train.dtype, device=self.engine.device)
+        for index in range(self.path.n_steps):
+            batch = np.asarray(self.path.batches[index])
+            scale = self.update.step_scale(index)
+            for tile in self._tiles(batch.size):
+                rows = batch[tile]
+                X = self.engine.X_train[self.engine._steps.on_device(rows)]
+                gradients = self._output_gradients(index, rows)
+                u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
+                train = self._training_gradients(index, rows, start_factors)
+                diagonal = scale * _diagonal(u, train)
+                total.index_add_(0, self.engine._steps.on_device(rows), diagonal)
+        return total.cpu().numpy()
+
+    def _self_influence_accumulated(self):
+        """Momentum, Adam: ``psi_s(x_i)`` accumulated over every later step, per tile
+        of training rows; the diagonal taken at the steps whose batch holds ``i``."""
+        M, K = self.engine.n_train, self.engine.n_outputs
+        total = np.zeros((M, K))
+        X_train = self.engine.X_train
+        for tile in self._tiles(M):
+            rows = np.arange(M)[tile]
+            accumulation = self.update.backward()
+            for index in reversed(range(self.path.n_steps)):
+                u, _ = self._scaled_features(index, X_train[tile])
+                psi = accumulation.psi(index, u)
+                batch = np.asarray(self.path.batches[index])
+                inside = rows[np.isin(rows, batch)]
+                if not inside.size:
+                    continue
+                local = self.engine._steps.on_device(inside - tile.start)
+                train = self._training_gradients(index, inside)
+                picked = [layer[local] for layer in psi]
+                total[inside] += _diagonal(picked, train).cpu().numpy()
+        return total
+
+
+def _positions(batch, rows):
+    """Positions of ``rows`` in ``batch`` (every row is in it)."""
+    order = np.argsort(batch, kind="stable")
+    return torch.as_tensor(order[np.searchsorted(batch, rows, sorter=order)])
+
+
+def _inner(psi, gradients):
+    """``sum_l <psi_l(row), gradient_l(batch row)>``: (n, K, W) x (b, W) -> (n, b, K)."""
+    return sum(
+        torch.einsum("nkw,bw->nbk", p.reshape(*p.shape[:2], -1), g.reshape(g.shape[0], -1))
+        for p, g in zip(psi, gradients, strict=True)
+    )
+
+
+def _diagonal(psi, gradients):
+    """``sum_l <psi_l(row i), gradient_l(row i)>``: (n, K, W) x (n, W) -> (n, K)."""
+    return sum(
+        torch.einsum("nkw,nw->nk", p.reshape(*p.shape[:2], -1), g.reshape(g.shape[0], -1))
+        for p, g in zip(psi, gradients, strict=True)
+    )

@@ -1,0 +1,72 @@
+"""Self-influence: the diagonal of the training rows' decomposition, linear in M."""
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from sklearn_pathkernel._engine._stepwise import StepwiseDecomposition
+
+
+def diagonal(clf, X):
+    contributions = clf.decompose(X).contributions
+    return contributions[np.arange(len(X)), np.arange(len(X))]
+
+
+def test_equals_the_diagonal_of_decompose(fitted):
+    clf, X, y = fitted
+    result = clf.self_influence()
+    expected = diagonal(clf, X)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(result.values, expected, rtol=0, atol=1e-10 * max(scale, 1.0))
+    # the classifier's score is the entry at its own label
+    codes = np.searchsorted(clf.classes_, y)
+    np.testing.assert_array_equal(result.scores, result.values[np.arange(len(y)), codes])
+
+
+def test_regressor_scores_sum_absolute_outputs(small_regressor):
+    reg, X = small_regressor
+    result = reg.self_influence()
+    expected = diagonal(reg, X)
+    np.testing.assert_allclose(result.values, expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(result.scores, np.abs(expected).sum(axis=1))
+
+
+def test_plain_sgd_integrates_only_the_batch_steps(small_classifier, monkeypatch):
+    """Linear in M: each point's test copy is taken only at the steps that held it."""
+    clf, X, _ = small_classifier
+    stepwise = StepwiseDecomposition(clf._engine())
+    rows = []
+    original = stepwise._scaled_features
+
+    def counting(index, Xs, with_rows=None):
+        rows.append(Xs.shape[0])
+        return original(index, Xs, with_rows)
+
+    monkeypatch.setattr(stepwise, "_scaled_features", counting)
+    stepwise.self_influence()
+    assert sum(rows) == sum(len(b) for b in clf.path_.batches) == len(X) * clf.n_iter_
+
+
+def test_detection_metrics_against_brute_force(small_classifier):
+    clf, X, _ = small_classifier
+    result = clf.self_influence()
+    flagged = np.zeros(len(X), dtype=bool)
+    flagged[[1, 5, 7, 30]] = True
+    assert result.auc(flagged) == pytest.approx(roc_auc_score(flagged, result.scores))
+    order = np.argsort(-result.scores)
+    top = order[: int(0.2 * len(X))]
+    assert result.found_at(flagged, 0.2) == pytest.approx(flagged[top].sum() / flagged.sum())
+    inspected, found = result.detection_curve(flagged)
+    assert inspected[0] == found[0] == 0 and found[-1] == 1.0 and inspected[-1] == 1.0
+    frame = result.to_frame()
+    np.testing.assert_array_equal(frame["train_index"], result.ranking())
+    assert list(frame.columns[:3]) == ["train_index", "score", "target"]
+
+
+def test_flagged_must_be_a_mask(small_classifier):
+    clf, X, _ = small_classifier
+    result = clf.self_influence()
+    with pytest.raises(ValueError, match="boolean mask of the 60"):
+        result.auc(np.arange(len(X)))
+    with pytest.raises(ValueError, match="marks no training point"):
+        result.auc(np.zeros(len(X), dtype=bool))
