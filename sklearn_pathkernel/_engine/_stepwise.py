@@ -18,9 +18,10 @@ accumulate ``P_r phi_r`` of the later steps ``r >= s`` backward, see
   of ``decompose(X_train).contributions``, without its ``(M, M, K)`` array: for
   updates that move along their own gradient (plain SGD), only the steps whose
   batch holds ``i`` are integrated at ``x_i``, ``sum_s |B_s|`` test copies in all
-  (``M`` times the epochs); for updates that mix steps (momentum, Adam),
-  ``psi_s(x_i)`` needs every later step, ``M S`` test copies, and no product
-  with the other training points in either case.
+  (``M`` times the epochs); for updates that mix steps (momentum, Adam), every
+  step from ``i``'s first batch on (up to ``M S`` test copies), met by ``i``'s
+  own momentum buffer (``W`` numbers per point) instead of the ``K W`` of the
+  backward accumulation; no product with the other training points in either case.
 
 Both work on materialised features (``K W`` numbers per row and layer,
 ``W`` the weights): each step's ``psi_s`` meets the batch's per-example
@@ -166,26 +167,48 @@ class StepwiseDecomposition:
         return total.cpu().numpy()
 
     def _self_influence_accumulated(self):
-        """Momentum, Adam: ``psi_s(x_i)`` accumulated over every later step, per tile
-        of training rows; the diagonal taken at the steps whose batch holds ``i``."""
+        """Momentum, Adam: forward over the steps, with each point's own buffer.
+
+        Exchanging the sums, ``c_i(x_i) = sum_s <u_s(x_i), m_s(i)>`` with ``u_s =
+        P_s phi_s`` and ``m_s(i) = sum_{r <= s, i in B_r} c_{s,r} g_r(x_i)``, point
+        ``i``'s own share of update ``s``: ``m_s(i) = gamma alpha_s b_s(i) + zeta_s
+        [i in B_s] g_s(x_i)`` with the buffer ``b_s(i) = beta b_{s-1}(i) + [i in
+        B_s] g_s(x_i)`` (``W`` numbers per point, not ``K W``). A point enters once
+        its first batch has been taken.
+        """
+        update = self.update
         M, K = self.engine.n_train, self.engine.n_outputs
-        total = np.zeros((M, K))
-        X_train = self.engine.X_train
-        for tile in self._tiles(M):
-            rows = np.arange(M)[tile]
-            accumulation = self.update.backward()
-            for index in reversed(range(self.path.n_steps)):
-                u, _ = self._scaled_features(index, X_train[tile])
-                psi = accumulation.psi(index, u)
-                batch = np.asarray(self.path.batches[index])
-                inside = rows[np.isin(rows, batch)]
-                if not inside.size:
-                    continue
-                local = self.engine._steps.on_device(inside - tile.start)
-                train = self._training_gradients(index, inside)
-                picked = [layer[local] for layer in psi]
-                total[inside] += _diagonal(picked, train).cpu().numpy()
-        return total
+        device, X_train = self.engine.device, self.engine.X_train
+        total = torch.zeros((M, K), dtype=X_train.dtype, device=device)
+        buffer = None  # per rule, (M, W_l)
+        seen = np.zeros(M, dtype=bool)
+        for index in range(self.path.n_steps):
+            batch = np.asarray(self.path.batches[index])
+            rows = self.engine._steps.on_device(batch)
+            gradients = self._training_gradients(index, batch)
+            if buffer is None:
+                buffer = [g.new_zeros((M, g.shape[1])) for g in gradients]
+            for layer, g in zip(buffer, gradients, strict=True):
+                layer.mul_(update.buffer_decay).index_add_(0, rows, g)
+            seen[batch] = True
+            rate = update.gradient_scale * update.gradient_rates[index]
+            direct = update.direct_rates[index]
+            in_batch = np.full(M, -1)
+            in_batch[batch] = np.arange(batch.size)
+            active = np.flatnonzero(seen)
+            for tile in self._tiles(active.size):
+                part = active[tile]
+                on_device = self.engine._steps.on_device(part)
+                u, _ = self._scaled_features(index, X_train[on_device])
+                own = [rate * layer[on_device] for layer in buffer]
+                position = in_batch[part]
+                if direct and (position >= 0).any():
+                    local = self.engine._steps.on_device(np.flatnonzero(position >= 0))
+                    picked = self.engine._steps.on_device(position[position >= 0])
+                    for layer, g in zip(own, gradients, strict=True):
+                        layer.index_add_(0, local, direct * g[picked])
+                total.index_add_(0, on_device, _diagonal(u, own))
+        return total.cpu().numpy()
 
 
 def _positions(batch, rows):

@@ -1,0 +1,373 @@
+"""The attribution methods of ``bench_attribution.py``: ours and the peers' own libraries.
+
+Every method gives, from a :class:`Context`, ``attribute(ctx)``: scores (M,
+n_test) on the clean model, higher = the training point raised the test point's
+true-label margin more; and ``self_scores(ctx)``: one score (M,) per training
+point of the model trained on flipped labels, higher = more suspicious. Either
+may be None (not applicable).
+
+Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
+
+- ``ours``: the contribution of training point ``i`` to the test point's
+  true-label log-probability (``influence_matrix``); self: ``self_influence()``;
+- ``ours-norm``: divided by the training point's path norm (``normalize=True``);
+- ``ours-late``: only the gradients of the second half of the epochs
+  (``explain_over_time``); no self score;
+- ``ours-ens``: the mean over models trained from ``ensemble`` seeds (TRAK's
+  ensembling, on the exact decomposition).
+
+Peers (dattri 0.3.0, captum 0.9.0), on the same network and its recorded weight
+path (float64): TracIn over 10 checkpoints and over every step (dattri's
+``TracInAttributor``, learning-rate weights, *no* random projection: the
+attributor's ``projector_kwargs`` is set to None after construction, since
+dattri's constructor always fills in its 512-d default), Grad-Dot and Grad-Cos
+(the final weights), TRAK with its CPU projector (512 dims) on the final model
+and on an ensemble of 10 independently trained models (``attribute``; its
+``self_attribute`` fails on CPU, so TRAK's self score is the diagonal of
+``attribute`` with the training set as queries), influence functions
+(``IFAttributorExplicit``, the Hessian of the training loss at the final
+weights, regularisation 0.01; its ``self_attribute`` fails too, so its self
+score is also the diagonal of ``attribute``), captum's ``TracInCP`` (10 checkpoints, all
+layers), and random scores.
+"""
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, TensorDataset
+
+from sklearn_pathkernel._explain._scoring import PathNorms
+
+LOADER_BATCH = 50
+
+
+@dataclass
+class Context:
+    """What the methods read (fitted once in the parent process)."""
+
+    task: object
+    clf: object  # the clean model, seed 0
+    noisy: object  # the model on flipped labels, seed 0
+    noisy_y: np.ndarray
+    ensemble: int
+
+    def test_codes(self):
+        return np.searchsorted(self.clf.classes_, self.task.y_test)
+
+
+# -- ours ----------------------------------------------------------------------------
+
+
+def ours_matrix(clf, task, normalize=False):
+    codes = np.searchsorted(clf.classes_, task.y_test)
+    return clf.influence_matrix(task.X_test, columns=codes, normalize=normalize).T
+
+
+def ours(ctx):
+    return ours_matrix(ctx.clf, ctx.task)
+
+
+def ours_self(ctx):
+    return ctx.noisy.self_influence().scores
+
+
+def ours_norm(ctx):
+    return ours_matrix(ctx.clf, ctx.task, normalize=True)
+
+
+def ours_norm_self(ctx):
+    return ctx.noisy.self_influence().scores / PathNorms(ctx.noisy._engine()).norms()
+
+
+def ours_late(ctx):
+    over_time = ctx.clf.explain_over_time(ctx.task.X_test, period="epoch")
+    n_epochs = over_time.values.shape[1]
+    late = over_time.values[:, n_epochs // 2 :].sum(axis=1)  # (n_test, M, K)
+    return late[np.arange(late.shape[0]), :, ctx.test_codes()].T
+
+
+def _ensemble(ctx, noisy):
+    for seed in range(ctx.ensemble):
+        if seed == 0:
+            yield ctx.noisy if noisy else ctx.clf
+        else:
+            yield ctx.task.fit(seed=seed, y=ctx.noisy_y if noisy else None)
+
+
+def ours_ens(ctx):
+    return np.mean([ours_matrix(clf, ctx.task) for clf in _ensemble(ctx, False)], axis=0)
+
+
+def ours_ens_self(ctx):
+    return np.mean([clf.self_influence().scores for clf in _ensemble(ctx, True)], axis=0)
+
+
+# -- dattri --------------------------------------------------------------------------
+
+
+def _module(clf):
+    module = clf.module_
+    for param in module.parameters():
+        param.requires_grad_(True)
+    return module
+
+
+def _checkpoints(clf, steps):
+    """State dicts of the recorded path at ``steps`` (weight rows)."""
+    path = clf.path_
+    return [{k: v.clone() for k, v in path.unflatten(path.weights[s]).items()} for s in steps]
+
+
+def _loaders(X, y):
+    data = TensorDataset(torch.tensor(X, dtype=torch.float64), torch.tensor(y, dtype=torch.long))
+    return DataLoader(data, batch_size=LOADER_BATCH, shuffle=False)
+
+
+def _codes(clf, y):
+    return np.searchsorted(clf.classes_, y)
+
+
+def _as_batch(x, y):
+    return (x.unsqueeze(0), y.unsqueeze(0)) if y.dim() == 0 else (x, y)
+
+
+def _loss_task(clf, checkpoints):
+    from dattri.task import AttributionTask
+
+    model = _module(clf)
+
+    def loss(params, data):
+        x, y = _as_batch(*data)  # one sample (vmapped attributors) or a batch (IF)
+        logits = functional_call(model, params, (x,))
+        return nn.functional.cross_entropy(logits, y)
+
+    return AttributionTask(loss_func=loss, model=model, checkpoints=checkpoints)
+
+
+def _tracin(clf, X, y, X_test, y_test, steps, weights, normalized):
+    from dattri.algorithm.tracin import TracInAttributor
+
+    task = _loss_task(clf, _checkpoints(clf, steps))
+    attributor = TracInAttributor(
+        task, weight_list=torch.tensor(weights, dtype=torch.float64), normalized_grad=normalized
+    )
+    attributor.projector_kwargs = None  # full gradients, no random projection
+    train = _loaders(X, _codes(clf, y))
+    if X_test is None:
+        return attributor.self_attribute(train).numpy()
+    return attributor.attribute(train, _loaders(X_test, _codes(clf, y_test))).numpy()
+
+
+def _every_step(clf):
+    return np.arange(clf.n_steps_)
+
+
+def _ten_checkpoints(clf):
+    return np.linspace(clf.n_steps_ / 10, clf.n_steps_, 10).round().astype(int)
+
+
+def _lr(clf, steps):
+    return np.full(len(steps), float(clf.learning_rate))
+
+
+def tracin(ctx, steps_of=_ten_checkpoints):
+    t, clf = ctx.task, ctx.clf
+    steps = steps_of(clf)
+    return _tracin(clf, t.X_train, t.y_train, t.X_test, t.y_test, steps, _lr(clf, steps), False)
+
+
+def tracin_self(ctx, steps_of=_ten_checkpoints):
+    clf = ctx.noisy
+    steps = steps_of(clf)
+    return _tracin(clf, ctx.task.X_train, ctx.noisy_y, None, None, steps, _lr(clf, steps), False)
+
+
+def tracin_all(ctx):
+    return tracin(ctx, _every_step)
+
+
+def tracin_all_self(ctx):
+    return tracin_self(ctx, _every_step)
+
+
+def _final(clf):
+    return [clf.n_steps_]
+
+
+def grad_dot(ctx, normalized=False):
+    t, clf = ctx.task, ctx.clf
+    return _tracin(clf, t.X_train, t.y_train, t.X_test, t.y_test, _final(clf), [1.0], normalized)
+
+
+def grad_dot_self(ctx, normalized=False):
+    clf = ctx.noisy
+    return _tracin(clf, ctx.task.X_train, ctx.noisy_y, None, None, _final(clf), [1.0], normalized)
+
+
+def grad_cos(ctx):
+    return grad_dot(ctx, normalized=True)
+
+
+def grad_cos_self(ctx):
+    return grad_dot_self(ctx, normalized=True)
+
+
+def _trak(clfs, X, y, X_test, y_test):
+    from dattri.algorithm.trak import TRAKAttributor
+    from dattri.task import AttributionTask
+
+    model = _module(clfs[0])
+
+    def margin(params, data):
+        x, label = data
+        logits = functional_call(model, params, (x.unsqueeze(0),))
+        logp = -nn.functional.cross_entropy(logits, label.unsqueeze(0))
+        return logp - torch.log(1 - torch.exp(logp))
+
+    def correct_probability(params, data):
+        x, label = data
+        logits = functional_call(model, params, (x.unsqueeze(0),))
+        return torch.exp(-nn.functional.cross_entropy(logits, label.unsqueeze(0)))
+
+    checkpoints = [_checkpoints(clf, _final(clf))[0] for clf in clfs]
+    task = AttributionTask(loss_func=margin, model=model, checkpoints=checkpoints)
+    attributor = TRAKAttributor(
+        task,
+        correct_probability_func=correct_probability,
+        projector_kwargs={"device": "cpu", "proj_dim": 512},
+        device="cpu",
+    )
+    codes = _codes(clfs[0], y)
+    train = _loaders(X, codes)
+    attributor.cache(train)
+    if X_test is None:  # self_attribute fails on CPU in dattri 0.3.0: the diagonal
+        return np.diag(attributor.attribute(train).numpy()).copy()
+    return attributor.attribute(_loaders(X_test, _codes(clfs[0], y_test))).numpy()
+
+
+def _trak_models(ctx, n_models, noisy):
+    if n_models == 1:
+        return [ctx.noisy if noisy else ctx.clf]
+    y = ctx.noisy_y if noisy else None
+    return [ctx.noisy if noisy and s == 0 else ctx.task.fit(seed=s, y=y) for s in range(n_models)]
+
+
+def trak1(ctx):
+    t = ctx.task
+    return _trak(_trak_models(ctx, 1, False), t.X_train, t.y_train, t.X_test, t.y_test)
+
+
+def trak1_self(ctx):
+    return _trak(_trak_models(ctx, 1, True), ctx.task.X_train, ctx.noisy_y, None, None)
+
+
+def trak10(ctx):
+    t = ctx.task
+    return _trak(_trak_models(ctx, 10, False), t.X_train, t.y_train, t.X_test, t.y_test)
+
+
+def trak10_self(ctx):
+    return _trak(_trak_models(ctx, 10, True), ctx.task.X_train, ctx.noisy_y, None, None)
+
+
+def _influence(clf, X, y, X_test, y_test):
+    from dattri.algorithm.influence_function import IFAttributorExplicit
+
+    task = _loss_task(clf, _checkpoints(clf, _final(clf))[0])
+    attributor = IFAttributorExplicit(task, regularization=0.01)
+    train = _loaders(X, _codes(clf, y))
+    attributor.cache(train)
+    if X_test is None:  # self_attribute fails here in dattri 0.3.0: the diagonal
+        return np.diag(attributor.attribute(train, train).detach().numpy()).copy()
+    return attributor.attribute(train, _loaders(X_test, _codes(clf, y_test))).detach().numpy()
+
+
+def influence(ctx):
+    t = ctx.task
+    return _influence(ctx.clf, t.X_train, t.y_train, t.X_test, t.y_test)
+
+
+def influence_self(ctx):
+    return _influence(ctx.noisy, ctx.task.X_train, ctx.noisy_y, None, None)
+
+
+# -- captum --------------------------------------------------------------------------
+
+
+def _captum(clf, X, y, X_test, y_test):
+    from captum.influence import TracInCP
+
+    steps = _ten_checkpoints(clf)
+    model = _module(clf)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for number, state in enumerate(_checkpoints(clf, steps)):
+            paths.append(str(Path(folder) / f"checkpoint{number}.pt"))
+            torch.save(state, paths[-1])
+
+        def load(module, filename):
+            module.load_state_dict(torch.load(filename))
+            return float(clf.learning_rate)
+
+        data = TensorDataset(
+            torch.tensor(X, dtype=torch.float64), torch.tensor(_codes(clf, y), dtype=torch.long)
+        )
+        tracincp = TracInCP(
+            model,
+            data,
+            checkpoints=paths,
+            checkpoints_load_func=load,
+            loss_fn=nn.CrossEntropyLoss(reduction="sum"),
+            batch_size=LOADER_BATCH,
+            sample_wise_grads_per_batch=True,
+        )
+        if X_test is None:
+            return tracincp.self_influence().detach().numpy()
+        inputs = (
+            torch.tensor(X_test, dtype=torch.float64),
+            torch.tensor(_codes(clf, y_test), dtype=torch.long),
+        )
+        return tracincp.influence(inputs).detach().numpy().T
+
+
+def captum_tracin(ctx):
+    t = ctx.task
+    return _captum(ctx.clf, t.X_train, t.y_train, t.X_test, t.y_test)
+
+
+def captum_tracin_self(ctx):
+    return _captum(ctx.noisy, ctx.task.X_train, ctx.noisy_y, None, None)
+
+
+# -- random --------------------------------------------------------------------------
+
+
+def random_scores(ctx):
+    return np.random.RandomState(0).randn(ctx.task.n_train, ctx.task.X_test.shape[0])
+
+
+def random_self(ctx):
+    return np.random.RandomState(1).randn(ctx.task.n_train)
+
+
+#: name -> (attribute, self_scores)
+METHODS = {
+    "ours": (ours, ours_self),
+    "ours-norm": (ours_norm, ours_norm_self),
+    "ours-late": (ours_late, None),
+    "ours-ens": (ours_ens, ours_ens_self),
+    "TracIn-10 (dattri)": (tracin, tracin_self),
+    "TracIn-all (dattri)": (tracin_all, tracin_all_self),
+    "Grad-Dot (dattri)": (grad_dot, grad_dot_self),
+    "Grad-Cos (dattri)": (grad_cos, grad_cos_self),
+    "TRAK-1 (dattri)": (trak1, trak1_self),
+    "TRAK-10 (dattri)": (trak10, trak10_self),
+    "IF explicit (dattri)": (influence, influence_self),
+    "TracInCP-10 (captum)": (captum_tracin, captum_tracin_self),
+    "random": (random_scores, random_self),
+}
