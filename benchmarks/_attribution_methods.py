@@ -21,7 +21,8 @@ path (float64): TracIn over 10 checkpoints and over every step (dattri's
 ``TracInAttributor``, learning-rate weights, *no* random projection: the
 attributor's ``projector_kwargs`` is set to None after construction, since
 dattri's constructor always fills in its 512-d default), Grad-Dot and Grad-Cos
-(the final weights), TRAK with its CPU projector (512 dims) on the final model
+(the final weights), TRAK with its CPU projector (``min(512, M / 2)``
+dimensions: its ``X^T X`` is singular above M) on the final model
 and on an ensemble of 10 independently trained models (``attribute``; its
 ``self_attribute`` fails on CPU, so TRAK's self score is the diagonal of
 ``attribute`` with the training set as queries), influence functions
@@ -239,7 +240,9 @@ def _trak(clfs, X, y, X_test, y_test):
     attributor = TRAKAttributor(
         task,
         correct_probability_func=correct_probability,
-        projector_kwargs={"device": "cpu", "proj_dim": 512},
+        # at most M / 2 dimensions: TRAK solves with the (proj_dim, proj_dim) matrix
+        # X^T X of the M projected gradients, singular when proj_dim > M
+        projector_kwargs={"device": "cpu", "proj_dim": min(512, X.shape[0] // 2)},
         device="cpu",
     )
     codes = _codes(clfs[0], y)
@@ -361,13 +364,25 @@ METHODS = {
     "ours-norm": (ours_norm, ours_norm_self),
     "ours-late": (ours_late, None),
     "ours-ens": (ours_ens, ours_ens_self),
-    "TracIn-10 (dattri)": (tracin, tracin_self),
-    "TracIn-all (dattri)": (tracin_all, tracin_all_self),
-    "Grad-Dot (dattri)": (grad_dot, grad_dot_self),
-    "Grad-Cos (dattri)": (grad_cos, grad_cos_self),
-    "TRAK-1 (dattri)": (trak1, trak1_self),
-    "TRAK-10 (dattri)": (trak10, trak10_self),
-    "IF explicit (dattri)": (influence, influence_self),
-    "TracInCP-10 (captum)": (captum_tracin, captum_tracin_self),
+    "tracin-10": (tracin, tracin_self),
+    "tracin-all": (tracin_all, tracin_all_self),
+    "grad-dot": (grad_dot, grad_dot_self),
+    "grad-cos": (grad_cos, grad_cos_self),
+    "trak-1": (trak1, trak1_self),
+    "trak-10": (trak10, trak10_self),
+    "if-explicit": (influence, influence_self),
+    "captum-tracincp-10": (captum_tracin, captum_tracin_self),
     "random": (random_scores, random_self),
+}
+
+#: name -> the label of the table
+LABELS = {
+    "tracin-10": "TracIn, 10 checkpoints (dattri)",
+    "tracin-all": "TracIn, every step (dattri)",
+    "grad-dot": "Grad-Dot (dattri)",
+    "grad-cos": "Grad-Cos (dattri)",
+    "trak-1": "TRAK, 1 model (dattri)",
+    "trak-10": "TRAK, 10 models (dattri)",
+    "if-explicit": "IF explicit (dattri)",
+    "captum-tracincp-10": "TracInCP, 10 checkpoints (captum)",
 }

@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 import torch
-from _attribution_methods import METHODS, Context
+from _attribution_methods import LABELS, METHODS, Context
 from _attribution_tasks import (
     TASKS,
     flipped_labels,
@@ -185,7 +185,7 @@ def _line(method, row):
     cells = [f("lds"), f("lds_same_seed"), f("loo"), f("auc"), f("found10", "{:.2f}"),
              f("found20", "{:.2f}"), f("time_attr", "{:.1f}"), f("time_self", "{:.1f}"),
              f("peak_mib", "{:.0f}")]  # fmt: skip
-    return f"| {method} | " + " | ".join(cells) + " |"
+    return f"| {LABELS.get(method, method)} | " + " | ".join(cells) + " |"
 
 
 def main():

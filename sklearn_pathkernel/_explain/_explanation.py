@@ -177,6 +177,7 @@ class Explanation:
                 title = f"#{index} y={label}\n{values[query, column, j]:+.3g}"
                 draw_image(axes[row, j + 1], self.training_rows[index], shape, title, color)
         fig.suptitle(f"proponents (top) and opponents (bottom) of {self.output_names[column]!r}")
+        fig.subplots_adjust(top=0.75, hspace=0.6)
         return fig
 
 

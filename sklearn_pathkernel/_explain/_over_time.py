@@ -103,6 +103,7 @@ class TimeAttribution:
         ax.plot(periods, values.sum(axis=1).cumsum(), "k.-", lw=1, label="cumulative")
         ax.axhline(0.0, color="k", lw=0.5)
         ax.set_xlabel(self.period)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel(f"contribution to {self.output_names[output]!r}")
         ax.legend(fontsize=7, ncol=2)
         return ax
