@@ -12,7 +12,7 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
   true-label log-probability (``influence_matrix``); self: ``self_influence()``;
 - ``ours-norm``: divided by the training point's path norm (``normalize=True``);
 - ``ours-late``: only the gradients of the second half of the epochs
-  (``explain_over_time``); no self score;
+  (``explain_over_time``; self: ``self_influence(first_epoch=E // 2)``);
 - ``ours-ens``: the mean over models trained from ``ensemble`` seeds (TRAK's
   ensembling, on the exact decomposition).
 
@@ -90,6 +90,10 @@ def ours_late(ctx):
     n_epochs = over_time.values.shape[1]
     late = over_time.values[:, n_epochs // 2 :].sum(axis=1)  # (n_test, M, K)
     return late[np.arange(late.shape[0]), :, ctx.test_codes()].T
+
+
+def ours_late_self(ctx):
+    return ctx.noisy.self_influence(first_epoch=ctx.noisy.n_iter_ // 2).scores
 
 
 def _ensemble(ctx, noisy):
@@ -362,7 +366,7 @@ def random_self(ctx):
 METHODS = {
     "ours": (ours, ours_self),
     "ours-norm": (ours_norm, ours_norm_self),
-    "ours-late": (ours_late, None),
+    "ours-late": (ours_late, ours_late_self),
     "ours-ens": (ours_ens, ours_ens_self),
     "tracin-10": (tracin, tracin_self),
     "tracin-all": (tracin_all, tracin_all_self),

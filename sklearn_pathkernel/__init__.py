@@ -16,6 +16,9 @@ PathKernelTransformer
     The EPK Gram matrix as a pipeline step, for ``SVC(kernel="precomputed")``.
 DistanceLayer
     The distance layer, for building your own networks.
+Explanation, SelfInfluence, TimeAttribution
+    The results of the estimators' ``explain``, ``self_influence`` and
+    ``explain_over_time``.
 """
 
 from ._estimators._classifier import ExactPathKernelClassifier
@@ -24,6 +27,9 @@ from ._estimators._distance_regressor import DistanceKernelRegressor
 from ._estimators._kernel import ExactPathKernel
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
+from ._explain._explanation import Explanation
+from ._explain._over_time import TimeAttribution
+from ._explain._self_influence import SelfInfluence
 from ._nn._distance import DistanceLayer
 
 __all__ = [
@@ -33,6 +39,9 @@ __all__ = [
     "ExactPathKernel",
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
+    "Explanation",
     "PathKernelTransformer",
+    "SelfInfluence",
+    "TimeAttribution",
 ]
 __version__ = "0.1.0.dev0"

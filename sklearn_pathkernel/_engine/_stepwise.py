@@ -142,18 +142,23 @@ class StepwiseDecomposition:
 
     # -- the self-influence ----------------------------------------------------
 
-    def self_influence(self):
+    def self_influence(self, first_step=0):
         """``c_i(x_i)`` per training point and output: (M, K), the diagonal of
-        ``decompose(X_train).contributions`` (``x_i`` on the test copy)."""
-        if self.update.per_step:
-            return self._self_influence_per_step()
-        return self._self_influence_accumulated()
+        ``decompose(X_train).contributions`` (``x_i`` on the test copy).
 
-    def _self_influence_per_step(self):
+        With ``first_step``, only the terms of the gradients taken from that
+        step on (the diagonal of the attribution over time, summed over those
+        steps); steps before it are skipped.
+        """
+        if self.update.per_step:
+            return self._self_influence_per_step(first_step)
+        return self._self_influence_accumulated(first_step)
+
+    def _self_influence_per_step(self, first_step):
         """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
         M, K = self.engine.n_train, self.engine.n_outputs
         total = torch.zeros((M, K), dtype=self.engine.X_train.dtype, device=self.engine.device)
-        for index in range(self.path.n_steps):
+        for index in range(first_step, self.path.n_steps):
             batch = np.asarray(self.path.batches[index])
             scale = self.update.step_scale(index)
             for tile in self._tiles(batch.size):
@@ -166,7 +171,7 @@ class StepwiseDecomposition:
                 total.index_add_(0, self.engine._steps.on_device(rows), diagonal)
         return total.cpu().numpy()
 
-    def _self_influence_accumulated(self):
+    def _self_influence_accumulated(self, first_step):
         """Momentum, Adam: forward over the steps, with each point's own buffer.
 
         Exchanging the sums, ``c_i(x_i) = sum_s <u_s(x_i), m_s(i)>`` with ``u_s =
@@ -182,7 +187,7 @@ class StepwiseDecomposition:
         total = torch.zeros((M, K), dtype=X_train.dtype, device=device)
         buffer = None  # per rule, (M, W_l)
         seen = np.zeros(M, dtype=bool)
-        for index in range(self.path.n_steps):
+        for index in range(first_step, self.path.n_steps):
             batch = np.asarray(self.path.batches[index])
             rows = self.engine._steps.on_device(batch)
             gradients = self._training_gradients(index, batch)

@@ -94,9 +94,16 @@ class ExplanationMixin:
             training_rows=context.training_rows().reshape(context.n_train, -1),
         )
 
-    def self_influence(self):
+    def self_influence(self, *, first_epoch=0):
         """Each training point's contribution to its own output, for mislabel
         and outlier detection.
+
+        Parameters
+        ----------
+        first_epoch : int, default=0
+            Keep only the terms of the gradients taken from this epoch on (the
+            diagonal of :meth:`explain_over_time` summed over those epochs): late
+            epochs weigh what the network still had to fit at the end.
 
         Returns
         -------
@@ -113,7 +120,7 @@ class ExplanationMixin:
         S`` test copies). Never the ``(M, M, K)`` decomposition of the training rows.
         """
         context = self._explanation_context()
-        return self_influence(context, StepwiseDecomposition(context.engine))
+        return self_influence(context, StepwiseDecomposition(context.engine), first_epoch)
 
     def explain_over_time(self, X, *, period="epoch", by_class=False):
         """What each training point (or class) moved during each step or epoch.

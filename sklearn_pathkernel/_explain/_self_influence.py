@@ -113,10 +113,20 @@ class SelfInfluence:
         return ax
 
 
-def self_influence(context, stepwise):
+def self_influence(context, stepwise, first_epoch=0):
     """The :class:`SelfInfluence` of a context's training points, from
-    ``stepwise.self_influence()`` (a ``StepwiseDecomposition`` of its engine)."""
-    values = stepwise.self_influence()
+    ``stepwise.self_influence()`` (a ``StepwiseDecomposition`` of its engine),
+    the gradients of epochs ``first_epoch`` on."""
+    epochs = np.asarray(context.epochs)
+    if isinstance(first_epoch, bool) or not isinstance(first_epoch, int | np.integer):
+        raise TypeError(f"first_epoch must be an int, got {type(first_epoch).__name__}.")
+    n_epochs = int(epochs.max()) + 1 if epochs.size else 0
+    if not 0 <= first_epoch < max(n_epochs, 1):
+        raise ValueError(
+            f"first_epoch={first_epoch} is out of range: the run has {n_epochs} epochs."
+        )
+    first_step = int(np.searchsorted(epochs, first_epoch))
+    values = stepwise.self_influence(first_step)
     if context.is_classifier:
         scores = values[np.arange(values.shape[0]), context.label_codes()]
     else:

@@ -70,3 +70,22 @@ def test_flagged_must_be_a_mask(small_classifier):
         result.auc(np.arange(len(X)))
     with pytest.raises(ValueError, match="marks no training point"):
         result.auc(np.zeros(len(X), dtype=bool))
+
+
+def test_late_epochs_are_the_diagonal_of_the_attribution_over_time(fitted):
+    clf, X, _ = fitted
+    over_time = clf.explain_over_time(X, period="epoch").values  # (M, E, M, K)
+    for first in range(clf.n_iter_):
+        late = over_time[:, first:].sum(axis=1)
+        expected = late[np.arange(len(X)), np.arange(len(X))]
+        result = clf.self_influence(first_epoch=first).values
+        scale = max(np.abs(expected).max(), 1.0)
+        np.testing.assert_allclose(result, expected, rtol=0, atol=1e-10 * scale)
+
+
+def test_first_epoch_out_of_range(small_classifier):
+    clf, _, _ = small_classifier
+    with pytest.raises(ValueError, match="first_epoch=3 is out of range: the run has 3 epochs"):
+        clf.self_influence(first_epoch=3)
+    with pytest.raises(TypeError, match="first_epoch must be an int"):
+        clf.self_influence(first_epoch=1.0)
