@@ -128,9 +128,9 @@ def _checkpoints(clf, steps):
     return [{k: v.clone() for k, v in path.unflatten(path.weights[s]).items()} for s in steps]
 
 
-def _loaders(X, y):
+def _loaders(X, y, batch_size=LOADER_BATCH):
     data = TensorDataset(torch.tensor(X, dtype=torch.float64), torch.tensor(y, dtype=torch.long))
-    return DataLoader(data, batch_size=LOADER_BATCH, shuffle=False)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
 def _codes(clf, y):
@@ -287,11 +287,14 @@ def _influence(clf, X, y, X_test, y_test):
 
     task = _loss_task(clf, _checkpoints(clf, _final(clf))[0])
     attributor = IFAttributorExplicit(task, regularization=0.01)
-    train = _loaders(X, _codes(clf, y))
+    # one batch each: dattri forms and inverts the Hessian once per (test batch,
+    # training batch) pair
+    train = _loaders(X, _codes(clf, y), batch_size=len(X))
     attributor.cache(train)
     if X_test is None:  # self_attribute fails here in dattri 0.3.0: the diagonal
         return np.diag(attributor.attribute(train, train).detach().numpy()).copy()
-    return attributor.attribute(train, _loaders(X_test, _codes(clf, y_test))).detach().numpy()
+    test = _loaders(X_test, _codes(clf, y_test), batch_size=len(X_test))
+    return attributor.attribute(train, test).detach().numpy()
 
 
 def influence(ctx):
