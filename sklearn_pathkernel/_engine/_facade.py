@@ -22,7 +22,8 @@ steps (see :mod:`._decomposition`); the path kernel of step ``s`` is
 - :mod:`._scheduling` and :mod:`._planning`: tasks, tiles and passes;
 - :mod:`._test_copy` (with :mod:`.integration`): ``phi_s``, integrated and certified;
 - :mod:`._decomposition`: the contributions;
-- :mod:`._gram` and :mod:`._blocks`: Gram matrices and diagonals.
+- :mod:`._gram` and :mod:`._blocks`: Gram matrices and diagonals;
+- :mod:`._stepwise`: the decomposition's per-step terms and the self-influence.
 
 How it is fast: per step, one forward pass and one batched backward pass give
 every layer's factors; the per-layer rules turn factors into Gram blocks without
@@ -42,6 +43,7 @@ from ._modes import OutputMode
 from ._planning import Planner
 from ._scheduling import Scheduler
 from ._steps import PathSteps, ThreadProbes
+from ._stepwise import StepwiseDecomposition
 from ._test_copy import TestCopy
 from .integration._certificate import Certificate
 from .integration._quadrature import Quadrature
@@ -233,6 +235,13 @@ class PathKernelEngine:
             numpy arrays.
         """
         return self._decomposition.decompose(X.to(self.device))
+
+    def stepwise(self):
+        """The decomposition step by step, and the self-influence of the training
+        points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
+        return StepwiseDecomposition(
+            self._probes, self._steps, self._test_copy, self.path, self.X_train, self.n_outputs
+        )
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""

@@ -58,33 +58,39 @@ class StepTerm(NamedTuple):
 
 
 class StepwiseDecomposition:
-    """Per-step terms and the self-influence of a :class:`PathKernelEngine`'s path.
+    """Per-step terms and the self-influence of a recorded path
+    (``PathKernelEngine.stepwise()`` builds one from the engine's parts).
 
     Parameters
     ----------
-    engine : PathKernelEngine
-        Read only: its path, probes, steps and test copy.
+    probes : ThreadProbes
+    steps : PathSteps
+    test_copy : TestCopy
+    path : WeightPath
+    X_train : torch.Tensor
+    n_outputs : int
     """
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.path = engine.path
-        self.update = engine.path.update
+    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs):
+        self.probes, self.steps, self.test_copy = probes, steps, test_copy
+        self.path, self.update = path, path.update
+        self.X_train, self.n_outputs = X_train, n_outputs
+        self.n_train, self.device = X_train.shape[0], X_train.device
 
     # -- the pieces ----------------------------------------------------------
 
     def _probe(self):
-        return self.engine.probe
+        return self.probes.current()
 
     def _scaled_features(self, index, X, with_rows=None):
         """``u_s = P_s phi_s(X)`` per rule (n, K, W_l), and the start factors of
         ``with_rows`` when given."""
-        integrated = self.engine._test_copy.integrate(
-            index, X, outputs_per_pair=self.engine.n_outputs, with_rows=with_rows
+        integrated = self.test_copy.integrate(
+            index, X, outputs_per_pair=self.n_outputs, with_rows=with_rows
         )
         u = integrated.features.materialised()
         if self.update.preconditioners is not None:
-            scales = self.path.unflatten(self.update.preconditioners[index].to(self.engine.device))
+            scales = self.path.unflatten(self.update.preconditioners[index].to(self.device))
             rules = self._probe().rules
             u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
         return u, integrated.start_factors
@@ -94,9 +100,9 @@ class StepwiseDecomposition:
         array), per rule (b, W_l)."""
         probe = self._probe()
         if factors is None:
-            start = self.engine._steps.step(index).start
+            start = self.steps.step(index).start
             gradients = self._output_gradients(index, rows)
-            X = self.engine.X_train[self.engine._steps.on_device(rows)]
+            X = self.X_train[self.steps.on_device(rows)]
             factors = probe.factors(start, X, gradients)
         return [rule.materialise(f)[:, 0] for rule, f in zip(probe.rules, factors, strict=True)]
 
@@ -104,11 +110,11 @@ class StepwiseDecomposition:
         """``e_{s,i}`` of the training ``rows`` (all in step ``index``'s batch)."""
         batch = np.asarray(self.path.batches[index])
         position = _positions(batch, rows)
-        return self.path.output_gradients[index][position].to(self.engine.device)
+        return self.path.output_gradients[index][position].to(self.device)
 
     def _tiles(self, n_rows):
         """Row slices whose materialised features fit ``ROW_BUDGET_BYTES``."""
-        row_bytes = 3 * 8 * self.engine.n_outputs * self.path.n_weights
+        row_bytes = 3 * 8 * self.n_outputs * self.path.n_weights
         size = max(1, ROW_BUDGET_BYTES // row_bytes)
         return [slice(begin, min(begin + size, n_rows)) for begin in range(0, n_rows, size)]
 
@@ -133,7 +139,7 @@ class StepwiseDecomposition:
         for index in reversed(range(self.path.n_steps)):
             batch = np.asarray(self.path.batches[index])
             gradients = self._training_gradients(index, batch)
-            values = np.empty((X.shape[0], batch.size, self.engine.n_outputs))
+            values = np.empty((X.shape[0], batch.size, self.n_outputs))
             for tile, accumulation in zip(tiles, accumulations, strict=True):
                 u, _ = self._scaled_features(index, X[tile])
                 psi = accumulation.psi(index, u)
@@ -156,19 +162,19 @@ class StepwiseDecomposition:
 
     def _self_influence_per_step(self, first_step):
         """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
-        M, K = self.engine.n_train, self.engine.n_outputs
-        total = torch.zeros((M, K), dtype=self.engine.X_train.dtype, device=self.engine.device)
+        M, K = self.n_train, self.n_outputs
+        total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
         for index in range(first_step, self.path.n_steps):
             batch = np.asarray(self.path.batches[index])
             scale = self.update.step_scale(index)
             for tile in self._tiles(batch.size):
                 rows = batch[tile]
-                X = self.engine.X_train[self.engine._steps.on_device(rows)]
+                X = self.X_train[self.steps.on_device(rows)]
                 gradients = self._output_gradients(index, rows)
                 u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
                 train = self._training_gradients(index, rows, start_factors)
                 diagonal = scale * _diagonal(u, train)
-                total.index_add_(0, self.engine._steps.on_device(rows), diagonal)
+                total.index_add_(0, self.steps.on_device(rows), diagonal)
         return total.cpu().numpy()
 
     def _self_influence_accumulated(self, first_step):
@@ -182,14 +188,14 @@ class StepwiseDecomposition:
         its first batch has been taken.
         """
         update = self.update
-        M, K = self.engine.n_train, self.engine.n_outputs
-        device, X_train = self.engine.device, self.engine.X_train
+        M, K = self.n_train, self.n_outputs
+        device, X_train = self.device, self.X_train
         total = torch.zeros((M, K), dtype=X_train.dtype, device=device)
         buffer = None  # per rule, (M, W_l)
         seen = np.zeros(M, dtype=bool)
         for index in range(first_step, self.path.n_steps):
             batch = np.asarray(self.path.batches[index])
-            rows = self.engine._steps.on_device(batch)
+            rows = self.steps.on_device(batch)
             gradients = self._training_gradients(index, batch)
             if buffer is None:
                 buffer = [g.new_zeros((M, g.shape[1])) for g in gradients]
@@ -203,13 +209,13 @@ class StepwiseDecomposition:
             active = np.flatnonzero(seen)
             for tile in self._tiles(active.size):
                 part = active[tile]
-                on_device = self.engine._steps.on_device(part)
+                on_device = self.steps.on_device(part)
                 u, _ = self._scaled_features(index, X_train[on_device])
                 own = [rate * layer[on_device] for layer in buffer]
                 position = in_batch[part]
                 if direct and (position >= 0).any():
-                    local = self.engine._steps.on_device(np.flatnonzero(position >= 0))
-                    picked = self.engine._steps.on_device(position[position >= 0])
+                    local = self.steps.on_device(np.flatnonzero(position >= 0))
+                    picked = self.steps.on_device(position[position >= 0])
                     for layer, g in zip(own, gradients, strict=True):
                         layer.index_add_(0, local, direct * g[picked])
                 total.index_add_(0, on_device, _diagonal(u, own))

@@ -8,7 +8,6 @@ from abc import abstractmethod
 
 import numpy as np
 
-from .._engine._stepwise import StepwiseDecomposition
 from ._explanation import Explanation
 from ._over_time import attribute_over_time
 from ._scoring import PathNorms, class_totals
@@ -120,7 +119,7 @@ class ExplanationMixin:
         S`` test copies). Never the ``(M, M, K)`` decomposition of the training rows.
         """
         context = self._explanation_context()
-        return self_influence(context, StepwiseDecomposition(context.engine), first_epoch)
+        return self_influence(context, context.engine.stepwise(), first_epoch)
 
     def explain_over_time(self, X, *, period="epoch", by_class=False):
         """What each training point (or class) moved during each step or epoch.
@@ -144,7 +143,7 @@ class ExplanationMixin:
         if by_class:
             names = context.require_classes("by_class=True")
             groups = context.label_codes()
-        stepwise = StepwiseDecomposition(context.engine)
+        stepwise = context.engine.stepwise()
         return attribute_over_time(context, stepwise, queries, period, groups, names)
 
     def class_contributions(self, X, *, batch_size=64):

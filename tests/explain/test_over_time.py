@@ -6,7 +6,6 @@ from _reference import NaivePathKernelEngine
 from explain_models import classifier
 
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._engine._stepwise import StepwiseDecomposition
 
 
 def test_sums_to_the_contributions(fitted):
@@ -48,7 +47,7 @@ def test_terms_match_the_brute_force_reference():
     queries = X_train[:2] + 0.1
     phis = [naive._test_feature(s, queries) * naive._preconditioner(s, queries.dtype)
             for s in range(path.n_steps)]  # fmt: skip
-    for term in StepwiseDecomposition(fast).terms(queries):
+    for term in fast.stepwise().terms(queries):
         r = term.step
         grads = naive._training_gradients(r)
         expected = sum(

@@ -4,8 +4,6 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from sklearn_pathkernel._engine._stepwise import StepwiseDecomposition
-
 
 def diagonal(clf, X):
     contributions = clf.decompose(X).contributions
@@ -34,7 +32,7 @@ def test_regressor_scores_sum_absolute_outputs(small_regressor):
 def test_plain_sgd_integrates_only_the_batch_steps(small_classifier, monkeypatch):
     """Linear in M: each point's test copy is taken only at the steps that held it."""
     clf, X, _ = small_classifier
-    stepwise = StepwiseDecomposition(clf._engine())
+    stepwise = clf._engine().stepwise()
     rows = []
     original = stepwise._scaled_features
 
