@@ -188,6 +188,40 @@ def _line(method, row):
     return f"| {LABELS.get(method, method)} | " + " | ".join(cells) + " |"
 
 
+COLUMNS = (
+    ("LDS", "lds", "{:.3f}"),
+    ("LDS same-seed", "lds_same_seed", "{:.3f}"),
+    ("LOO", "loo", "{:.3f}"),
+    ("mislabel AUC", "auc", "{:.3f}"),
+    ("found@10%", "found10", "{:.2f}"),
+    ("found@20%", "found20", "{:.2f}"),
+    ("time attr. (s)", "time_attr", "{:.1f}"),
+    ("time self (s)", "time_self", "{:.1f}"),
+    ("peak MiB", "peak_mib", "{:.0f}"),
+)
+
+
+def rst_tables(saved):
+    """The saved results as reStructuredText list-tables, one per task."""
+    lines = []
+    for name, result in saved["results"].items():
+        lines += [
+            f".. list-table:: {name}: {result['steps']} steps, test accuracy "
+            f"{result['accuracy']:.3f}",
+            "   :header-rows: 1",
+            "",
+            "   * - method",
+        ]
+        lines += [f"     - {title}" for title, _, _ in COLUMNS]
+        for method, row in result["methods"].items():
+            lines.append(f"   * - {LABELS.get(method, method)}")
+            for _, key, fmt in COLUMNS:
+                value = row.get(key)
+                lines.append("     - " + ("—" if value is None else fmt.format(value)))
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -200,7 +234,14 @@ def main():
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--rst", nargs=2, metavar=("JSON", "OUT"), help="write a saved run as rst tables, only"
+    )
     args = parser.parse_args()
+    if args.rst:
+        with open(args.rst[0]) as saved, open(args.rst[1], "w") as out:
+            out.write(rst_tables(json.load(saved)))
+        return
     if args.quick:
         args.train, args.test, args.subsets, args.loo, args.ensemble = 100, 10, 6, 4, 2
     torch.set_num_threads(1)

@@ -1,23 +1,23 @@
-"""pandas, optional: the tidy frames of the result objects."""
+"""pandas and matplotlib, optional: imported when a frame or a plot is asked for."""
+
+import importlib
+
+
+def _optional(module, used_by, package):
+    """``module`` imported, or an ImportError that names what needs it and how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{used_by} needs {package}, an optional dependency: pip install {package}"
+        ) from error
 
 
 def pandas():
-    """The pandas module, or an ImportError that says how to get it."""
-    try:
-        import pandas as pd
-    except ImportError as error:  # pragma: no cover - pandas is installed in CI
-        raise ImportError(
-            "to_frame() needs pandas, an optional dependency: pip install pandas"
-        ) from error
-    return pd
+    """The pandas module (for ``to_frame()``)."""
+    return _optional("pandas", "to_frame()", "pandas")
 
 
 def pyplot():
-    """matplotlib.pyplot, or an ImportError that says how to get it."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as error:  # pragma: no cover - matplotlib is installed in CI
-        raise ImportError(
-            "plot() needs matplotlib, an optional dependency: pip install matplotlib"
-        ) from error
-    return plt
+    """matplotlib.pyplot (for ``plot()``)."""
+    return _optional("matplotlib.pyplot", "plot()", "matplotlib")

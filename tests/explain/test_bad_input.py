@@ -73,3 +73,13 @@ def test_not_fitted():
         ExactPathKernelClassifier().explain(np.zeros((1, 2)))
     with pytest.raises(NotFittedError):
         ExactPathKernelClassifier().self_influence()
+
+
+def test_missing_pandas_says_how_to_get_it(small_classifier, monkeypatch):
+    import sys
+
+    clf, X, _ = small_classifier
+    result = clf.explain(X[:1], k=2)
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
+    with pytest.raises(ImportError, match="to_frame\\(\\) needs pandas, an optional dependency"):
+        result.to_frame()
