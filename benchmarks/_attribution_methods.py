@@ -13,6 +13,8 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
 - ``ours-norm``: divided by the training point's path norm (``normalize=True``);
 - ``ours-late``: only the gradients of the second half of the epochs
   (``explain_over_time``; self: ``self_influence(first_epoch=E // 2)``);
+- ``ours-epoch-norm``: each epoch's terms divided by their total absolute value
+  (per query), then summed: no epoch outweighs the others; no self score;
 - ``ours-ens``: the mean over models trained from ``ensemble`` seeds (TRAK's
   ensembling, on the exact decomposition).
 
@@ -90,6 +92,15 @@ def ours_late(ctx):
     n_epochs = over_time.values.shape[1]
     late = over_time.values[:, n_epochs // 2 :].sum(axis=1)  # (n_test, M, K)
     return late[np.arange(late.shape[0]), :, ctx.test_codes()].T
+
+
+def ours_epoch_norm(ctx):
+    """Each epoch's terms over their total absolute value per query: no epoch
+    (Adam's first, with its huge preconditioner) outweighs the others."""
+    values = ctx.clf.explain_over_time(ctx.task.X_test, period="epoch").values
+    picked = values[np.arange(values.shape[0]), :, :, ctx.test_codes()]  # (n, E, M)
+    mass = np.abs(picked).sum(axis=2, keepdims=True)
+    return (picked / np.where(mass > 0, mass, 1.0)).sum(axis=1).T
 
 
 def ours_late_self(ctx):
@@ -371,6 +382,7 @@ METHODS = {
     "ours-norm": (ours_norm, ours_norm_self),
     "ours-late": (ours_late, ours_late_self),
     "ours-ens": (ours_ens, ours_ens_self),
+    "ours-epoch-norm": (ours_epoch_norm, None),
     "tracin-10": (tracin, tracin_self),
     "tracin-all": (tracin_all, tracin_all_self),
     "grad-dot": (grad_dot, grad_dot_self),

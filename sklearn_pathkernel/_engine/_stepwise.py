@@ -27,8 +27,11 @@ Both work on materialised features (``K W`` numbers per row and layer,
 ``W`` the weights): each step's ``psi_s`` meets the batch's per-example
 gradients in one product per layer. Cost per step and row: the test copy (as
 ``decompose``), ``K W`` for the features, and ``|B_s| K W`` for the term
-(``K W`` for the diagonal). Memory: three ``K W`` arrays per row of a tile
-(``ROW_BUDGET_BYTES`` in all).
+(``K W`` for the diagonal). Memory: the self-influence holds three ``K W``
+arrays per row of a tile (``ROW_BUDGET_BYTES`` in all) and one ``W`` buffer per
+training point; :meth:`StepwiseDecomposition.terms` keeps the backward
+accumulation's buffer of every query row across the steps (``K W`` numbers per
+row, besides a tile's temporaries), so many queries go in batches.
 """
 
 from typing import NamedTuple
