@@ -44,7 +44,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
-from sklearn_pathkernel._explain._scoring import PathNorms
+from sklearn_pathkernel._explain._scoring import path_norms
 
 LOADER_BATCH = 50
 
@@ -84,7 +84,7 @@ def ours_norm(ctx):
 
 
 def ours_norm_self(ctx):
-    return ctx.noisy.self_influence().scores / PathNorms(ctx.noisy._engine()).norms()
+    return ctx.noisy.self_influence().scores / path_norms(ctx.noisy._engine())
 
 
 def ours_late(ctx):

@@ -10,7 +10,7 @@ import numpy as np
 
 from ._explanation import Explanation
 from ._over_time import attribute_over_time
-from ._scoring import PathNorms, class_totals
+from ._scoring import class_totals, normaliser
 from ._self_influence import self_influence
 from ._streaming import StreamedTopK, influence_matrix, query_tiles
 from ._topk import check_k
@@ -27,13 +27,6 @@ class ExplanationMixin:
     @abstractmethod
     def _explanation_context(self):
         """The fitted model as an :class:`~._context.ExplanationContext`."""
-
-    def _path_norms(self, context):
-        norms = self.__dict__.get("_explanation_norms")
-        if norms is None or norms.engine is not context.engine:
-            norms = PathNorms(context.engine)
-            self.__dict__["_explanation_norms"] = norms
-        return norms
 
     def explain(self, X, k=10, *, normalize=False, batch_size=64):
         """Top-``k`` proponents and opponents of every query, per output.
@@ -65,7 +58,7 @@ class ExplanationMixin:
         context = self._explanation_context()
         k = check_k(k, context.n_train)
         queries = context.queries(X)
-        transform = self._path_norms(context).normalised if normalize else None
+        transform = normaliser(context.engine) if normalize else None
         top = StreamedTopK(context.engine, k, batch_size, transform).run(queries)
         mass = np.where(top.mass > 0, top.mass, 1.0)[..., None]
         predicted = (
@@ -188,7 +181,7 @@ class ExplanationMixin:
         """
         context = self._explanation_context()
         queries = context.queries(X)
-        transform = self._path_norms(context).normalised if normalize else None
+        transform = normaliser(context.engine) if normalize else None
         return influence_matrix(
             context.engine,
             queries,

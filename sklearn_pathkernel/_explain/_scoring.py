@@ -9,33 +9,33 @@ the normalised contribution is ``c_i(x) / n_i``. Normalised values no longer sum
 to the output: they rank, they do not decompose.
 """
 
+import weakref
+
 import numpy as np
 
+#: Engine -> the path norms of its training points (dropped with the engine).
+_NORMS = weakref.WeakKeyDictionary()
 
-class PathNorms:
-    """The path-kernel norms ``n_i`` of the training points, computed once per engine.
 
-    Parameters
-    ----------
-    engine : PathKernelEngine
+def path_norms(engine):
+    """``n_i`` (M,) of an engine's training points, computed once per engine.
+
+    Zero norms (a point whose gradient vanished on the whole path) are left at 1
+    so that its zero contributions stay zero. Cost: ``engine.diag`` of the
+    training rows on the training copy, linear in M.
     """
+    norms = _NORMS.get(engine)
+    if norms is None:
+        diagonal = engine.diag(engine.X_train, a_train=True)
+        norms = np.sqrt(np.clip(diagonal, 0.0, None))
+        norms = _NORMS[engine] = np.where(norms > 0, norms, 1.0)
+    return norms
 
-    def __init__(self, engine):
-        self.engine = engine
-        self._norms = None
 
-    def norms(self):
-        """``n_i`` (M,); zero norms (a point whose gradient vanished on the whole
-        path) are left at 1 so that its zero contributions stay zero."""
-        if self._norms is None:
-            diagonal = self.engine.diag(self.engine.X_train, a_train=True)
-            norms = np.sqrt(np.clip(diagonal, 0.0, None))
-            self._norms = np.where(norms > 0, norms, 1.0)
-        return self._norms
-
-    def normalised(self, contributions):
-        """``contributions`` (n, M, K) divided by the training points' norms."""
-        return contributions / self.norms()[None, :, None]
+def normaliser(engine):
+    """A function dividing (n, M, K) contributions by the training points' norms."""
+    norms = path_norms(engine)
+    return lambda contributions: contributions / norms[None, :, None]
 
 
 def class_totals(contributions, codes, n_classes):
