@@ -73,3 +73,24 @@ def test_frame_and_plot(small_classifier):
     ax = result.plot(0, output=1)
     assert ax.get_xlabel() == "epoch"
     plt.close("all")
+
+
+def test_regressor_and_distance_network_sum_to_the_contributions(small_regressor):
+    from explain_models import digits
+
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    reg, X = small_regressor
+    steps = reg.explain_over_time(X[:2], period="step")
+    contributions = reg.decompose(X[:2]).contributions  # (2, M, 2): a 2-d target
+    np.testing.assert_allclose(steps.values.sum(axis=1), contributions, atol=1e-12)
+    assert steps.output_names == ("output 0", "output 1")
+    X, y = digits(30)
+    clf = DistanceKernelClassifier(max_iter=2, batch_size=10, random_state=0).fit(X, y)
+    epochs = clf.explain_over_time(X[:2])
+    np.testing.assert_allclose(
+        epochs.values.sum(axis=1), clf.decompose(X[:2]).contributions, atol=1e-10
+    )
+    result = clf.self_influence()
+    diagonal = clf.decompose(X).contributions[np.arange(30), np.arange(30)]
+    np.testing.assert_allclose(result.values, diagonal, atol=1e-10)
