@@ -111,6 +111,12 @@ TASKS = {
         _breast_cancer,
         dict(hidden_layer_sizes=(16,), max_iter=20, batch_size=50, learning_rate=0.05),
     ),
+    "cancer-mlp-adam": (
+        _breast_cancer,
+        dict(
+            hidden_layer_sizes=(16,), max_iter=20, batch_size=50, solver="adam", learning_rate=0.003
+        ),
+    ),  # fmt: skip
 }
 
 
