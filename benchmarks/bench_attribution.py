@@ -1,7 +1,7 @@
 """Data attribution, side by side: the exact decomposition against dattri and captum.
 
 On each task (see ``_attribution_tasks``: digits MLP with SGD and Adam, digits
-CNN with SGD, breast-cancer MLP with SGD; M training and n test points) it fits
+CNN with SGD, breast-cancer MLP with SGD and Adam; M training and n test points) it fits
 the model, builds the ground truth, runs every method (``_attribution_methods``)
 in a forked process of its own (wall time and peak resident memory above the
 fork), and prints one table per task, with dattri's metric functions:
