@@ -1,0 +1,161 @@
+"""What the recorder keeps per batch and per step, and how it becomes a WeightPath.
+
+A :class:`MicroBatch` is one training forward pass of the user's module: its
+inputs (a reference), the training rows the user named, and the output gradient
+its backward pass produced. A :class:`StepLog` holds, per optimiser step, the
+weights after it, the rows and output gradients of its (possibly several)
+micro-batches and its per-coordinate scale; :meth:`StepLog.path` turns them into
+the :class:`~._path.WeightPath` and :class:`~._updates.UpdateRecord` the engine
+reads.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._optimizers import RecordingRefused
+from ._path import WeightPath
+from ._updates import UpdateRecord
+
+
+def relative_difference(a, b):
+    """``max |a - b| / max(max |b|, tiny)``."""
+    scale = max(float(b.abs().max()), torch.finfo(b.dtype).tiny) if b.numel() else 1.0
+    return float((a - b).abs().max()) / scale if a.numel() else 0.0
+
+
+@dataclass
+class MicroBatch:
+    """One training forward pass of the module.
+
+    Attributes
+    ----------
+    inputs : torch.Tensor
+        The batch the module was called on (a reference).
+    rows : ndarray of int or None
+        The training rows the user named (:meth:`TrainingRecorder.rows`).
+    versions : tuple of int
+        The parameters' version counters at the forward pass.
+    output_gradient : torch.Tensor or None
+        ``e = -dL/dout`` (n, K), set by the backward pass.
+    """
+
+    inputs: torch.Tensor
+    rows: np.ndarray
+    versions: tuple
+    output_gradient: torch.Tensor = None
+
+    def take_gradient(self, grad):
+        """Tensor hook on the output: keep ``-dL/dout`` (several uses of the output
+        arrive summed, as one gradient)."""
+        gradient = -grad.detach()
+        if self.output_gradient is None:
+            self.output_gradient = gradient.clone()
+        else:  # a second backward through the same output (retain_graph)
+            self.output_gradient = self.output_gradient + gradient
+
+    def check(self, step, X, versions):
+        """Refuse a batch that is not the named training rows at the step's weights."""
+        if self.rows is None:
+            raise RecordingRefused(
+                f"Step {step}: a training batch has no rows; call recorder.rows(indices) "
+                "for every forward pass of the module that is backpropagated."
+            )
+        if self.versions != versions:
+            raise RecordingRefused(
+                f"Step {step}: the weights changed between a batch's forward pass and "
+                "optimizer.step() (an in-place edit of the parameters)."
+            )
+        if self.output_gradient.shape[0] != len(self.rows):
+            raise RecordingRefused(
+                f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
+                f"{self.output_gradient.shape[0]}."
+            )
+        expected = X[torch.as_tensor(self.rows, device=X.device)]
+        inputs = self.inputs
+        if inputs.shape != expected.shape or not torch.equal(inputs, expected.to(inputs)):
+            raise RecordingRefused(
+                f"Step {step}: the batch's inputs are not the training rows X[rows] named "
+                "by recorder.rows (random augmentation, a transform in the data loader, or "
+                "wrong indices): the kernel would be of other data. Record the augmented "
+                "inputs as training rows of their own."
+            )
+
+
+class StepLog:
+    """The recorded steps, on the host.
+
+    Parameters
+    ----------
+    initial : torch.Tensor of shape (W,)
+        ``w_0``, flat.
+    numels : list of int
+        The sizes of the parameters, in the path's order.
+    """
+
+    def __init__(self, initial, numels):
+        self._weights, self._numels = [initial], list(numels)
+        self._batches, self._gradients, self._scales = [], [], []
+        self._decays, self._learning_rates = [], []
+
+    @property
+    def n_steps(self):
+        return len(self._batches)
+
+    def append(self, weights, rows, output_gradient, step_scales, learning_rate):
+        """Record one step: the weights after it, its rows and output gradients, its
+        :class:`~._optimizers.StepScales` and a learning rate (the largest of the
+        groups, for display)."""
+        self._weights.append(weights)
+        self._batches.append(rows)
+        self._gradients.append(output_gradient.to("cpu", copy=True))
+        self._scales.append(_compact(step_scales.scales, self._numels, weights.dtype))
+        self._decays.append(step_scales.decoupled_decay)
+        self._learning_rates.append(learning_rate)
+
+    def path(self, names, shapes, form):
+        """The :class:`~._path.WeightPath` of the steps so far, in the linear form ``form``."""
+        weights = torch.stack(self._weights)
+        n_steps, n_weights = len(self._scales), weights.shape[1]
+        uniform = all(isinstance(s, float) for s in self._scales)
+        if uniform and not form.preconditioned:
+            scales = np.asarray(self._scales, dtype=float)
+            preconditioners = None
+        else:
+            scales = np.ones(n_steps)
+            preconditioners = torch.empty((n_steps, n_weights), dtype=weights.dtype)
+            for step, scale in enumerate(self._scales):
+                preconditioners[step] = scale
+        update = UpdateRecord(
+            buffer_decay=form.buffer_decay,
+            gradient_scale=form.gradient_scale,
+            coupled_decay=form.coupled_decay,
+            gradient_rates=form.gradient_rate * scales,
+            direct_rates=form.direct_rate * scales,
+            decoupled_decays=np.asarray(self._decays, dtype=float),
+            preconditioners=preconditioners,
+        )
+        return WeightPath(
+            weights,
+            list(self._batches),
+            list(self._gradients),
+            np.asarray(self._learning_rates, dtype=float),
+            list(names),
+            list(shapes),
+            "memory",
+            update,
+        )
+
+
+def _compact(scales, numels, dtype):
+    """One number when every coordinate shares it, else the flat vector."""
+    if all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
+        return scales[0]
+    parts = [
+        torch.full((numel,), s, dtype=dtype)
+        if isinstance(s, float)
+        else s.detach().to("cpu", dtype).reshape(-1)
+        for s, numel in zip(scales, numels, strict=True)
+    ]
+    return torch.cat(parts)
