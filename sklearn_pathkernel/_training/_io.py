@@ -114,7 +114,9 @@ def _read_manifest(directory):
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RecordingRefused(f"The manifest of {directory!r} is corrupted: {error}.") from None
     if manifest.get("format") != FORMAT:
-        raise RecordingRefused(f"{directory!r} is not a recording (format {manifest.get('format')!r}).")
+        raise RecordingRefused(
+            f"{directory!r} is not a recording (format {manifest.get('format')!r})."
+        )
     if manifest.get("format_version") != FORMAT_VERSION:
         raise RecordingRefused(
             f"The recording in {directory!r} has format version "

@@ -105,7 +105,9 @@ class OptimizerReader(ABC):
 
     def __init__(self, optimizer, params, names):
         self.optimizer, self.params, self.names = optimizer, params, names
-        where = {id(p): k for k, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        where = {
+            id(p): k for k, group in enumerate(optimizer.param_groups) for p in group["params"]
+        }
         missing = [name for p, name in zip(params, names, strict=True) if id(p) not in where]
         if missing:
             raise RecordingRefused(

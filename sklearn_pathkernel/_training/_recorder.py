@@ -45,7 +45,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, reader_for
-from ._path import WeightPath, flatten_parameters
+from ._path import flatten_parameters
 from ._step_log import MicroBatch, StepLog, relative_difference
 
 CHECKS = ("first", "every", "none")
@@ -125,7 +125,7 @@ class TrainingRecorder:
         if not isinstance(out, torch.Tensor) or out.ndim != 2:
             raise RecordingRefused(
                 "The module's output must be one tensor of shape (n_samples, n_outputs); got "
-                f"{type(out).__name__}{'' if not isinstance(out, torch.Tensor) else tuple(out.shape)}."
+                f"{_describe(out)}."
             )
         check_module(copy64, rows, out.shape[1], classifier=True)
 
@@ -163,9 +163,7 @@ class TrainingRecorder:
             for handle in self._handles:
                 handle.remove()
             self._finished = True
-        return Recording(
-            copy.deepcopy(self.module), self.path(), self.X, dtype=self._dtype
-        )
+        return Recording(copy.deepcopy(self.module), self.path(), self.X, dtype=self._dtype)
 
     def path(self):
         """The :class:`~._path.WeightPath` recorded so far."""
@@ -313,3 +311,10 @@ class TrainingRecorder:
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)
         self._open, self._done, self._saved, self._rows = [], [], {}, None
+
+
+def _describe(value):
+    """A value's type, and its shape when it is a tensor."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
