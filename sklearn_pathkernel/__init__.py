@@ -16,6 +16,8 @@ PathKernelTransformer
     The EPK Gram matrix as a pipeline step, for ``SVC(kernel="precomputed")``.
 DistanceLayer
     The distance layer, for building your own networks.
+TrainingRecorder
+    Records the exact path kernel of a network trained in your own PyTorch loop.
 """
 
 from ._estimators._classifier import ExactPathKernelClassifier
@@ -25,6 +27,7 @@ from ._estimators._kernel import ExactPathKernel
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
 from ._nn._distance import DistanceLayer
+from ._training._recorder import TrainingRecorder
 
 __all__ = [
     "DistanceKernelClassifier",
@@ -34,5 +37,6 @@ __all__ = [
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
     "PathKernelTransformer",
+    "TrainingRecorder",
 ]
 __version__ = "0.1.0.dev0"

@@ -125,14 +125,17 @@ class OptimizerReader(ABC):
         return [self.optimizer.param_groups[k] for k in sorted(set(self.group_of))]
 
     def common(self, key, step, value=lambda group, key: group[key]):
-        """The value of ``key``, which every group of recorded parameters must share."""
-        values = {_hashable(value(group, key)) for group in self.groups()}
-        if len(values) > 1:
+        """The value of ``key``, which every group of recorded parameters must share
+        (numbers to a relative 1e-12: ``lr * weight_decay`` of two groups may differ
+        in its last bit, which moves a weight by its rounding only)."""
+        values = [_hashable(value(group, key)) for group in self.groups()]
+        first = values[0]
+        if any(not _close(v, first) for v in values[1:]):
             raise RecordingRefused(
-                f"Step {step}: the parameter groups use different {key} ({sorted(values)}); "
+                f"Step {step}: the parameter groups use different {key} ({values}); "
                 "the exact path kernel represents one value for the whole network."
             )
-        return values.pop()
+        return first
 
     def form(self, step):
         """The linear form of step ``step``, checked to be the same at every step."""
@@ -190,6 +193,12 @@ class OptimizerReader(ABC):
     @abstractmethod
     def after_step(self, step, active):
         """The step's :class:`StepScales`, from the state after the step."""
+
+
+def _close(a, b):
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+    return a == b
 
 
 def _hashable(value):
