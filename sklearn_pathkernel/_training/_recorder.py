@@ -210,7 +210,7 @@ class TrainingRecorder:
                 if param.grad is not None and not self._done and bool(param.grad.any()):
                     self._stale = True  # a gradient left over from before the last step
                 return None
-            if param.grad is None or (id(param.grad), param.grad._version) != saved:
+            if param.grad is None or _fingerprint(param.grad) != saved:
                 # Gradients reset without a step: the earlier backward passes were dropped.
                 self._done, self._saved = [], {}
             return None
@@ -219,7 +219,7 @@ class TrainingRecorder:
 
     def _accumulated(self, index):
         def hook(param):
-            self._saved[index] = (id(param.grad), param.grad._version)
+            self._saved[index] = _fingerprint(param.grad)
             finished = [b for b in self._open if b.output_gradient is not None]
             self._open = [b for b in self._open if b.output_gradient is None]
             self._done.extend(finished)
@@ -261,7 +261,7 @@ class TrainingRecorder:
         for index, param in enumerate(self._params):
             if not active[index]:
                 continue
-            if self._saved.get(index) != (id(param.grad), param.grad._version):
+            if self._saved.get(index) != _fingerprint(param.grad):
                 raise RecordingRefused(
                     f"Step {step}: the gradient of {self._names[index]!r} changed between the "
                     "backward pass and optimizer.step() (gradient clipping, an AMP "
@@ -318,3 +318,10 @@ def _describe(value):
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return type(value).__name__
+
+
+def _fingerprint(grad):
+    """What identifies a gradient as the one a backward pass left: the tensor, its
+    version counter and its L1 norm (some in-place kernels, such as the AMP
+    scaler's unscale, do not bump the version counter). Cost: one reduction."""
+    return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
