@@ -62,7 +62,7 @@ schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * 
 # An ordinary loop; the two recorder lines are marked.
 start = time.perf_counter()
 recorder = TrainingRecorder(model, optimizer, X_train)  # added line 1
-for epoch in range(epochs):
+for _epoch in range(epochs):
     for images, labels, rows in loader:
         optimizer.zero_grad()
         logits = model(images)

@@ -290,8 +290,8 @@ class AdamReader(OptimizerReader):
             step_size = _number(group["lr"]) / (1 - beta_1**count)
             correction = (1 - beta_2**count) ** 0.5
             second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-            denom = (second.sqrt() / correction).add_(_number(group["eps"]))
-            scales.append(step_size * denom.reciprocal())
+            scale = second.sqrt().div_(correction).add_(_number(group["eps"]))
+            scales.append(scale.reciprocal_().mul_(step_size))
         return StepScales(scales, self._decoupled_decay)
 
 

@@ -70,7 +70,11 @@ class TrainingRecorder:
     check : {"first", "every", "none"}, default="first"
         Recompute a step's gradient from its recorded rows and output gradients
         (one extra forward and backward pass) and compare it with the
-        optimiser's: at the first step, at every step, or never.
+        optimiser's: at the first step, at every step, or never. With
+        ``"every"`` the gradients are also fingerprinted by their L1 norm, which
+        catches in-place edits that do not bump torch's version counter (an AMP
+        scaler's ``unscale_``) at any step; otherwise the version counter and
+        the tensor's identity catch clipping and manual edits.
 
     Notes
     -----
@@ -210,7 +214,7 @@ class TrainingRecorder:
                 if param.grad is not None and not self._done and bool(param.grad.any()):
                     self._stale = True  # a gradient left over from before the last step
                 return None
-            if param.grad is None or _fingerprint(param.grad) != saved:
+            if param.grad is None or self._fingerprint(param.grad) != saved:
                 # Gradients reset without a step: the earlier backward passes were dropped.
                 self._done, self._saved = [], {}
             return None
@@ -219,12 +223,21 @@ class TrainingRecorder:
 
     def _accumulated(self, index):
         def hook(param):
-            self._saved[index] = _fingerprint(param.grad)
+            self._saved[index] = self._fingerprint(param.grad)
             finished = [b for b in self._open if b.output_gradient is not None]
             self._open = [b for b in self._open if b.output_gradient is None]
             self._done.extend(finished)
 
         return hook
+
+    def _fingerprint(self, grad):
+        """What identifies a gradient as the one a backward pass left: the tensor and
+        its version counter and, with ``check="every"``, its L1 norm (the AMP
+        scaler's in-place unscale does not bump the version counter; at the
+        first step the recomputation catches it)."""
+        if self.check == "every":
+            return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
+        return id(grad), grad._version
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -261,7 +274,7 @@ class TrainingRecorder:
         for index, param in enumerate(self._params):
             if not active[index]:
                 continue
-            if self._saved.get(index) != _fingerprint(param.grad):
+            if self._saved.get(index) != self._fingerprint(param.grad):
                 raise RecordingRefused(
                     f"Step {step}: the gradient of {self._names[index]!r} changed between the "
                     "backward pass and optimizer.step() (gradient clipping, an AMP "
@@ -297,7 +310,8 @@ class TrainingRecorder:
                     "module's output on the recorded rows (relative difference "
                     f"{difference:.2e}): the loss depends on the weights or intermediate "
                     "values other than through the output (a penalty term, an auxiliary "
-                    "loss), or the rows passed to recorder.rows are not the batch's."
+                    "loss), the gradients were scaled in place (an AMP GradScaler's "
+                    "unscale_), or the rows passed to recorder.rows are not the batch's."
                 )
 
     def _after_step(self, optimizer, args, kwargs):
@@ -305,8 +319,6 @@ class TrainingRecorder:
         rows, gradient, active = self._pending
         with torch.no_grad():
             weights = torch.cat([p.detach().reshape(-1) for p in self._params]).to("cpu", copy=True)
-        if not bool(torch.isfinite(weights).all()):
-            raise FloatingPointError(f"Step {step}: the weights stopped being finite.")
         scales = self._reader.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)

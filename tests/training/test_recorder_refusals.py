@@ -89,11 +89,12 @@ def test_amp_grad_scaler():
 
 
 def test_amp_grad_scaler_after_the_checked_step():
-    """Not only at the first step (which is also verified by recomputation)."""
+    """Not only at the first step (which is also verified by recomputation): with
+    check="every" the gradients' fingerprint includes their L1 norm."""
     X, y = data()
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    recorder = TrainingRecorder(model, optimizer, X)
+    recorder = TrainingRecorder(model, optimizer, X, check="every")
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     for step in range(2):
         optimizer.zero_grad()
