@@ -98,7 +98,7 @@ class TrainingRecorder:
         self._check_module()
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
-        self._log = StepLog(flat.detach().to("cpu", copy=True), [p.numel() for p in self._params])
+        self._log = StepLog(self._params, [p.numel() for p in self._params], flat.dtype)
         self._layers = [
             (name, layer)
             for name, layer in module.named_modules()
@@ -317,8 +317,7 @@ class TrainingRecorder:
     def _after_step(self, optimizer, args, kwargs):
         step = self.n_steps
         rows, gradient, active = self._pending
-        with torch.no_grad():
-            weights = torch.cat([p.detach().reshape(-1) for p in self._params]).to("cpu", copy=True)
+        weights = self._params
         scales = self._reader.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)

@@ -83,20 +83,63 @@ class MicroBatch:
             )
 
 
+class GrowingRows:
+    """A host array of rows that grows by doubling: each step writes its row in
+    place (one copy), and :meth:`view` is the rows written, without a final copy.
+
+    Parameters
+    ----------
+    width : int
+    dtype : torch.dtype
+    capacity : int, default=64
+    """
+
+    def __init__(self, width, dtype, capacity=64):
+        self._data = torch.empty((capacity, width), dtype=dtype)
+        self.n_rows = 0
+
+    def write(self, parts, numels):
+        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
+        if self.n_rows == self._data.shape[0]:
+            grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
+            grown[: self.n_rows] = self._data
+            self._data = grown
+        row = self._data[self.n_rows]
+        offset = 0
+        for part, numel in zip(parts, numels, strict=True):
+            chunk = row[offset : offset + numel]
+            if isinstance(part, float):
+                chunk.fill_(part)
+            else:
+                chunk.copy_(part.detach().reshape(-1))
+            offset += numel
+        self.n_rows += 1
+
+    def view(self):
+        """The rows written (a view)."""
+        return self._data[: self.n_rows]
+
+
 class StepLog:
     """The recorded steps, on the host.
 
     Parameters
     ----------
-    initial : torch.Tensor of shape (W,)
-        ``w_0``, flat.
+    initial : list of torch.Tensor
+        The parameters at ``w_0``.
     numels : list of int
         The sizes of the parameters, in the path's order.
+    dtype : torch.dtype
+        The path's dtype (the parameters').
     """
 
-    def __init__(self, initial, numels):
-        self._weights, self._numels = [initial], list(numels)
-        self._batches, self._gradients, self._scales = [], [], []
+    def __init__(self, initial, numels, dtype):
+        self._numels = list(numels)
+        self._weights = GrowingRows(sum(self._numels), dtype)
+        self._weights.write(initial, self._numels)
+        self._scales = GrowingRows(sum(self._numels), dtype)
+        self._uniform = []  # per step: its one scale, or None when written in _scales
+        self._batches, self._gradients = [], []
         self._decays, self._learning_rates = [], []
 
     @property
@@ -104,29 +147,40 @@ class StepLog:
         return len(self._batches)
 
     def append(self, weights, rows, output_gradient, step_scales, learning_rate):
-        """Record one step: the weights after it, its rows and output gradients, its
+        """Record one step: the parameters after it, its rows and output gradients, its
         :class:`~._optimizers.StepScales` and a learning rate (the largest of the
-        groups, for display)."""
-        self._weights.append(weights)
+        groups, for display). Cost: one copy of the weights (and of a
+        per-coordinate scale) into the host arrays."""
+        self._weights.write(weights, self._numels)
         self._batches.append(rows)
         self._gradients.append(output_gradient.to("cpu", copy=True))
-        self._scales.append(_compact(step_scales.scales, self._numels, weights.dtype))
+        scales = step_scales.scales
+        if all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
+            self._uniform.append(scales[0])
+        else:
+            while self._scales.n_rows < len(self._uniform):  # earlier uniform steps
+                self._scales.write([self._uniform[self._scales.n_rows]], [self._scales_width])
+            self._scales.write(scales, self._numels)
+            self._uniform.append(None)
         self._decays.append(step_scales.decoupled_decay)
         self._learning_rates.append(learning_rate)
 
+    @property
+    def _scales_width(self):
+        return sum(self._numels)
+
     def path(self, names, shapes, form):
         """The :class:`~._path.WeightPath` of the steps so far, in the linear form ``form``."""
-        weights = torch.stack(self._weights)
-        n_steps, n_weights = len(self._scales), weights.shape[1]
-        uniform = all(isinstance(s, float) for s in self._scales)
-        if uniform and not form.preconditioned:
-            scales = np.asarray(self._scales, dtype=float)
+        weights = self._weights.view()
+        n_steps = len(self._uniform)
+        if not form.preconditioned and None not in self._uniform:
+            scales = np.asarray(self._uniform, dtype=float)
             preconditioners = None
         else:
             scales = np.ones(n_steps)
-            preconditioners = torch.empty((n_steps, n_weights), dtype=weights.dtype)
-            for step, scale in enumerate(self._scales):
-                preconditioners[step] = scale
+            while self._scales.n_rows < n_steps:
+                self._scales.write([self._uniform[self._scales.n_rows]], [self._scales_width])
+            preconditioners = self._scales.view()
         update = UpdateRecord(
             buffer_decay=form.buffer_decay,
             gradient_scale=form.gradient_scale,
@@ -146,16 +200,3 @@ class StepLog:
             "memory",
             update,
         )
-
-
-def _compact(scales, numels, dtype):
-    """One number when every coordinate shares it, else the flat vector."""
-    if all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
-        return scales[0]
-    parts = [
-        torch.full((numel,), s, dtype=dtype)
-        if isinstance(s, float)
-        else s.detach().to("cpu", dtype).reshape(-1)
-        for s, numel in zip(scales, numels, strict=True)
-    ]
-    return torch.cat(parts)
