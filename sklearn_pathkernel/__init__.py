@@ -18,15 +18,19 @@ DistanceLayer
     The distance layer, for building your own networks.
 TrainingRecorder
     Records the exact path kernel of a network trained in your own PyTorch loop.
+Recording
+    What it records: decompose, Gram matrices, the kernel, save and load.
 """
 
 from ._estimators._classifier import ExactPathKernelClassifier
 from ._estimators._distance_classifier import DistanceKernelClassifier
 from ._estimators._distance_regressor import DistanceKernelRegressor
 from ._estimators._kernel import ExactPathKernel
+from ._estimators._recording import Recording
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
 from ._nn._distance import DistanceLayer
+from ._training._optimizers import RecordingRefused
 from ._training._recorder import TrainingRecorder
 
 __all__ = [
@@ -37,6 +41,8 @@ __all__ = [
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
     "PathKernelTransformer",
+    "Recording",
+    "RecordingRefused",
     "TrainingRecorder",
 ]
 __version__ = "0.1.0.dev0"
