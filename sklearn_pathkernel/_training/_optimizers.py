@@ -77,13 +77,27 @@ class StepScales:
     ----------
     scales : list of (float or torch.Tensor)
         Per path parameter: its :math:`P_s` (a number for every coordinate, or
-        a tensor of the parameter's shape); 0 for a skipped parameter.
+        a tensor of the parameter's shape); 0 for a skipped parameter. With
+        ``adam_terms``, the tensors are Adam's second moments ``v``, and
+        :math:`P_s` follows from them later (:func:`adam_scale`), off the loop.
     decoupled_decay : float
         :math:`d_s`.
+    adam_terms : list of (float, float, float) or None
+        Per path parameter: ``(step_size, correction, eps)`` of
+        :func:`adam_scale`; ``(0, 1, 1)`` for a skipped parameter.
     """
 
     scales: list
     decoupled_decay: float
+    adam_terms: list = None
+
+
+def adam_scale(second, step_size, correction, eps):
+    """torch.optim.Adam's scale, in place on ``second`` (``v``, or
+    ``max_exp_avg_sq``): ``step_size / (sqrt(v) / correction + eps)``, with the
+    arguments numbers or tensors that broadcast against ``second``. The same
+    operations, in the same order and dtype, as ``_single_tensor_adam``."""
+    return second.sqrt_().div_(correction).add_(eps).reciprocal_().mul_(step_size)
 
 
 def _number(value):
@@ -278,10 +292,11 @@ class AdamReader(OptimizerReader):
         self._groups = [groups[k] for k in self.group_of]
 
     def after_step(self, step, active):
-        scales = []
+        scales, terms = [], []
         for param, group, on in zip(self.params, self._groups, active, strict=True):
             if not on:
                 scales.append(0.0)
+                terms.append((0.0, 1.0, 1.0))
                 continue
             state = self.optimizer.state[param]
             beta_1, beta_2 = (_number(b) for b in group["betas"])
@@ -289,10 +304,9 @@ class AdamReader(OptimizerReader):
             # torch.optim.Adam, step by step (_single_tensor_adam).
             step_size = _number(group["lr"]) / (1 - beta_1**count)
             correction = (1 - beta_2**count) ** 0.5
-            second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-            scale = second.sqrt().div_(correction).add_(_number(group["eps"]))
-            scales.append(scale.reciprocal_().mul_(step_size))
-        return StepScales(scales, self._decoupled_decay)
+            scales.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
+            terms.append((step_size, correction, _number(group["eps"])))
+        return StepScales(scales, self._decoupled_decay, terms)
 
 
 #: The supported optimisers, by their exact ``torch.optim`` class (a subclass may

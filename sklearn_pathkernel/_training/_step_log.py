@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._optimizers import RecordingRefused
+from ._optimizers import RecordingRefused, adam_scale
 from ._path import WeightPath
 from ._updates import UpdateRecord
 
@@ -139,6 +139,8 @@ class StepLog:
         self._weights.write(initial, self._numels)
         self._scales = GrowingRows(sum(self._numels), dtype)
         self._uniform = []  # per step: its one scale, or None when written in _scales
+        self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
+        self._finished_rows = 0  # rows of _scales already turned into P_s
         self._batches, self._gradients = [], []
         self._decays, self._learning_rates = [], []
 
@@ -155,7 +157,13 @@ class StepLog:
         self._batches.append(rows)
         self._gradients.append(output_gradient.to("cpu", copy=True))
         scales = step_scales.scales
-        if all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
+        if step_scales.adam_terms is not None:
+            self._adam_terms.append(step_scales.adam_terms)
+        if (
+            step_scales.adam_terms is None
+            and all(isinstance(s, float) for s in scales)
+            and len(set(scales)) == 1
+        ):
             self._uniform.append(scales[0])
         else:
             while self._scales.n_rows < len(self._uniform):  # earlier uniform steps
@@ -164,6 +172,23 @@ class StepLog:
             self._uniform.append(None)
         self._decays.append(step_scales.decoupled_decay)
         self._learning_rates.append(learning_rate)
+
+    def _finish_adam(self, preconditioners):
+        """Turn the rows that hold Adam's second moments into :math:`P_s`, in place,
+        all steps at once per parameter (once per row)."""
+        rows = slice(self._finished_rows, len(self._adam_terms))
+        if rows.start == rows.stop:
+            return
+        terms = torch.tensor(self._adam_terms[rows], dtype=torch.float64)  # (steps, params, 3)
+        offset = 0
+        for index, numel in enumerate(self._numels):
+            block = preconditioners[rows, offset : offset + numel]
+            step_size, correction, eps = (
+                terms[:, index, k, None].to(block.dtype) for k in range(3)
+            )
+            adam_scale(block, step_size, correction, eps)
+            offset += numel
+        self._finished_rows = rows.stop
 
     @property
     def _scales_width(self):
@@ -181,6 +206,7 @@ class StepLog:
             while self._scales.n_rows < n_steps:
                 self._scales.write([self._uniform[self._scales.n_rows]], [self._scales_width])
             preconditioners = self._scales.view()
+            self._finish_adam(preconditioners)
         update = UpdateRecord(
             buffer_decay=form.buffer_decay,
             gradient_scale=form.gradient_scale,
