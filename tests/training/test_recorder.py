@@ -253,3 +253,30 @@ def test_gram_blocks_and_kernel():
     np.testing.assert_allclose(kernel(X[:4].numpy() + 0.1, X.numpy()), cross, rtol=1e-12)
     svc = SVC(kernel="precomputed").fit(train, y.numpy())
     assert svc.predict(cross).shape == (4,)
+
+
+def test_long_run_grows_its_arrays_and_reads_mid_run():
+    """More steps than the host arrays' first capacity (64), the path read in the
+    middle of the run: every step still replays torch.optim's to 1e-14."""
+    X, y = data()
+    model = mlp()
+    groups = [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[2].parameters()}]
+    optimizer = torch.optim.Adam(groups, lr=0.02)
+    recorder = TrainingRecorder(model, optimizer, X)
+    middle = None
+    for step in range(70):
+        rows = np.arange(10) + (step % 3) * 10
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+        if step == 40:
+            middle = recorder.path()
+    recording = recorder.finish()
+    assert recording.n_steps_ == 70 and middle.n_steps == 41
+    torch.testing.assert_close(
+        middle.update.preconditioners, recording.path_.update.preconditioners[:41], rtol=0, atol=0
+    )
+    worst, _ = replay(recording)
+    assert worst <= 1e-14
