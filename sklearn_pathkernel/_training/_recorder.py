@@ -75,6 +75,10 @@ class TrainingRecorder:
         catches in-place edits that do not bump torch's version counter (an AMP
         scaler's ``unscale_``) at any step; otherwise the version counter and
         the tensor's identity catch clipping and manual edits.
+    max_steps : int or None, default=None
+        The number of steps expected, if known (any number may be taken): the
+        host arrays are allocated once for that many. Otherwise they start
+        small and double when full (each row is then copied about once more).
 
     Notes
     -----
@@ -83,7 +87,7 @@ class TrainingRecorder:
     the step's row indices; the inputs are not copied.
     """
 
-    def __init__(self, module, optimizer, X, *, check="first"):
+    def __init__(self, module, optimizer, X, *, check="first", max_steps=None):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
         if not isinstance(X, torch.Tensor):
@@ -98,7 +102,7 @@ class TrainingRecorder:
         self._check_module()
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
-        self._log = StepLog(self._params, [p.numel() for p in self._params], flat.dtype)
+        self._log = StepLog(self._params, [p.numel() for p in self._params], flat.dtype, max_steps)
         self._layers = [
             (name, layer)
             for name, layer in module.named_modules()

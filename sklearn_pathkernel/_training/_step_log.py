@@ -131,13 +131,16 @@ class StepLog:
         The sizes of the parameters, in the path's order.
     dtype : torch.dtype
         The path's dtype (the parameters').
+    max_steps : int or None
+        The steps expected (the arrays' first capacity), if known.
     """
 
-    def __init__(self, initial, numels, dtype):
+    def __init__(self, initial, numels, dtype, max_steps=None):
         self._numels = list(numels)
-        self._weights = GrowingRows(sum(self._numels), dtype)
+        capacity = 64 if max_steps is None else max(1, int(max_steps))
+        self._weights = GrowingRows(sum(self._numels), dtype, capacity + 1)
         self._weights.write(initial, self._numels)
-        self._scales = GrowingRows(sum(self._numels), dtype)
+        self._scales = GrowingRows(sum(self._numels), dtype, capacity)
         self._uniform = []  # per step: its one scale, or None when written in _scales
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
         self._finished_rows = 0  # rows of _scales already turned into P_s
