@@ -32,8 +32,14 @@ from .._training._losses import Loss
 DTYPE = torch.float64
 
 
+def identity(out):
+    """The identity link: ``f`` is the module's output."""
+    return out
+
+
 class ModuleOutput:
-    """The link of a recording: ``f`` is the module's output itself.
+    """The link of a recording: ``f = link(module(x))``, the module's output itself
+    by default.
 
     The engine reads a loss' ``link`` and ``certificate_tolerance`` only; the
     output gradients are the recorded ones, whatever the user's loss was.
@@ -42,10 +48,8 @@ class ModuleOutput:
     certificate_tolerance = Loss.certificate_tolerance
     classifies = False
 
-    @staticmethod
-    def link(out):
-        """The identity."""
-        return out
+    def __init__(self, link=None):
+        self.link = identity if link is None else link
 
 
 class Recording:
@@ -64,6 +68,8 @@ class Recording:
     quadrature : str, default="exact"
         The engine's integration rule (see ``PathKernelEngine``).
     n_jobs : int or None, default=None
+    link : callable or None, default=None
+        ``f = link(module(x))``, the function decomposed (the recorder's).
 
     Attributes
     ----------
@@ -72,7 +78,8 @@ class Recording:
         Optimiser steps recorded.
     """
 
-    def __init__(self, module, path, X, *, dtype=DTYPE, quadrature="exact", n_jobs=None):
+    def __init__(self, module, path, X, *, dtype=DTYPE, quadrature="exact", n_jobs=None, link=None):
+        self.link = link
         self.module_ = module
         self.path_ = path
         self.X_train_ = X
@@ -109,7 +116,7 @@ class Recording:
                 module,
                 path,
                 self.X_train_.to(DTYPE),
-                loss=ModuleOutput(),
+                loss=ModuleOutput(self.link),
                 quadrature=self.quadrature,
                 n_jobs=self.n_jobs,
             )
@@ -148,8 +155,9 @@ class Recording:
         parts = self._engine().decompose(X64)
         engine_module = self._engine().module
         with torch.no_grad():
-            output = engine_module(X64).cpu().numpy()
-            own = self.module_(X64.to(self.dtype)).to(DTYPE).cpu().numpy()
+            link = ModuleOutput(self.link).link
+            output = link(engine_module(X64)).cpu().numpy()
+            own = link(self.module_(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
         total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
         return Bunch(
             contributions=parts.contributions,

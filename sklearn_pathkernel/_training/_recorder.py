@@ -79,6 +79,13 @@ class TrainingRecorder:
         The number of steps expected, if known (any number may be taken): the
         host arrays are allocated once for that many. Otherwise they start
         small and double when full (each row is then copied about once more).
+    link : callable or None, default=None
+        ``f = link(module(x))``, the function the kernel decomposes (the
+        identity when None). With a link, pass its output to :meth:`rows`
+        (``output=``): the output gradients are then taken on ``f``.
+    storage : "memory", "disk" or path-like, default="memory"
+        Where the weights and scales live (see
+        :func:`~._path.allocate_weights`); on disk needs ``max_steps``.
 
     Notes
     -----
@@ -87,7 +94,9 @@ class TrainingRecorder:
     the step's row indices; the inputs are not copied.
     """
 
-    def __init__(self, module, optimizer, X, *, check="first", max_steps=None):
+    def __init__(
+        self, module, optimizer, X, *, check="first", max_steps=None, link=None, storage="memory"
+    ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
         if not isinstance(X, torch.Tensor):
@@ -102,7 +111,10 @@ class TrainingRecorder:
         self._check_module()
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
-        self._log = StepLog(self._params, [p.numel() for p in self._params], flat.dtype, max_steps)
+        self.link = link
+        self._log = StepLog(
+            self._params, [p.numel() for p in self._params], flat.dtype, max_steps, storage
+        )
         self._layers = [
             (name, layer)
             for name, layer in module.named_modules()
@@ -145,21 +157,33 @@ class TrainingRecorder:
 
     # -- the user's calls ------------------------------------------------------------
 
-    def rows(self, indices):
+    def rows(self, indices, output=None):
         """Name the training rows (of ``X``) of the batch the module was last called
         on, or, if called before the forward pass, of the next one.
 
         Parameters
         ----------
         indices : array-like or torch.Tensor of int, shape (batch_size,)
+            An int64 numpy array is kept as it is (not copied): steps that name
+            the same array share it.
+        output : torch.Tensor or None, default=None
+            ``link(module(x))`` of this batch, when the recorder has a ``link``:
+            its gradient is recorded instead of the module output's.
         """
-        rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
+        if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
+            rows = indices
+        else:
+            rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
             raise IndexError(
                 f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
             )
         if self._open and self._open[-1].rows is None:
             self._open[-1].rows = rows
+            if output is not None:
+                self._open[-1].take_from(output)
+        elif output is not None:
+            raise ValueError("rows(..., output=...) must follow the batch's forward pass.")
         else:
             self._rows = rows
 
@@ -167,11 +191,17 @@ class TrainingRecorder:
         """Detach the hooks and return the :class:`~.._estimators._recording.Recording`."""
         from .._estimators._recording import Recording
 
+        self.close()
+        return Recording(
+            copy.deepcopy(self.module), self.path(), self.X, dtype=self._dtype, link=self.link
+        )
+
+    def close(self):
+        """Detach the hooks (the recorded path stays readable with :meth:`path`)."""
         if not self._finished:
             for handle in self._handles:
                 handle.remove()
             self._finished = True
-        return Recording(copy.deepcopy(self.module), self.path(), self.X, dtype=self._dtype)
 
     def path(self):
         """The :class:`~._path.WeightPath` recorded so far."""
@@ -263,8 +293,11 @@ class TrainingRecorder:
         for batch in batches:
             batch.check(step, self.X, versions)
         self._reader.before_step(step, active)
-        rows = np.concatenate([b.rows for b in batches])
-        gradient = torch.cat([b.output_gradient for b in batches])
+        if len(batches) == 1:  # the user's own index array, kept (shared between steps)
+            rows, gradient = batches[0].rows, batches[0].output_gradient
+        else:
+            rows = np.concatenate([b.rows for b in batches])
+            gradient = torch.cat([b.output_gradient for b in batches])
         if self.check == "every" or (self.check == "first" and step == 0):
             self._verify(step, batches, active)
         self._pending = (rows, gradient, active)
@@ -278,7 +311,10 @@ class TrainingRecorder:
         for index, param in enumerate(self._params):
             if not active[index]:
                 continue
-            if self._saved.get(index) != self._fingerprint(param.grad):
+            saved = self._saved.get(index)
+            if saved is None and not bool(param.grad.any()):
+                continue  # a zero gradient set by hand: a parameter the loss does not reach
+            if saved != self._fingerprint(param.grad):
                 raise RecordingRefused(
                     f"Step {step}: the gradient of {self._names[index]!r} changed between the "
                     "backward pass and optimizer.step() (gradient clipping, an AMP "
@@ -295,6 +331,8 @@ class TrainingRecorder:
             with torch.enable_grad():
                 for batch in batches:
                     out = self.module(self.X[torch.as_tensor(batch.rows, device=self.X.device)])
+                    if self.link is not None:
+                        out = self.link(out)
                     grads = torch.autograd.grad(
                         out, params, grad_outputs=-batch.output_gradient, allow_unused=True
                     )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ._optimizers import RecordingRefused, adam_scale
-from ._path import WeightPath
+from ._path import WeightPath, allocate_weights, storage_directory
 from ._updates import UpdateRecord
 
 
@@ -45,10 +45,26 @@ class MicroBatch:
     rows: np.ndarray
     versions: tuple
     output_gradient: torch.Tensor = None
+    explicit: bool = False
+
+    def take_from(self, output):
+        """Record the gradient of ``output`` (``link(module(x))``) instead of the
+        module output's."""
+        self.explicit = True
+        output.register_hook(self.take_explicit)
 
     def take_gradient(self, grad):
-        """Tensor hook on the output: keep ``-dL/dout`` (several uses of the output
-        arrive summed, as one gradient)."""
+        """Tensor hook on the module's output: keep ``-dL/dout`` (several uses of the
+        output arrive summed, as one gradient), unless :meth:`take_from` named
+        another output."""
+        if not self.explicit:
+            self._add(grad)
+
+    def take_explicit(self, grad):
+        """Tensor hook on the output named by :meth:`take_from`."""
+        self._add(grad)
+
+    def _add(self, grad):
         gradient = -grad.detach()
         if self.output_gradient is None:
             self.output_gradient = gradient.clone()
@@ -94,13 +110,17 @@ class GrowingRows:
     capacity : int, default=64
     """
 
-    def __init__(self, width, dtype, capacity=64):
-        self._data = torch.empty((capacity, width), dtype=dtype)
+    def __init__(self, width, dtype, capacity=64, storage="memory"):
+        self._data, self.storage = allocate_weights(capacity, width, storage, dtype)
         self.n_rows = 0
 
     def write(self, parts, numels):
         """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
         if self.n_rows == self._data.shape[0]:
+            if self.storage != "memory":
+                raise RecordingRefused(
+                    f"More steps than max_steps ({self._data.shape[0]} rows) on disk storage."
+                )
             grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
             grown[: self.n_rows] = self._data
             self._data = grown
@@ -115,8 +135,15 @@ class GrowingRows:
             offset += numel
         self.n_rows += 1
 
+    def rows(self):
+        """The rows written, as a view (to write into)."""
+        return self._data[: self.n_rows]
+
     def view(self):
-        """The rows written (a view)."""
+        """The rows written: a view on disk, a copy in memory when rows are unused
+        (early stopping), so that the unused capacity is released."""
+        if self.storage == "memory" and self.n_rows < self._data.shape[0]:
+            return self._data[: self.n_rows].clone()
         return self._data[: self.n_rows]
 
 
@@ -135,12 +162,16 @@ class StepLog:
         The steps expected (the arrays' first capacity), if known.
     """
 
-    def __init__(self, initial, numels, dtype, max_steps=None):
+    def __init__(self, initial, numels, dtype, max_steps=None, storage="memory"):
         self._numels = list(numels)
+        if max_steps is None and storage_directory(storage) is not None:
+            raise ValueError("Recording on disk needs max_steps (the arrays' size).")
         capacity = 64 if max_steps is None else max(1, int(max_steps))
-        self._weights = GrowingRows(sum(self._numels), dtype, capacity + 1)
+        self._weights = GrowingRows(sum(self._numels), dtype, capacity + 1, storage)
         self._weights.write(initial, self._numels)
-        self._scales = GrowingRows(sum(self._numels), dtype, capacity)
+        self._storage = storage
+        self._scales = None  # allocated at the first step that needs per-coordinate scales
+        self._capacity, self._dtype = capacity, dtype
         self._uniform = []  # per step: its one scale, or None when written in _scales
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
         self._finished_rows = 0  # rows of _scales already turned into P_s
@@ -169,9 +200,8 @@ class StepLog:
         ):
             self._uniform.append(scales[0])
         else:
-            while self._scales.n_rows < len(self._uniform):  # earlier uniform steps
-                self._scales.write([self._uniform[self._scales.n_rows]], [self._scales_width])
-            self._scales.write(scales, self._numels)
+            self._fill_uniform(len(self._uniform))  # earlier uniform steps
+            self._scale_rows().write(scales, self._numels)
             self._uniform.append(None)
         self._decays.append(step_scales.decoupled_decay)
         self._learning_rates.append(learning_rate)
@@ -193,23 +223,33 @@ class StepLog:
             offset += numel
         self._finished_rows = rows.stop
 
-    @property
-    def _scales_width(self):
-        return sum(self._numels)
+    def _scale_rows(self):
+        """The per-coordinate scales' rows (allocated at first use)."""
+        if self._scales is None:
+            self._scales = GrowingRows(
+                sum(self._numels), self._dtype, self._capacity, self._storage
+            )
+        return self._scales
+
+    def _fill_uniform(self, n_steps):
+        """Write the uniform scales of the steps before ``n_steps`` not written yet."""
+        rows = self._scale_rows()
+        while rows.n_rows < n_steps:
+            rows.write([self._uniform[rows.n_rows]], [sum(self._numels)])
 
     def path(self, names, shapes, form):
         """The :class:`~._path.WeightPath` of the steps so far, in the linear form ``form``."""
         weights = self._weights.view()
+        storage = self._weights.storage
         n_steps = len(self._uniform)
         if not form.preconditioned and None not in self._uniform:
             scales = np.asarray(self._uniform, dtype=float)
             preconditioners = None
         else:
             scales = np.ones(n_steps)
-            while self._scales.n_rows < n_steps:
-                self._scales.write([self._uniform[self._scales.n_rows]], [self._scales_width])
-            preconditioners = self._scales.view()
-            self._finish_adam(preconditioners)
+            self._fill_uniform(n_steps)
+            self._finish_adam(self._scale_rows().rows())
+            preconditioners = self._scale_rows().view()
         update = UpdateRecord(
             buffer_decay=form.buffer_decay,
             gradient_scale=form.gradient_scale,
@@ -226,6 +266,6 @@ class StepLog:
             np.asarray(self._learning_rates, dtype=float),
             list(names),
             list(shapes),
-            "memory",
+            storage,
             update,
         )
