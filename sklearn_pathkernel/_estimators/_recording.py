@@ -195,10 +195,11 @@ class Recording:
         save_recording(self, directory)
 
     @classmethod
-    def load(cls, directory, module, X):
+    def load(cls, directory, module, X, link=None):
         """Load a recording saved by :meth:`save` (see
         :func:`~.._training._io.load_recording`): needs the module (its structure; its
-        weights are set from the recording) and the training inputs."""
+        weights are set from the recording), the training inputs and, if the
+        recorder had one, its ``link``."""
         from .._training._io import load_recording
 
-        return load_recording(directory, module, X)
+        return load_recording(directory, module, X, link=link)

@@ -95,6 +95,7 @@ def save_recording(recording, directory):
             "gradient_scale": update.gradient_scale,
             "coupled_decay": update.coupled_decay,
         },
+        "link": _link_name(recording.link),
         "module": module_fingerprint(recording.module_),
         "data": data_fingerprint(recording.X_train_),
         "sha256": {name: _digest(a) for name, a in arrays.items()},
@@ -147,7 +148,15 @@ def _read_arrays(directory, manifest):
     return arrays
 
 
-def load_recording(directory, module, X):
+def _link_name(link):
+    """A link's qualified name (None for the identity): code is not stored, so a
+    loaded recording must be given the same link again."""
+    if link is None:
+        return None
+    return f"{getattr(link, '__module__', '?')}.{getattr(link, '__qualname__', repr(link))}"
+
+
+def load_recording(directory, module, X, link=None):
     """Load the recording in ``directory``.
 
     Parameters
@@ -158,6 +167,8 @@ def load_recording(directory, module, X):
         weights and buffers are set from the recording (final weights).
     X : torch.Tensor
         The training inputs of the recorded run (checked by fingerprint).
+    link : callable or None, default=None
+        The recorder's ``link``, if it had one (checked by its qualified name).
 
     Returns
     -------
@@ -186,6 +197,11 @@ def load_recording(directory, module, X):
             f"The training inputs do not match the recording in {directory!r} (shape, dtype "
             f"or values differ: {data_fingerprint(X)} against {manifest['data']})."
         )
+    if _link_name(link) != manifest.get("link"):
+        raise RecordingRefused(
+            f"The recording in {directory!r} was made with link {manifest.get('link')}; "
+            f"got {_link_name(link)}."
+        )
     weights = torch.from_numpy(arrays["weights"])
     offsets = arrays["row_offsets"]
     rows = arrays["rows"]
@@ -212,7 +228,7 @@ def load_recording(directory, module, X):
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
-    return Recording(module, path, X, dtype=dtype)
+    return Recording(module, path, X, dtype=dtype, link=link)
 
 
 def _set_final_state(module, path, arrays):

@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from sklearn_pathkernel import ExactPathKernelRegressor, TrainingRecorder
+from sklearn_pathkernel._training._losses import log_softmax
 
 OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.2),
@@ -280,3 +281,39 @@ def test_long_run_grows_its_arrays_and_reads_mid_run():
     )
     worst, _ = replay(recording)
     assert worst <= 1e-14
+
+
+def test_classifier_fit_is_a_recorded_loop_with_a_link():
+    """The classifier decomposes f = log_softmax(module(x)): a hand loop recorded with
+    that link (and output=f) gives its weights (<= 1e-14) and contributions (<= 1e-12)."""
+    from sklearn_pathkernel import ExactPathKernelClassifier
+
+    X, y = data()
+    est = ExactPathKernelClassifier(
+        hidden_layer_sizes=(5,),
+        solver="sgd",
+        momentum=0.9,
+        nesterovs_momentum=True,
+        learning_rate=0.1,
+        max_iter=3,
+        batch_size=8,
+        random_state=0,
+    ).fit(X.numpy(), y.numpy())
+    model = est.module_
+    with torch.no_grad():
+        for name, value in est.path_.unflatten(est.path_.weights[0]).items():
+            model.get_parameter(name).copy_(value)
+    model.requires_grad_(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    recorder = TrainingRecorder(model, optimizer, X, link=log_softmax)
+    for rows in est.path_.batches:
+        optimizer.zero_grad()
+        f = log_softmax(model(X[rows]))
+        recorder.rows(rows, output=f)
+        F.nll_loss(f, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14
+    mine, theirs = recording.decompose(X[:5]), est.decompose(X[:5].numpy())
+    assert np.abs(mine.contributions - theirs.contributions).max() <= 1e-12
+    assert np.abs(mine.output - theirs.output).max() <= 1e-14

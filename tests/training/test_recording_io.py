@@ -143,3 +143,9 @@ def test_format_version_and_missing(recording, tmp_path):
     (tmp_path / MANIFEST).write_text("{not json")
     with pytest.raises(RecordingRefused, match="manifest .* is corrupted"):
         Recording.load(tmp_path, build, data()[0])
+
+
+def test_link_is_checked(recording, tmp_path):
+    recording.save(tmp_path)
+    with pytest.raises(RecordingRefused, match="was made with link None; got torch"):
+        Recording.load(tmp_path, build, data()[0], link=torch.log_softmax)
