@@ -83,13 +83,29 @@ class StepScales:
     decoupled_decay : float
         :math:`d_s`.
     adam_terms : list of (float, float, float) or None
-        Per path parameter: ``(step_size, correction, eps)`` of
+        Per path parameter: ``(step_size / rate, correction, eps)`` of
         :func:`adam_scale`; ``(0, 1, 1)`` for a skipped parameter.
+    rate : float
+        The step's rate, folded into :math:`\\alpha_s, \\zeta_s` rather than into
+        :math:`P_s`: the largest learning rate (SGD) or step size (Adam) of the
+        step, so that ``scales`` are relative to it (all ones with one group).
+        The kernel's per-step metric is :math:`P_s` (the Gram of a plain SGD run
+        carries no learning rate), so the split follows the estimators'.
     """
 
     scales: list
     decoupled_decay: float
     adam_terms: list = None
+    rate: float = 1.0
+
+
+def _relative(values, active):
+    """The largest value among active parameters, and each value relative to it
+    (0 for skipped ones): exactly 1.0 where a value equals the largest."""
+    rate = max((v for v, on in zip(values, active, strict=True) if on), default=0.0)
+    if rate == 0:
+        return 0.0, [0.0 if not on else 1.0 for on in active]
+    return rate, [v / rate if on else 0.0 for v, on in zip(values, active, strict=True)]
 
 
 def adam_scale(second, step_size, correction, eps):
@@ -251,8 +267,8 @@ class SGDReader(OptimizerReader):
         self._rates = [_number(groups[k]["lr"]) for k in self.group_of]
 
     def after_step(self, step, active):
-        scales = [lr if on else 0.0 for lr, on in zip(self._rates, active, strict=True)]
-        return StepScales(scales, 0.0)
+        rate, scales = _relative(self._rates, active)
+        return StepScales(scales, 0.0, rate=rate)
 
 
 class AdamReader(OptimizerReader):
@@ -292,21 +308,25 @@ class AdamReader(OptimizerReader):
         self._groups = [groups[k] for k in self.group_of]
 
     def after_step(self, step, active):
-        scales, terms = [], []
+        seconds, sizes, corrections, eps = [], [], [], []
         for param, group, on in zip(self.params, self._groups, active, strict=True):
             if not on:
-                scales.append(0.0)
-                terms.append((0.0, 1.0, 1.0))
+                seconds.append(0.0)
+                sizes.append(0.0)
+                corrections.append(1.0)
+                eps.append(1.0)
                 continue
             state = self.optimizer.state[param]
             beta_1, beta_2 = (_number(b) for b in group["betas"])
             count = _number(state["step"])
             # torch.optim.Adam, step by step (_single_tensor_adam).
-            step_size = _number(group["lr"]) / (1 - beta_1**count)
-            correction = (1 - beta_2**count) ** 0.5
-            scales.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
-            terms.append((step_size, correction, _number(group["eps"])))
-        return StepScales(scales, self._decoupled_decay, terms)
+            sizes.append(_number(group["lr"]) / (1 - beta_1**count))
+            corrections.append((1 - beta_2**count) ** 0.5)
+            eps.append(_number(group["eps"]))
+            seconds.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
+        rate, relative = _relative(sizes, active)
+        terms = list(zip(relative, corrections, eps, strict=True))
+        return StepScales(seconds, self._decoupled_decay, terms, rate)
 
 
 #: The supported optimisers, by their exact ``torch.optim`` class (a subclass may

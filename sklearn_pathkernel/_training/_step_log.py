@@ -173,6 +173,7 @@ class StepLog:
         self._scales = None  # allocated at the first step that needs per-coordinate scales
         self._capacity, self._dtype = capacity, dtype
         self._uniform = []  # per step: its one scale, or None when written in _scales
+        self._rates = []  # per step: the rate folded into alpha_s and zeta_s
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
         self._finished_rows = 0  # rows of _scales already turned into P_s
         self._batches, self._gradients = [], []
@@ -191,6 +192,7 @@ class StepLog:
         self._batches.append(rows)
         self._gradients.append(output_gradient.to("cpu", copy=True))
         scales = step_scales.scales
+        self._rates.append(step_scales.rate)
         if step_scales.adam_terms is not None:
             self._adam_terms.append(step_scales.adam_terms)
         if (
@@ -212,7 +214,9 @@ class StepLog:
         rows = slice(self._finished_rows, len(self._adam_terms))
         if rows.start == rows.stop:
             return
-        terms = torch.tensor(self._adam_terms[rows], dtype=torch.float64)  # (steps, params, 3)
+        terms = torch.tensor(
+            self._adam_terms[rows], dtype=torch.float64, device="cpu"
+        )  # (steps, params, 3)
         offset = 0
         for index, numel in enumerate(self._numels):
             block = preconditioners[rows, offset : offset + numel]
@@ -243,10 +247,10 @@ class StepLog:
         storage = self._weights.storage
         n_steps = len(self._uniform)
         if not form.preconditioned and None not in self._uniform:
-            scales = np.asarray(self._uniform, dtype=float)
+            scales = np.asarray(self._rates, dtype=float) * np.asarray(self._uniform, dtype=float)
             preconditioners = None
         else:
-            scales = np.ones(n_steps)
+            scales = np.asarray(self._rates, dtype=float)
             self._fill_uniform(n_steps)
             self._finish_adam(self._scale_rows().rows())
             preconditioners = self._scale_rows().view()
