@@ -11,18 +11,23 @@ supported optimiser is written in the form of :class:`~._updates.UpdateRecord`,
     g_s = G_s + \\lambda_c w_s, \\quad b_s = \\beta b_{s-1} + \\gamma g_s, \\quad
     w_{s+1} - w_s = -P_s \\odot (\\alpha b_s + \\zeta g_s) + d_s w_s,
 
-with the per-group learning rate (and, for Adam, the bias corrections and the
-denominator) folded into the per-coordinate scale :math:`P_s`:
+with the step's rate :math:`r_s` (its largest learning rate, or Adam's largest step
+size :math:`\\eta / (1 - \\beta_1^t)`) folded into :math:`\\alpha_s, \\zeta_s`, and what
+differs between parameters into the per-coordinate scale :math:`P_s` (relative to
+:math:`r_s`: all ones for SGD with one group, as the estimators' paths):
 
 - SGD (dampening 0): :math:`\\beta = \\mu, \\gamma = 1, \\lambda_c = \\lambda`,
-  :math:`(\\alpha, \\zeta) = (1, 0)`, or :math:`(\\mu, 1)` with Nesterov, and
-  :math:`P_s = \\eta_{g,s}` on the coordinates of group :math:`g`;
-- Adam and AdamW: :math:`\\beta = \\beta_1, \\gamma = 1 - \\beta_1, (\\alpha, \\zeta)
-  = (1, 0)`, :math:`P_s = \\eta_{g,s} / (1 - \\beta_1^{t}) / (\\sqrt{v_s} / \\sqrt{1 -
-  \\beta_{2,g}^{t}} + \\epsilon_g)` with :math:`t` the parameter's own step count and
-  :math:`v_s` its second moment after the step (``max_exp_avg_sq`` with
+  :math:`(\\alpha_s, \\zeta_s) = (r_s, 0)`, or :math:`(\\mu r_s, r_s)` with Nesterov,
+  and :math:`P_s = \\eta_{g,s} / r_s` on the coordinates of group :math:`g`;
+- Adam and AdamW: :math:`\\beta = \\beta_1, \\gamma = 1 - \\beta_1, (\\alpha_s, \\zeta_s)
+  = (r_s, 0)`, :math:`P_s = (\\eta_{g,s} / (1 - \\beta_1^{t}) / r_s) / (\\sqrt{v_s} /
+  \\sqrt{1 - \\beta_{2,g}^{t}} + \\epsilon_g)` with :math:`t` the parameter's own step
+  count and :math:`v_s` its second moment after the step (``max_exp_avg_sq`` with
   ``amsgrad``); Adam's weight decay is :math:`\\lambda_c`, AdamW's is
   :math:`d_s = -\\eta_s \\lambda`.
+
+The kernel's per-step metric is :math:`P_s` (see the engine), so this split is what
+makes a recorded estimator run's kernel the same as before: bitwise, for one group.
 
 A parameter without a gradient at a step is skipped by torch.optim: its
 coordinates get :math:`P_s = 0`. What the form cannot hold is refused by
