@@ -70,6 +70,9 @@ class Recording:
     n_jobs : int or None, default=None
     link : callable or None, default=None
         ``f = link(module(x))``, the function decomposed (the recorder's).
+    targets : array-like of shape (n_samples,) or (n_samples, K), default=None
+        The training targets, if the recorder was given them (for explanations
+        that group training points by class).
 
     Attributes
     ----------
@@ -78,8 +81,20 @@ class Recording:
         Optimiser steps recorded.
     """
 
-    def __init__(self, module, path, X, *, dtype=DTYPE, quadrature="exact", n_jobs=None, link=None):
+    def __init__(
+        self,
+        module,
+        path,
+        X,
+        *,
+        dtype=DTYPE,
+        quadrature="exact",
+        n_jobs=None,
+        link=None,
+        targets=None,
+    ):
         self.link = link
+        self.targets_ = None if targets is None else np.asarray(targets)
         self.module_ = module
         self.path_ = path
         self.X_train_ = X
@@ -91,6 +106,19 @@ class Recording:
     @property
     def n_steps_(self):
         return self.path_.n_steps
+
+    @property
+    def epochs_(self):
+        """The epoch of every step, (n_steps,): a new epoch starts at the step that
+        uses a training row again (the rows of one epoch are distinct)."""
+        epochs, seen, epoch = np.zeros(self.n_steps_, dtype=np.int64), set(), 0
+        for step, rows in enumerate(self.path_.batches):
+            rows = rows.tolist()
+            if seen.intersection(rows):
+                epoch, seen = epoch + 1, set()
+            seen.update(rows)
+            epochs[step] = epoch
+        return epochs
 
     @property
     def nbytes(self):

@@ -7,8 +7,9 @@ Layout of a recording directory (format version :data:`FORMAT_VERSION`)::
                     training data's fingerprints, the SHA-256 of every array
     arrays.npz      weights (S+1, W), preconditioners (S, W) if any, the steps'
                     rows and output gradients (concatenated, with offsets),
-                    the per-step rates, and the module's other state (frozen
-                    parameters, buffers) under ``state/<name>``
+                    the per-step rates, the training targets if given, and the
+                    module's other state (frozen parameters, buffers) under
+                    ``state/<name>``
 
 Why ``.npz``: numpy's own format, read without pickle (``allow_pickle=False``,
 so loading runs no code), no new dependency; each member carries a zip CRC-32,
@@ -78,6 +79,8 @@ def save_recording(recording, directory):
     }
     if update.preconditioners is not None:
         arrays["preconditioners"] = _numpy(update.preconditioners)
+    if recording.targets_ is not None:
+        arrays["targets"] = recording.targets_
     trained = set(path.param_names)
     for name, tensor in [*recording.module_.named_parameters(), *recording.module_.named_buffers()]:
         if name not in trained:
@@ -228,7 +231,7 @@ def load_recording(directory, module, X, link=None):
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
-    return Recording(module, path, X, dtype=dtype, link=link)
+    return Recording(module, path, X, dtype=dtype, link=link, targets=arrays.get("targets"))
 
 
 def _set_final_state(module, path, arrays):

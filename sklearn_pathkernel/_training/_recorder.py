@@ -67,6 +67,9 @@ class TrainingRecorder:
     X : torch.Tensor of shape (n_samples, ...)
         The training inputs; :meth:`rows` names rows of it. Each training batch
         must equal ``X[rows]`` exactly (a randomly augmented batch is refused).
+    y : array-like or torch.Tensor, default=None
+        The training targets, kept with the recording (for explanations that
+        group training points by class); not used by the kernel.
     check : {"first", "every", "none"}, default="first"
         Recompute a step's gradient from its recorded rows and output gradients
         (one extra forward and backward pass) and compare it with the
@@ -95,13 +98,23 @@ class TrainingRecorder:
     """
 
     def __init__(
-        self, module, optimizer, X, *, check="first", max_steps=None, link=None, storage="memory"
+        self,
+        module,
+        optimizer,
+        X,
+        y=None,
+        *,
+        check="first",
+        max_steps=None,
+        link=None,
+        storage="memory",
     ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
         self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
+        self.y = None if y is None else np.asarray(torch.as_tensor(y).cpu().numpy())
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise RecordingRefused("The module has no parameter that requires a gradient.")
@@ -193,7 +206,12 @@ class TrainingRecorder:
 
         self.close()
         return Recording(
-            copy.deepcopy(self.module), self.path(), self.X, dtype=self._dtype, link=self.link
+            copy.deepcopy(self.module),
+            self.path(),
+            self.X,
+            dtype=self._dtype,
+            link=self.link,
+            targets=self.y,
         )
 
     def close(self):

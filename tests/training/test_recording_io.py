@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def recording():
     X, y = data()
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    recorder = TrainingRecorder(model, optimizer, X)
+    recorder = TrainingRecorder(model, optimizer, X, y)
     for step in range(5):
         rows = (np.arange(6) + 6 * step) % 16
         optimizer.zero_grad()
@@ -99,8 +100,10 @@ def test_truncated(recording, tmp_path):
 def test_corrupted(recording, tmp_path):
     recording.save(tmp_path)
     name = tmp_path / ARRAYS
+    with zipfile.ZipFile(name) as archive:  # a byte of the weights' data
+        offset = archive.getinfo("weights.npy").header_offset + 300
     content = bytearray(name.read_bytes())
-    content[len(content) // 3] ^= 0xFF
+    content[offset] ^= 0xFF
     name.write_bytes(bytes(content))
     with pytest.raises(RecordingRefused, match="corrupted"):
         Recording.load(tmp_path, build, data()[0])
@@ -149,3 +152,13 @@ def test_link_is_checked(recording, tmp_path):
     recording.save(tmp_path)
     with pytest.raises(RecordingRefused, match="was made with link None; got torch"):
         Recording.load(tmp_path, build, data()[0], link=torch.log_softmax)
+
+
+def test_targets_and_epochs(recording, tmp_path):
+    """Rows 0..15 in batches of 6 (wrapping): row 0 comes back at step 2, rows 12
+    and 13 at step 4; the epochs start where a row is used again."""
+    np.testing.assert_array_equal(recording.targets_, data()[1].numpy())
+    np.testing.assert_array_equal(recording.epochs_, [0, 0, 1, 1, 2])
+    recording.save(tmp_path)
+    loaded = Recording.load(tmp_path, build, data()[0])
+    np.testing.assert_array_equal(loaded.targets_, recording.targets_)
