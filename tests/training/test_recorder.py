@@ -33,6 +33,7 @@ OPTIMIZERS = {
         groups, lr=0.02, amsgrad=True, foreach=True
     ),
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.02, weight_decay=0.1, eps=1e-6),
+    "adamw-fused": lambda groups: torch.optim.AdamW(groups, lr=0.02, weight_decay=0.1, fused=True),
 }
 
 
@@ -112,7 +113,7 @@ def groups_of(model, variant, name):
         return model.parameters()
     model[2].bias.requires_grad_(False)
     first = {"params": model[0].parameters(), "lr": 0.3 if name.startswith("sgd") else 0.05}
-    if name == "adamw":
+    if name.startswith("adamw"):
         first["weight_decay"] = 0.04  # 0.05 * 0.04 == 0.02 * 0.1
     return [first, {"params": [model[2].weight]}]
 
