@@ -19,18 +19,27 @@ DistanceLayer
 Explanation, SelfInfluence, TimeAttribution
     The results of the estimators' ``explain``, ``self_influence`` and
     ``explain_over_time``.
+TrainingRecorder
+    Records the exact path kernel of a network trained in your own PyTorch loop.
+Recording
+    What it records: decompose, Gram matrices, the kernel, save and load.
+RecordingRefused
+    The error a recorder raises for a step it cannot represent exactly.
 """
 
 from ._estimators._classifier import ExactPathKernelClassifier
 from ._estimators._distance_classifier import DistanceKernelClassifier
 from ._estimators._distance_regressor import DistanceKernelRegressor
 from ._estimators._kernel import ExactPathKernel
+from ._estimators._recording import Recording
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
 from ._explain._explanation import Explanation
 from ._explain._over_time import TimeAttribution
 from ._explain._self_influence import SelfInfluence
 from ._nn._distance import DistanceLayer
+from ._training._optimizers import RecordingRefused
+from ._training._recorder import TrainingRecorder
 
 __all__ = [
     "DistanceKernelClassifier",
@@ -41,7 +50,10 @@ __all__ = [
     "ExactPathKernelRegressor",
     "Explanation",
     "PathKernelTransformer",
+    "Recording",
+    "RecordingRefused",
     "SelfInfluence",
     "TimeAttribution",
+    "TrainingRecorder",
 ]
 __version__ = "0.1.0.dev0"

@@ -4,10 +4,11 @@ The loss is a sample-weighted mean over each batch of a per-sample loss of the
 output ``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax,
 or squared error). Every step is taken by a torch.optim optimiser (an update rule of
 ``_updates``: plain SGD, momentum, Nesterov, Adam, AdamW, weight decay) and recorded
-by a :class:`~sklearn_pathkernel._training._path.PathRecorder`: the weights of every
-step, each step's batch and output gradients ``-dL_s/df(x_i)``, and the update's
-linear form (with Adam's preconditioner taken from the run), which is all the exact
-path kernel needs.
+by the same :class:`~sklearn_pathkernel._training._recorder.TrainingRecorder` that
+records a user's own loop: the weights of every step, each step's batch and output
+gradients ``-dL_s/df(x_i)``, and the update's linear form read from the optimiser
+(with Adam's preconditioner taken from the run), which is all the exact path kernel
+needs.
 
 Only trainable parameters (``requires_grad=True``) are recorded: frozen ones are
 constants of the path, taken from the module itself.
@@ -21,7 +22,8 @@ import torch
 from sklearn.utils import check_random_state
 
 from ._losses import CrossEntropy
-from ._path import PathRecorder, WeightPath
+from ._path import WeightPath
+from ._recorder import TrainingRecorder
 from ._updates import SolverSettings
 
 
@@ -143,7 +145,15 @@ def train_module(
     n_batches = (
         1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
     )
-    recorder = PathRecorder(module, max_iter * n_batches, path_storage, rule)
+    recorder = TrainingRecorder(
+        module,
+        optimizer,
+        X,
+        check="none",
+        max_steps=max_iter * n_batches,
+        link=loss_fn.link,
+        storage=path_storage,
+    )
     stopping = _EarlyStopping(tol, n_iter_no_change)
     loss_curve = []
     for epoch in range(max_iter):
@@ -159,6 +169,7 @@ def train_module(
 
             optimizer.zero_grad(set_to_none=False)
             f = loss_fn.link(module(X[index]))
+            recorder.rows(batch, output=f)
             loss = loss_fn.batch_loss(f.detach(), y[index], share)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -179,16 +190,12 @@ def train_module(
             optimizer.step()
 
             with torch.no_grad():
-                weights = torch.nn.utils.parameters_to_vector(params)
-            if not bool(torch.isfinite(weights).all()):
+                finite = all(bool(torch.isfinite(p).all()) for p in params)
+            if not finite:
                 raise FloatingPointError(
                     f"The weights stopped being finite at step {step} (epoch "
                     f"{epoch}) with learning_rate={lr:g}; lower the learning rate."
                 )
-            preconditioner = (
-                rule.preconditioner(optimizer, params, step) if rule.preconditioned else None
-            )
-            recorder.record(weights, batch, output_gradient, lr, preconditioner)
             epoch_loss += loss.item() * float(sample_weight[index].sum())
 
         epoch_loss /= float(sample_weight.sum())
@@ -202,9 +209,15 @@ def train_module(
         loss_curve=loss_curve,
         n_iter=len(loss_curve),
         n_steps=recorder.n_steps,
-        path=recorder.finish(),
+        path=_closed(recorder),
         fit_time=time.perf_counter() - start,
     )
+
+
+def _closed(recorder):
+    """The recorder's path, its hooks detached from the module."""
+    recorder.close()
+    return recorder.path()
 
 
 def _shares(batch_weight):

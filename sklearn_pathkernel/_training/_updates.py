@@ -233,17 +233,16 @@ WEIGHT_DECAY = Hyperparameter(
 class UpdateRule(ABC):
     """One torch.optim update in the linear form of the module docstring.
 
-    Subclasses build the optimizer and say, after each of its steps, what the
-    step's :math:`\\alpha_s, \\zeta_s, d_s` and :math:`P_s` were, and declare their
-    :attr:`hyperparameters`: ``from_settings`` passes each value to the rule's
+    Subclasses build the optimizer the estimators train with (the recorder reads
+    each step's linear form from the optimizer itself, see ``_optimizers``), give
+    the rates :math:`\\alpha_s, \\zeta_s, d_s` of a constant-hyperparameter run, and
+    declare their :attr:`hyperparameters`: ``from_settings`` passes each value to the rule's
     keyword argument of the same name (:attr:`Hyperparameter.keyword`).
     """
 
     #: :math:`\\beta`, :math:`\\gamma`
     buffer_decay = 0.0
     gradient_scale = 1.0
-    #: whether :math:`P_s` differs from ones (then it is recorded every step)
-    preconditioned = False
     #: whether weight decay is decoupled (:math:`d_s`) rather than an L2 term (:math:`\\lambda_c`)
     decoupled_decay = False
     #: The rule's own hyperparameters (every rule also takes :data:`WEIGHT_DECAY`).
@@ -277,10 +276,6 @@ class UpdateRule(ABC):
     def rates(self, learning_rate, step):
         """``(alpha_s, zeta_s, d_s)`` of step ``step`` (0-based) at ``learning_rate``."""
 
-    def preconditioner(self, optimizer, params, step):
-        """:math:`P_s` as one flat vector in the order of ``params`` (after the step)."""
-        raise NotImplementedError(f"{type(self).__name__} has no preconditioner.")
-
 
 class SGDUpdate(UpdateRule):
     """``torch.optim.SGD`` with momentum (dampening 0), Nesterov and L2 weight decay."""
@@ -313,7 +308,6 @@ class SGDUpdate(UpdateRule):
 class AdamUpdate(UpdateRule):
     """``torch.optim.Adam`` (no amsgrad), with L2 weight decay added to the gradient."""
 
-    preconditioned = True
     hyperparameters = (BETA_1, BETA_2, EPSILON)
     summary = "Adam"
     #: The torch.optim class that takes the steps.
@@ -335,15 +329,6 @@ class AdamUpdate(UpdateRule):
 
     def rates(self, learning_rate, step):
         return learning_rate / (1.0 - self.beta_1 ** (step + 1)), 0.0, 0.0
-
-    def preconditioner(self, optimizer, params, step):
-        # torch.optim.Adam: denom = sqrt(v) / sqrt(1 - beta_2^t) + eps, update m / denom.
-        correction = (1.0 - self.beta_2 ** (step + 1)) ** 0.5
-        parts = []
-        for param in params:
-            denom = optimizer.state[param]["exp_avg_sq"].sqrt() / correction + self.epsilon
-            parts.append(denom.reciprocal().reshape(-1))
-        return torch.cat(parts)
 
 
 class AdamWUpdate(AdamUpdate):

@@ -1,0 +1,233 @@
+"""A recorded training run of the user's own loop, with its exact path kernel.
+
+:class:`Recording` is what :meth:`~sklearn_pathkernel.TrainingRecorder.finish`
+returns: the module at its final weights, the recorded
+:class:`~sklearn_pathkernel._training._path.WeightPath` and the training inputs.
+It offers what a fitted estimator offers: :meth:`decompose`, :meth:`gram`, and
+:attr:`kernel_` (an :class:`~sklearn_pathkernel.ExactPathKernel` for
+``SVC(kernel=...)`` or Gaussian processes).
+
+The function decomposed is the module's own output ``f(x) = module(x)`` (the
+logits of a classifier): by the chain rule each step's gradient is
+``sum_i J_i^T dL/dout_i`` for any loss of the output, with the output gradients
+recorded as the user's loss produced them.
+
+Precision: the kernel is always computed in float64, on a float64 copy of the
+module evaluated at the recorded weights. For a float64 model the decomposition
+is exact to the quadrature's certificate. For a float32 model the recorded
+weights are the float32 run's; the decomposition then holds against the float64
+evaluation of those weights up to the float32 rounding of the optimiser's
+updates, and ``model_gap`` says how far the float32 model's own output is from
+that evaluation.
+"""
+
+import copy
+
+import numpy as np
+import torch
+from sklearn.utils import Bunch
+
+from .._training._losses import Loss
+
+DTYPE = torch.float64
+
+
+def identity(out):
+    """The identity link: ``f`` is the module's output."""
+    return out
+
+
+class ModuleOutput:
+    """The link of a recording: ``f = link(module(x))``, the module's output itself
+    by default.
+
+    The engine reads a loss' ``link`` and ``certificate_tolerance`` only; the
+    output gradients are the recorded ones, whatever the user's loss was.
+    """
+
+    certificate_tolerance = Loss.certificate_tolerance
+    classifies = False
+
+    def __init__(self, link=None):
+        self.link = identity if link is None else link
+
+
+class Recording:
+    """The exact path kernel of a training run recorded in the user's own loop.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network (a copy), at its final weights, in its training dtype.
+    path : WeightPath
+        The recorded path, in the training dtype.
+    X : torch.Tensor of shape (n_samples, ...)
+        The training inputs the path's rows index.
+    dtype : torch.dtype
+        The dtype the network was trained in.
+    quadrature : str, default="exact"
+        The engine's integration rule (see ``PathKernelEngine``).
+    n_jobs : int or None, default=None
+    link : callable or None, default=None
+        ``f = link(module(x))``, the function decomposed (the recorder's).
+    targets : array-like of shape (n_samples,) or (n_samples, K), default=None
+        The training targets, if the recorder was given them (for explanations
+        that group training points by class).
+
+    Attributes
+    ----------
+    module_, path_, X_train_ : as given
+    n_steps_ : int
+        Optimiser steps recorded.
+    """
+
+    def __init__(
+        self,
+        module,
+        path,
+        X,
+        *,
+        dtype=DTYPE,
+        quadrature="exact",
+        n_jobs=None,
+        link=None,
+        targets=None,
+    ):
+        self.link = link
+        self.targets_ = None if targets is None else np.asarray(targets)
+        self.module_ = module
+        self.path_ = path
+        self.X_train_ = X
+        self.dtype = dtype
+        self.quadrature = quadrature
+        self.n_jobs = n_jobs
+        self._engine_cache = None
+
+    @property
+    def n_steps_(self):
+        return self.path_.n_steps
+
+    @property
+    def epochs_(self):
+        """The epoch of every step, (n_steps,): a new epoch starts at the step that
+        uses a training row again (the rows of one epoch are distinct)."""
+        epochs, seen, epoch = np.zeros(self.n_steps_, dtype=np.int64), set(), 0
+        for step, rows in enumerate(self.path_.batches):
+            rows = rows.tolist()
+            if seen.intersection(rows):
+                epoch, seen = epoch + 1, set()
+            seen.update(rows)
+            epochs[step] = epoch
+        return epochs
+
+    @property
+    def nbytes(self):
+        """Bytes held by the recording's path (weights, preconditioners, rows,
+        output gradients); the training inputs are the user's."""
+        return self.path_.nbytes
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_engine_cache"] = None
+        return state
+
+    # -- float64 evaluation ------------------------------------------------------
+
+    def _engine(self):
+        """The float64 engine of the recorded path (built once)."""
+        if self._engine_cache is None:
+            from .._engine._facade import PathKernelEngine
+
+            path = self.path_ if self.path_.weights.dtype == DTYPE else self.path_.astype(DTYPE)
+            module = copy.deepcopy(self.module_).to(DTYPE).eval()
+            self._engine_cache = PathKernelEngine(
+                module,
+                path,
+                self.X_train_.to(DTYPE),
+                loss=ModuleOutput(self.link),
+                quadrature=self.quadrature,
+                n_jobs=self.n_jobs,
+            )
+        return self._engine_cache
+
+    def _rows(self, X):
+        X = torch.as_tensor(X)
+        return X.to(device=self.X_train_.device, dtype=DTYPE)
+
+    def decompose(self, X):
+        """Write the network's output on ``X`` as an exact sum over training points.
+
+        ``bias + contributions.sum(axis=1) + decay`` equals ``output``, the float64
+        evaluation of the module at the recorded final weights.
+
+        Parameters
+        ----------
+        X : torch.Tensor or array-like of shape (n, ...)
+            Query rows, shaped like the training inputs.
+
+        Returns
+        -------
+        Bunch
+            ``contributions`` (n, n_train, K): what each training row moved each
+            output over the run; ``bias`` (n, K): the output at the initial
+            weights; ``decay`` (n, K): what weight decay moved; ``output`` (n, K):
+            the module's own output at the final weights, in float64;
+            ``residual`` (n,): ``max_k |bias + sum contributions + decay -
+            output|``, the certificate against the module itself;
+            ``quadrature_error`` (n,): the part the quadrature accounts for;
+            ``model_gap`` (n,): ``max_k`` of the difference between the
+            trained module's own output in its training dtype and ``output``
+            (zero for a float64 model).
+        """
+        X64 = self._rows(X)
+        parts = self._engine().decompose(X64)
+        engine_module = self._engine().module
+        with torch.no_grad():
+            link = ModuleOutput(self.link).link
+            output = link(engine_module(X64)).cpu().numpy()
+            own = link(self.module_(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
+        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+        return Bunch(
+            contributions=parts.contributions,
+            bias=parts.bias,
+            decay=parts.decay,
+            output=output,
+            residual=np.abs(total - output).max(axis=1),
+            quadrature_error=parts.quadrature_error,
+            model_gap=np.abs(own - output).max(axis=1),
+        )
+
+    def gram(self, A, B=None, *, a_train=False, b_train=False, output="trace"):
+        """The exact path kernel between the rows of ``A`` and ``B`` (see
+        ``PathKernelEngine.gram``): ``a_train``/``b_train`` put rows on the training
+        copy (the three Gram blocks: train x train, train x test, test x test)."""
+        B = None if B is None else self._rows(B)
+        return self._engine().gram(
+            self._rows(A), B, a_train=a_train, b_train=b_train, output=output
+        )
+
+    @property
+    def kernel_(self):
+        """The learned kernel as a scikit-learn ``Kernel`` on flattened rows (a row
+        equal to a training row is on the training copy)."""
+        from ._kernel import ExactPathKernel
+
+        return ExactPathKernel(self._engine())
+
+    # -- storage ---------------------------------------------------------------------
+
+    def save(self, directory):
+        """Write the recording to ``directory`` (see :func:`~.._training._io.save_recording`)."""
+        from .._training._io import save_recording
+
+        save_recording(self, directory)
+
+    @classmethod
+    def load(cls, directory, module, X, link=None):
+        """Load a recording saved by :meth:`save` (see
+        :func:`~.._training._io.load_recording`): needs the module (its structure; its
+        weights are set from the recording), the training inputs and, if the
+        recorder had one, its ``link``."""
+        from .._training._io import load_recording
+
+        return load_recording(directory, module, X, link=link)

@@ -1,0 +1,243 @@
+"""Saving and loading a recording: a directory with a JSON manifest and an ``.npz``.
+
+Layout of a recording directory (format version :data:`FORMAT_VERSION`)::
+
+    manifest.json   format name and version, dtype, the parameters' names and
+                    shapes, the linear form's constants, the module's and the
+                    training data's fingerprints, the SHA-256 of every array
+    arrays.npz      weights (S+1, W), preconditioners (S, W) if any, the steps'
+                    rows and output gradients (concatenated, with offsets),
+                    the per-step rates, the training targets if given, and the
+                    module's other state (frozen parameters, buffers) under
+                    ``state/<name>``
+
+Why ``.npz``: numpy's own format, read without pickle (``allow_pickle=False``,
+so loading runs no code), no new dependency; each member carries a zip CRC-32,
+and the manifest a SHA-256 per array, so a truncated or corrupted file is
+refused. Loading needs the module (its structure; a module or a factory that
+builds one) and the training inputs: neither is stored (the module is code; the
+inputs are the user's data, checked against their fingerprint).
+"""
+
+import hashlib
+import json
+import os
+import zipfile
+
+import numpy as np
+import torch
+
+from ._optimizers import RecordingRefused
+from ._path import WeightPath
+from ._updates import UpdateRecord
+
+FORMAT = "sklearn_pathkernel.recording"
+FORMAT_VERSION = 1
+MANIFEST, ARRAYS = "manifest.json", "arrays.npz"
+_RATES = ("gradient_rates", "direct_rates", "decoupled_decays")
+
+
+def _digest(array):
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def _numpy(tensor):
+    return tensor.detach().cpu().numpy()
+
+
+def module_fingerprint(module):
+    """Names, shapes and dtypes of every parameter and buffer, in order."""
+    return [
+        [name, list(t.shape), str(t.dtype)]
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+    ]
+
+
+def data_fingerprint(X):
+    """Shape, dtype and SHA-256 of the training inputs."""
+    array = _numpy(X)
+    return {"shape": list(array.shape), "dtype": str(array.dtype), "sha256": _digest(array)}
+
+
+def save_recording(recording, directory):
+    """Write ``recording`` into ``directory`` (created if needed; existing files of a
+    recording are replaced)."""
+    os.makedirs(directory, exist_ok=True)
+    path, update = recording.path_, recording.path_.update
+    offsets = np.cumsum([0, *(len(b) for b in path.batches)])
+    arrays = {
+        "weights": _numpy(path.weights),
+        "rows": np.concatenate(path.batches).astype(np.int64)
+        if path.batches
+        else np.zeros(0, np.int64),
+        "row_offsets": offsets.astype(np.int64),
+        "output_gradients": _numpy(torch.cat(path.output_gradients))
+        if path.output_gradients
+        else np.zeros((0, 0)),
+        "learning_rates": np.asarray(path.learning_rates, dtype=float),
+        **{name: np.asarray(getattr(update, name), dtype=float) for name in _RATES},
+    }
+    if update.preconditioners is not None:
+        arrays["preconditioners"] = _numpy(update.preconditioners)
+    if recording.targets_ is not None:
+        arrays["targets"] = recording.targets_
+    trained = set(path.param_names)
+    for name, tensor in [*recording.module_.named_parameters(), *recording.module_.named_buffers()]:
+        if name not in trained:
+            arrays[f"state/{name}"] = _numpy(tensor)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "dtype": str(recording.dtype).removeprefix("torch."),
+        "n_steps": path.n_steps,
+        "n_weights": path.n_weights,
+        "param_names": path.param_names,
+        "param_shapes": [list(s) for s in path.param_shapes],
+        "update": {
+            "buffer_decay": update.buffer_decay,
+            "gradient_scale": update.gradient_scale,
+            "coupled_decay": update.coupled_decay,
+        },
+        "link": _link_name(recording.link),
+        "module": module_fingerprint(recording.module_),
+        "data": data_fingerprint(recording.X_train_),
+        "sha256": {name: _digest(a) for name, a in arrays.items()},
+    }
+    np.savez(os.path.join(directory, ARRAYS), **arrays)
+    with open(os.path.join(directory, MANIFEST), "w") as handle:
+        json.dump(manifest, handle, indent=1)
+
+
+def _read_manifest(directory):
+    name = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(name):
+        raise RecordingRefused(f"{directory!r} holds no recording ({MANIFEST} is missing).")
+    try:
+        with open(name) as handle:
+            manifest = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RecordingRefused(f"The manifest of {directory!r} is corrupted: {error}.") from None
+    if manifest.get("format") != FORMAT:
+        raise RecordingRefused(
+            f"{directory!r} is not a recording (format {manifest.get('format')!r})."
+        )
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise RecordingRefused(
+            f"The recording in {directory!r} has format version "
+            f"{manifest.get('format_version')}; this version of sklearn_pathkernel reads "
+            f"version {FORMAT_VERSION}."
+        )
+    return manifest
+
+
+def _read_arrays(directory, manifest):
+    name = os.path.join(directory, ARRAYS)
+    try:
+        with np.load(name, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except FileNotFoundError:
+        raise RecordingRefused(f"The recording in {directory!r} has no {ARRAYS}.") from None
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as error:
+        raise RecordingRefused(
+            f"{ARRAYS} of {directory!r} is truncated or corrupted ({error})."
+        ) from None
+    expected = manifest["sha256"]
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise RecordingRefused(f"{ARRAYS} of {directory!r} is truncated: {missing} missing.")
+    for key, digest in expected.items():
+        if _digest(arrays[key]) != digest:
+            raise RecordingRefused(f"{ARRAYS} of {directory!r} is corrupted: {key!r} changed.")
+    return arrays
+
+
+def _link_name(link):
+    """A link's qualified name (None for the identity): code is not stored, so a
+    loaded recording must be given the same link again."""
+    if link is None:
+        return None
+    return f"{getattr(link, '__module__', '?')}.{getattr(link, '__qualname__', repr(link))}"
+
+
+def load_recording(directory, module, X, link=None):
+    """Load the recording in ``directory``.
+
+    Parameters
+    ----------
+    directory : path-like
+    module : torch.nn.Module or callable
+        A module of the recorded structure, or a factory returning one; its
+        weights and buffers are set from the recording (final weights).
+    X : torch.Tensor
+        The training inputs of the recorded run (checked by fingerprint).
+    link : callable or None, default=None
+        The recorder's ``link``, if it had one (checked by its qualified name).
+
+    Returns
+    -------
+    Recording
+
+    Raises
+    ------
+    RecordingRefused
+        A missing, truncated or corrupted recording, another format version,
+        another module (parameter names, shapes or dtypes) or other data.
+    """
+    from .._estimators._recording import Recording
+
+    directory = os.fspath(directory)
+    manifest = _read_manifest(directory)
+    arrays = _read_arrays(directory, manifest)
+    if not isinstance(module, torch.nn.Module):
+        module = module()
+    if module_fingerprint(module) != manifest["module"]:
+        raise RecordingRefused(
+            f"The module does not match the recording in {directory!r}: its parameters and "
+            f"buffers are {module_fingerprint(module)}, the recording's {manifest['module']}."
+        )
+    if data_fingerprint(X) != manifest["data"]:
+        raise RecordingRefused(
+            f"The training inputs do not match the recording in {directory!r} (shape, dtype "
+            f"or values differ: {data_fingerprint(X)} against {manifest['data']})."
+        )
+    if _link_name(link) != manifest.get("link"):
+        raise RecordingRefused(
+            f"The recording in {directory!r} was made with link {manifest.get('link')}; "
+            f"got {_link_name(link)}."
+        )
+    weights = torch.from_numpy(arrays["weights"])
+    offsets = arrays["row_offsets"]
+    rows = arrays["rows"]
+    gradients = torch.from_numpy(arrays["output_gradients"])
+    batches = [rows[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    preconditioners = arrays.get("preconditioners")
+    u = manifest["update"]
+    update = UpdateRecord(
+        buffer_decay=u["buffer_decay"],
+        gradient_scale=u["gradient_scale"],
+        coupled_decay=u["coupled_decay"],
+        **{name: arrays[name] for name in _RATES},
+        preconditioners=None if preconditioners is None else torch.from_numpy(preconditioners),
+    )
+    path = WeightPath(
+        weights,
+        batches,
+        [gradients[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)],
+        arrays["learning_rates"],
+        list(manifest["param_names"]),
+        [tuple(s) for s in manifest["param_shapes"]],
+        "memory",
+        update,
+    )
+    _set_final_state(module, path, arrays)
+    dtype = getattr(torch, manifest["dtype"])
+    return Recording(module, path, X, dtype=dtype, link=link, targets=arrays.get("targets"))
+
+
+def _set_final_state(module, path, arrays):
+    """The module's weights from the path's last row, its other state from the file."""
+    final = path.unflatten(path.weights[-1])
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            value = final[name] if name in final else torch.from_numpy(arrays[f"state/{name}"])
+            tensor.copy_(value)

@@ -1,0 +1,355 @@
+"""Reading a user's own ``torch.optim`` optimiser into the linear form of ``_updates``.
+
+The recorder (:mod:`._recorder`) does not build the optimiser: it reads, at every
+step, the hyperparameters the optimiser actually used (its ``param_groups``, so
+any learning-rate scheduler, warm-up or manual change is represented) and, after
+the step, its state (Adam's second moments and per-parameter step counts). Each
+supported optimiser is written in the form of :class:`~._updates.UpdateRecord`,
+
+.. math::
+
+    g_s = G_s + \\lambda_c w_s, \\quad b_s = \\beta b_{s-1} + \\gamma g_s, \\quad
+    w_{s+1} - w_s = -P_s \\odot (\\alpha b_s + \\zeta g_s) + d_s w_s,
+
+with the step's rate :math:`r_s` (its largest learning rate, or Adam's largest step
+size :math:`\\eta / (1 - \\beta_1^t)`) folded into :math:`\\alpha_s, \\zeta_s`, and what
+differs between parameters into the per-coordinate scale :math:`P_s` (relative to
+:math:`r_s`: all ones for SGD with one group, as the estimators' paths):
+
+- SGD (dampening 0): :math:`\\beta = \\mu, \\gamma = 1, \\lambda_c = \\lambda`,
+  :math:`(\\alpha_s, \\zeta_s) = (r_s, 0)`, or :math:`(\\mu r_s, r_s)` with Nesterov,
+  and :math:`P_s = \\eta_{g,s} / r_s` on the coordinates of group :math:`g`;
+- Adam and AdamW: :math:`\\beta = \\beta_1, \\gamma = 1 - \\beta_1, (\\alpha_s, \\zeta_s)
+  = (r_s, 0)`, :math:`P_s = (\\eta_{g,s} / (1 - \\beta_1^{t}) / r_s) / (\\sqrt{v_s} /
+  \\sqrt{1 - \\beta_{2,g}^{t}} + \\epsilon_g)` with :math:`t` the parameter's own step
+  count and :math:`v_s` its second moment after the step (``max_exp_avg_sq`` with
+  ``amsgrad``); Adam's weight decay is :math:`\\lambda_c`, AdamW's is
+  :math:`d_s = -\\eta_s \\lambda`.
+
+The kernel's per-step metric is :math:`P_s` (see the engine), so this split is what
+makes a recorded estimator run's kernel the same as before: bitwise, for one group.
+
+A parameter without a gradient at a step is skipped by torch.optim: its
+coordinates get :math:`P_s = 0`. What the form cannot hold is refused by
+:class:`RecordingRefused`: a buffer decay, Nesterov flag or coupled weight decay
+that differs between parameter groups or changes during the run, a decoupled
+decay :math:`\\eta \\lambda` that differs between groups, dampening, ``maximize``,
+and a skipped parameter whose momentum buffer torch.optim would hold still while
+the linear form decays it.
+
+A new optimiser is one :class:`OptimizerReader` subclass registered in
+:data:`OPTIMIZER_READERS` under its ``torch.optim`` class.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class RecordingRefused(ValueError):
+    """A training run whose exact path kernel cannot be recorded; the message
+    names the step and the cause."""
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """The step-independent constants of an optimiser's linear form.
+
+    Attributes
+    ----------
+    buffer_decay, gradient_scale, coupled_decay : float
+        :math:`\\beta`, :math:`\\gamma`, :math:`\\lambda_c`.
+    gradient_rate, direct_rate : float
+        :math:`\\alpha` and :math:`\\zeta`, before the per-coordinate scale.
+    preconditioned : bool
+        Whether the scale differs from the learning rate (Adam).
+    """
+
+    buffer_decay: float
+    gradient_scale: float
+    coupled_decay: float
+    gradient_rate: float
+    direct_rate: float
+    preconditioned: bool
+
+
+@dataclass(frozen=True)
+class StepScales:
+    """One step's per-parameter scales and its decoupled decay.
+
+    Attributes
+    ----------
+    scales : list of (float or torch.Tensor)
+        Per path parameter: its :math:`P_s` (a number for every coordinate, or
+        a tensor of the parameter's shape); 0 for a skipped parameter. With
+        ``adam_terms``, the tensors are Adam's second moments ``v``, and
+        :math:`P_s` follows from them later (:func:`adam_scale`), off the loop.
+    decoupled_decay : float
+        :math:`d_s`.
+    adam_terms : list of (float, float, float) or None
+        Per path parameter: ``(step_size / rate, correction, eps)`` of
+        :func:`adam_scale`; ``(0, 1, 1)`` for a skipped parameter.
+    rate : float
+        The step's rate, folded into :math:`\\alpha_s, \\zeta_s` rather than into
+        :math:`P_s`: the largest learning rate (SGD) or step size (Adam) of the
+        step, so that ``scales`` are relative to it (all ones with one group).
+        The kernel's per-step metric is :math:`P_s` (the Gram of a plain SGD run
+        carries no learning rate), so the split follows the estimators'.
+    """
+
+    scales: list
+    decoupled_decay: float
+    adam_terms: list = None
+    rate: float = 1.0
+
+
+def _relative(values, active):
+    """The largest value among active parameters, and each value relative to it
+    (0 for skipped ones): exactly 1.0 where a value equals the largest."""
+    rate = max((v for v, on in zip(values, active, strict=True) if on), default=0.0)
+    if rate == 0:
+        return 0.0, [0.0 if not on else 1.0 for on in active]
+    return rate, [v / rate if on else 0.0 for v, on in zip(values, active, strict=True)]
+
+
+def adam_scale(second, step_size, correction, eps):
+    """torch.optim.Adam's scale, in place on ``second`` (``v``, or
+    ``max_exp_avg_sq``): ``step_size / (sqrt(v) / correction + eps)``, with the
+    arguments numbers or tensors that broadcast against ``second``. The same
+    operations, in the same order and dtype, as ``_single_tensor_adam``."""
+    return second.sqrt_().div_(correction).add_(eps).reciprocal_().mul_(step_size)
+
+
+def _number(value):
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class OptimizerReader(ABC):
+    """Reads one optimiser's steps into the linear form.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+    params : list of torch.nn.Parameter
+        The recorded parameters, in the path's order; each must be in one of the
+        optimiser's groups.
+    names : list of str
+        Their names in the module (for the messages).
+    """
+
+    def __init__(self, optimizer, params, names):
+        self.optimizer, self.params, self.names = optimizer, params, names
+        where = {
+            id(p): k for k, group in enumerate(optimizer.param_groups) for p in group["params"]
+        }
+        missing = [name for p, name in zip(params, names, strict=True) if id(p) not in where]
+        if missing:
+            raise RecordingRefused(
+                f"The parameters {missing} require a gradient but are not in the optimiser: "
+                "they would stay constant while the kernel moves them. Freeze them with "
+                "requires_grad_(False) before creating the recorder, or give them to the optimiser."
+            )
+        self.group_of = [where[id(p)] for p in params]
+        self._form = None
+        self._had_state = [False] * len(params)
+        self._skipped = [False] * len(params)
+
+    def groups(self):
+        """The parameter groups that hold recorded parameters."""
+        return [self.optimizer.param_groups[k] for k in sorted(set(self.group_of))]
+
+    def common(self, key, step, value=lambda group, key: group[key]):
+        """The value of ``key``, which every group of recorded parameters must share
+        (numbers to a relative 1e-12: ``lr * weight_decay`` of two groups may differ
+        in its last bit, which moves a weight by its rounding only)."""
+        values = [_hashable(value(group, key)) for group in self.groups()]
+        first = values[0]
+        if any(not _close(v, first) for v in values[1:]):
+            raise RecordingRefused(
+                f"Step {step}: the parameter groups use different {key} ({values}); "
+                "the exact path kernel represents one value for the whole network."
+            )
+        return first
+
+    def form(self, step):
+        """The linear form of step ``step``, checked to be the same at every step."""
+        form = self.linear_form(step)
+        if self._form is not None and form != self._form:
+            raise RecordingRefused(
+                f"Step {step}: the optimiser's momentum, betas, Nesterov flag or coupled "
+                f"weight decay changed during the run ({self._form} before, {form} now); "
+                "only the learning rate (and Adam's eps, beta_2) may change between steps."
+            )
+        self._form = form
+        return form
+
+    def check_skips(self, step, active, form, decoupled_decay):
+        """Refuse skipped parameters (no gradient) the linear form cannot hold."""
+        for index, (is_active, name) in enumerate(zip(active, self.names, strict=True)):
+            if not is_active:
+                if form.buffer_decay and self._had_state[index]:
+                    raise RecordingRefused(
+                        f"Step {step}: parameter {name!r} has no gradient but has a momentum "
+                        "buffer, which torch.optim holds still while the linear form decays it."
+                    )
+                if decoupled_decay:
+                    raise RecordingRefused(
+                        f"Step {step}: parameter {name!r} has no gradient, so torch.optim does "
+                        "not apply its decoupled weight decay; the linear form applies one "
+                        "decay to every weight."
+                    )
+                self._skipped[index] = True
+            else:
+                if self._skipped[index] and form.buffer_decay and form.coupled_decay:
+                    raise RecordingRefused(
+                        f"Step {step}: parameter {name!r} was skipped (no gradient) in earlier "
+                        "steps under momentum with coupled weight decay; the linear form's "
+                        "buffer would hold that decay."
+                    )
+                self._had_state[index] = True
+
+    def recorded_form(self):
+        """The linear form of the recorded steps (the current settings' before any)."""
+        return self._form if self._form is not None else self.linear_form(0)
+
+    @abstractmethod
+    def check_options(self, step):
+        """Refuse the options (per group) the linear form cannot represent."""
+
+    @abstractmethod
+    def linear_form(self, step):
+        """The :class:`LinearForm` of the optimiser's current settings."""
+
+    @abstractmethod
+    def before_step(self, step, active):
+        """Read what the step will use (before ``optimizer.step``)."""
+
+    @abstractmethod
+    def after_step(self, step, active):
+        """The step's :class:`StepScales`, from the state after the step."""
+
+
+def _close(a, b):
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+    return a == b
+
+
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return _number(value)
+    if isinstance(value, tuple | list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+class SGDReader(OptimizerReader):
+    """``torch.optim.SGD``: momentum (dampening 0), Nesterov, L2 weight decay."""
+
+    def check_options(self, step):
+        for group in self.groups():
+            if group.get("maximize", False):
+                raise RecordingRefused(f"Step {step}: SGD with maximize=True is not supported.")
+            if group["momentum"] and group["dampening"]:
+                raise RecordingRefused(
+                    f"Step {step}: SGD with dampening={group['dampening']} is not represented "
+                    "exactly (torch.optim does not dampen the first step); use dampening=0."
+                )
+
+    def linear_form(self, step):
+        momentum = _number(self.common("momentum", step))
+        nesterov = bool(self.common("nesterov", step)) and momentum > 0
+        decay = _number(self.common("weight_decay", step))
+        rates = (momentum, 1.0) if nesterov else (1.0, 0.0)
+        return LinearForm(momentum, 1.0, decay, *rates, preconditioned=False)
+
+    def before_step(self, step, active):
+        self.check_options(step)
+        form = self.form(step)
+        self.check_skips(step, active, form, 0.0)
+        groups = self.optimizer.param_groups
+        self._rates = [_number(groups[k]["lr"]) for k in self.group_of]
+
+    def after_step(self, step, active):
+        rate, scales = _relative(self._rates, active)
+        return StepScales(scales, 0.0, rate=rate)
+
+
+class AdamReader(OptimizerReader):
+    """``torch.optim.Adam`` and ``AdamW`` (also with ``amsgrad``), exactly as torch
+    computes the step: ``denom = sqrt(v) / sqrt(1 - beta_2^t) + eps``, step size
+    ``lr / (1 - beta_1^t)``, with ``t`` the parameter's own step count."""
+
+    def _decoupled(self, group):
+        return bool(group.get("decoupled_weight_decay", False)) or isinstance(
+            self.optimizer, torch.optim.AdamW
+        )
+
+    def check_options(self, step):
+        for group in self.groups():
+            if group.get("maximize", False):
+                raise RecordingRefused(f"Step {step}: Adam with maximize=True is not supported.")
+
+    def linear_form(self, step):
+        beta_1 = self.common("betas", step, lambda group, key: _number(group[key][0]))
+        decoupled = self.common("decoupled weight decay", step, lambda g, k: self._decoupled(g))
+        coupled = 0.0 if decoupled else _number(self.common("weight_decay", step))
+        return LinearForm(beta_1, 1.0 - beta_1, coupled, 1.0, 0.0, preconditioned=True)
+
+    def before_step(self, step, active):
+        self.check_options(step)
+        form = self.form(step)
+        groups = self.optimizer.param_groups
+        decoupled = 0.0
+        if self._decoupled(self.groups()[0]):
+            decoupled = -self.common(
+                "decoupled decay lr * weight_decay",
+                step,
+                lambda group, key: _number(group["lr"]) * _number(group["weight_decay"]),
+            )
+        self.check_skips(step, active, form, decoupled)
+        self._decoupled_decay = decoupled
+        self._groups = [groups[k] for k in self.group_of]
+
+    def after_step(self, step, active):
+        seconds, sizes, corrections, eps = [], [], [], []
+        for param, group, on in zip(self.params, self._groups, active, strict=True):
+            if not on:
+                seconds.append(0.0)
+                sizes.append(0.0)
+                corrections.append(1.0)
+                eps.append(1.0)
+                continue
+            state = self.optimizer.state[param]
+            beta_1, beta_2 = (_number(b) for b in group["betas"])
+            count = _number(state["step"])
+            # torch.optim.Adam, step by step (_single_tensor_adam).
+            sizes.append(_number(group["lr"]) / (1 - beta_1**count))
+            corrections.append((1 - beta_2**count) ** 0.5)
+            eps.append(_number(group["eps"]))
+            seconds.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
+        rate, relative = _relative(sizes, active)
+        terms = list(zip(relative, corrections, eps, strict=True))
+        return StepScales(seconds, self._decoupled_decay, terms, rate)
+
+
+#: The supported optimisers, by their exact ``torch.optim`` class (a subclass may
+#: change the step, so it is refused, not assumed).
+OPTIMIZER_READERS = {
+    torch.optim.SGD: SGDReader,
+    torch.optim.Adam: AdamReader,
+    torch.optim.AdamW: AdamReader,
+}
+
+
+def reader_for(optimizer, params, names):
+    """The :class:`OptimizerReader` of ``optimizer``, or a refusal naming it."""
+    reader = OPTIMIZER_READERS.get(type(optimizer))
+    if reader is None:
+        supported = ", ".join(f"torch.optim.{c.__name__}" for c in OPTIMIZER_READERS)
+        raise RecordingRefused(
+            f"The optimiser {type(optimizer).__name__} cannot be recorded exactly; "
+            f"supported: {supported}."
+        )
+    return reader(optimizer, params, names)

@@ -1,0 +1,398 @@
+"""Recording a training run in the user's own PyTorch loop.
+
+:class:`TrainingRecorder` attaches hooks to the user's module and ``torch.optim``
+optimiser; the loop needs two added lines (the recorder, and the rows of each
+batch)::
+
+    recorder = TrainingRecorder(model, optimizer, X_train)
+    for x, y, rows in loader:
+        optimizer.zero_grad()
+        out = model(x)
+        recorder.rows(rows)  # the training rows of x
+        loss_fn(out, y).backward()
+        optimizer.step()
+    recording = recorder.finish()
+
+What each hook records (no extra forward or backward pass):
+
+- a forward hook on the module: the batch's inputs (a reference, checked against
+  the training rows at the step) and, through a tensor hook on the output, the
+  output gradient ``e_{s,i} = -dL/dout_i`` exactly as the user's own loss and
+  reduction produced it (class weights, mean or sum included);
+- parameter hooks: which gradients each backward pass produced, so that a
+  gradient changed afterwards (clipping, ``GradScaler.unscale_``, a manual edit)
+  is refused, gradients reset without a step (a skipped step) drop the batches
+  of that step, and several backward passes before one step (gradient
+  accumulation) concatenate their rows and output gradients;
+- step hooks on the optimiser: the hyperparameters it used (its
+  ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
+  Adam's preconditioner.
+
+The network's output ``f`` is the module's own output (logits for a classifier):
+the kernel decomposes it. Since ``G_s = sum_i J_i^T dL/dout_i`` by the chain rule,
+this holds for any loss of the output; a loss that also depends on the weights
+directly (a penalty) or on intermediate activations is caught by recomputing the
+gradient from the recorded rows (``check="first"``: at the first step).
+"""
+
+import copy
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from ._module_checks import check_module
+from ._optimizers import RecordingRefused, reader_for
+from ._path import flatten_parameters
+from ._step_log import MicroBatch, StepLog, relative_difference
+
+CHECKS = ("first", "every", "none")
+
+
+class TrainingRecorder:
+    """Records the exact path kernel's data from a user's own training loop.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network, at its initial weights. Its output (n, K) is the function
+        ``f`` the kernel decomposes. Parameters with ``requires_grad=False`` when
+        the recorder is created are constants (a frozen backbone); every other
+        parameter must be in ``optimizer``.
+    optimizer : torch.optim.Optimizer
+        ``torch.optim.SGD`` (dampening 0), ``Adam`` or ``AdamW`` (see
+        :mod:`._optimizers`), with any parameter groups and scheduler.
+    X : torch.Tensor of shape (n_samples, ...)
+        The training inputs; :meth:`rows` names rows of it. Each training batch
+        must equal ``X[rows]`` exactly (a randomly augmented batch is refused).
+    y : array-like or torch.Tensor, default=None
+        The training targets, kept with the recording (for explanations that
+        group training points by class); not used by the kernel.
+    check : {"first", "every", "none"}, default="first"
+        Recompute a step's gradient from its recorded rows and output gradients
+        (one extra forward and backward pass) and compare it with the
+        optimiser's: at the first step, at every step, or never. With
+        ``"every"`` the gradients are also fingerprinted by their L1 norm, which
+        catches in-place edits that do not bump torch's version counter (an AMP
+        scaler's ``unscale_``) at any step; otherwise the version counter and
+        the tensor's identity catch clipping and manual edits.
+    max_steps : int or None, default=None
+        The number of steps expected, if known (any number may be taken): the
+        host arrays are allocated once for that many. Otherwise they start
+        small and double when full (each row is then copied about once more).
+    link : callable or None, default=None
+        ``f = link(module(x))``, the function the kernel decomposes (the
+        identity when None). With a link, pass its output to :meth:`rows`
+        (``output=``): the output gradients are then taken on ``f``.
+    storage : "memory", "disk" or path-like, default="memory"
+        Where the weights and scales live (see
+        :func:`~._path.allocate_weights`); on disk needs ``max_steps``.
+
+    Notes
+    -----
+    Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
+    more numbers) and of the output gradients (``|B_s| K``) to the host, plus
+    the step's row indices; the inputs are not copied.
+    """
+
+    def __init__(
+        self,
+        module,
+        optimizer,
+        X,
+        y=None,
+        *,
+        check="first",
+        max_steps=None,
+        link=None,
+        storage="memory",
+    ):
+        if check not in CHECKS:
+            raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
+        if not isinstance(X, torch.Tensor):
+            raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
+        self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
+        self.y = None if y is None else np.asarray(torch.as_tensor(y).cpu().numpy())
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise RecordingRefused("The module has no parameter that requires a gradient.")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._reader = reader_for(optimizer, self._params, self._names)
+        self._check_module()
+        flat, _, self._shapes = flatten_parameters(module)
+        self._dtype = flat.dtype
+        self.link = link
+        self._log = StepLog(
+            self._params, [p.numel() for p in self._params], flat.dtype, max_steps, storage
+        )
+        self._layers = [
+            (name, layer)
+            for name, layer in module.named_modules()
+            if isinstance(layer, _BatchNorm | _DropoutNd | nn.RReLU)
+        ]
+        self._open, self._done, self._rows = [], [], None
+        self._saved, self._stale, self._own_forward = {}, False, False
+        self._handles = [
+            module.register_forward_hook(self._on_forward),
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        for index, param in enumerate(self._params):
+            self._handles.append(param.register_hook(self._before_accumulate(index)))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
+        self._identity = self._structure()
+        self._finished = False
+
+    # -- set-up checks ---------------------------------------------------------------
+
+    def _check_module(self):
+        """The estimators' module checks on a float64 eval copy (batch coupling,
+        randomness, output shape and finiteness)."""
+        copy64 = copy.deepcopy(self.module).to(torch.float64).eval()
+        rows = self.X[: min(64, self.X.shape[0])].to(torch.float64)
+        with torch.no_grad():
+            out = copy64(rows[:1])
+        if not isinstance(out, torch.Tensor) or out.ndim != 2:
+            raise RecordingRefused(
+                "The module's output must be one tensor of shape (n_samples, n_outputs); got "
+                f"{_describe(out)}."
+            )
+        check_module(copy64, rows, out.shape[1], classifier=True)
+
+    def _structure(self):
+        """Which parameters the module trains and the optimiser holds (identities)."""
+        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
+        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        return trained, held
+
+    # -- the user's calls ------------------------------------------------------------
+
+    def rows(self, indices, output=None):
+        """Name the training rows (of ``X``) of the batch the module was last called
+        on, or, if called before the forward pass, of the next one.
+
+        Parameters
+        ----------
+        indices : array-like or torch.Tensor of int, shape (batch_size,)
+            An int64 numpy array is kept as it is (not copied): steps that name
+            the same array share it.
+        output : torch.Tensor or None, default=None
+            ``link(module(x))`` of this batch, when the recorder has a ``link``:
+            its gradient is recorded instead of the module output's.
+        """
+        if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
+            rows = indices
+        else:
+            rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
+            raise IndexError(
+                f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
+            )
+        if self._open and self._open[-1].rows is None:
+            self._open[-1].rows = rows
+            if output is not None:
+                self._open[-1].take_from(output)
+        elif output is not None:
+            raise ValueError("rows(..., output=...) must follow the batch's forward pass.")
+        else:
+            self._rows = rows
+
+    def finish(self):
+        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`."""
+        from .._estimators._recording import Recording
+
+        self.close()
+        return Recording(
+            copy.deepcopy(self.module),
+            self.path(),
+            self.X,
+            dtype=self._dtype,
+            link=self.link,
+            targets=self.y,
+        )
+
+    def close(self):
+        """Detach the hooks (the recorded path stays readable with :meth:`path`)."""
+        if not self._finished:
+            for handle in self._handles:
+                handle.remove()
+            self._finished = True
+
+    def path(self):
+        """The :class:`~._path.WeightPath` recorded so far."""
+        return self._log.path(self._names, self._shapes, self._reader.recorded_form())
+
+    @property
+    def n_steps(self):
+        """Steps recorded so far."""
+        return self._log.n_steps
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def _on_forward(self, module, args, output):
+        if self._own_forward or not torch.is_grad_enabled():
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        step = self.n_steps
+        if torch.is_autocast_enabled(output.device.type):
+            raise RecordingRefused(
+                f"Step {step}: the module runs under autocast (mixed precision); the kernel "
+                "evaluates the recorded weights in float64, not the reduced-precision forward."
+            )
+        for name, layer in self._layers:
+            if layer.training and not (isinstance(layer, _DropoutNd) and layer.p == 0):
+                raise RecordingRefused(
+                    f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
+                    "(batch statistics or randomness): one row's output is not a deterministic "
+                    "function of that row. Put it in eval mode (module.eval()) for training."
+                )
+        batch = MicroBatch(args[0], self._rows, self._versions())
+        self._rows = None
+        self._open.append(batch)
+        output.register_hook(batch.take_gradient)
+
+    def _versions(self):
+        return tuple(p._version for p in self._params)
+
+    def _before_accumulate(self, index):
+        def hook(grad):
+            param = self._params[index]
+            saved = self._saved.get(index)
+            if saved is None:
+                if param.grad is not None and not self._done and bool(param.grad.any()):
+                    self._stale = True  # a gradient left over from before the last step
+                return None
+            if param.grad is None or self._fingerprint(param.grad) != saved:
+                # Gradients reset without a step: the earlier backward passes were dropped.
+                self._done, self._saved = [], {}
+            return None
+
+        return hook
+
+    def _accumulated(self, index):
+        def hook(param):
+            self._saved[index] = self._fingerprint(param.grad)
+            finished = [b for b in self._open if b.output_gradient is not None]
+            self._open = [b for b in self._open if b.output_gradient is None]
+            self._done.extend(finished)
+
+        return hook
+
+    def _fingerprint(self, grad):
+        """What identifies a gradient as the one a backward pass left: the tensor and
+        its version counter and, with ``check="every"``, its L1 norm (the AMP
+        scaler's in-place unscale does not bump the version counter; at the
+        first step the recomputation catches it)."""
+        if self.check == "every":
+            return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
+        return id(grad), grad._version
+
+    def _before_step(self, optimizer, args, kwargs):
+        step = self.n_steps
+        if self._structure() != self._identity:
+            raise RecordingRefused(
+                f"Step {step}: the module's trainable parameters or the optimiser's parameters "
+                "changed since the recorder was created (a parameter added, replaced, frozen "
+                "or unfrozen); create a new recorder for a new set of parameters."
+            )
+        active = [p.grad is not None for p in self._params]
+        self._check_gradients(step, active)
+        batches = self._done
+        if not batches:
+            raise RecordingRefused(
+                f"Step {step}: no backward pass through the module's output was recorded since "
+                "the last step (gradients set by hand?)."
+            )
+        versions = self._versions()
+        for batch in batches:
+            batch.check(step, self.X, versions)
+        self._reader.before_step(step, active)
+        if len(batches) == 1:  # the user's own index array, kept (shared between steps)
+            rows, gradient = batches[0].rows, batches[0].output_gradient
+        else:
+            rows = np.concatenate([b.rows for b in batches])
+            gradient = torch.cat([b.output_gradient for b in batches])
+        if self.check == "every" or (self.check == "first" and step == 0):
+            self._verify(step, batches, active)
+        self._pending = (rows, gradient, active)
+
+    def _check_gradients(self, step, active):
+        if self._stale:
+            raise RecordingRefused(
+                f"Step {step}: the gradients were not reset since the previous step "
+                "(call optimizer.zero_grad() before each step's backward passes)."
+            )
+        for index, param in enumerate(self._params):
+            if not active[index]:
+                continue
+            saved = self._saved.get(index)
+            if saved is None and not bool(param.grad.any()):
+                continue  # a zero gradient set by hand: a parameter the loss does not reach
+            if saved != self._fingerprint(param.grad):
+                raise RecordingRefused(
+                    f"Step {step}: the gradient of {self._names[index]!r} changed between the "
+                    "backward pass and optimizer.step() (gradient clipping, an AMP "
+                    "GradScaler's unscale_, or a manual edit); the step would not be the "
+                    "recorded gradient's."
+                )
+
+    def _verify(self, step, batches, active):
+        """The step's gradient recomputed from the recorded rows and output gradients."""
+        params = [p for p, on in zip(self._params, active, strict=True) if on]
+        total = [torch.zeros_like(p) for p in params]
+        self._own_forward = True
+        try:
+            with torch.enable_grad():
+                for batch in batches:
+                    out = self.module(self.X[torch.as_tensor(batch.rows, device=self.X.device)])
+                    if self.link is not None:
+                        out = self.link(out)
+                    grads = torch.autograd.grad(
+                        out, params, grad_outputs=-batch.output_gradient, allow_unused=True
+                    )
+                    for t, g in zip(total, grads, strict=True):
+                        if g is not None:
+                            t += g
+        finally:
+            self._own_forward = False
+        tolerance = 1e-9 if self._dtype == torch.float64 else 1e-4
+        for name, param, recomputed in zip(
+            [n for n, on in zip(self._names, active, strict=True) if on], params, total, strict=True
+        ):
+            difference = relative_difference(param.grad, recomputed)
+            if difference > tolerance:
+                raise RecordingRefused(
+                    f"Step {step}: the gradient of {name!r} is not the backward pass of the "
+                    "module's output on the recorded rows (relative difference "
+                    f"{difference:.2e}): the loss depends on the weights or intermediate "
+                    "values other than through the output (a penalty term, an auxiliary "
+                    "loss), the gradients were scaled in place (an AMP GradScaler's "
+                    "unscale_), or the rows passed to recorder.rows are not the batch's."
+                )
+
+    def _after_step(self, optimizer, args, kwargs):
+        step = self.n_steps
+        rows, gradient, active = self._pending
+        weights = self._params
+        scales = self._reader.after_step(step, active)
+        lr = max(float(g["lr"]) for g in self._reader.groups())
+        self._log.append(weights, rows, gradient, scales, lr)
+        self._open, self._done, self._saved, self._rows = [], [], {}, None
+
+
+def _describe(value):
+    """A value's type, and its shape when it is a tensor."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _fingerprint(grad):
+    """What identifies a gradient as the one a backward pass left: the tensor, its
+    version counter and its L1 norm (some in-place kernels, such as the AMP
+    scaler's unscale, do not bump the version counter). Cost: one reduction."""
+    return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))

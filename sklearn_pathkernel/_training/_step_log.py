@@ -1,0 +1,275 @@
+"""What the recorder keeps per batch and per step, and how it becomes a WeightPath.
+
+A :class:`MicroBatch` is one training forward pass of the user's module: its
+inputs (a reference), the training rows the user named, and the output gradient
+its backward pass produced. A :class:`StepLog` holds, per optimiser step, the
+weights after it, the rows and output gradients of its (possibly several)
+micro-batches and its per-coordinate scale; :meth:`StepLog.path` turns them into
+the :class:`~._path.WeightPath` and :class:`~._updates.UpdateRecord` the engine
+reads.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._optimizers import RecordingRefused, adam_scale
+from ._path import WeightPath, allocate_weights, storage_directory
+from ._updates import UpdateRecord
+
+
+def relative_difference(a, b):
+    """``max |a - b| / max(max |b|, tiny)``."""
+    scale = max(float(b.abs().max()), torch.finfo(b.dtype).tiny) if b.numel() else 1.0
+    return float((a - b).abs().max()) / scale if a.numel() else 0.0
+
+
+@dataclass
+class MicroBatch:
+    """One training forward pass of the module.
+
+    Attributes
+    ----------
+    inputs : torch.Tensor
+        The batch the module was called on (a reference).
+    rows : ndarray of int or None
+        The training rows the user named (:meth:`TrainingRecorder.rows`).
+    versions : tuple of int
+        The parameters' version counters at the forward pass.
+    output_gradient : torch.Tensor or None
+        ``e = -dL/dout`` (n, K), set by the backward pass.
+    """
+
+    inputs: torch.Tensor
+    rows: np.ndarray
+    versions: tuple
+    output_gradient: torch.Tensor = None
+    explicit: bool = False
+
+    def take_from(self, output):
+        """Record the gradient of ``output`` (``link(module(x))``) instead of the
+        module output's."""
+        self.explicit = True
+        output.register_hook(self.take_explicit)
+
+    def take_gradient(self, grad):
+        """Tensor hook on the module's output: keep ``-dL/dout`` (several uses of the
+        output arrive summed, as one gradient), unless :meth:`take_from` named
+        another output."""
+        if not self.explicit:
+            self._add(grad)
+
+    def take_explicit(self, grad):
+        """Tensor hook on the output named by :meth:`take_from`."""
+        self._add(grad)
+
+    def _add(self, grad):
+        gradient = -grad.detach()
+        if self.output_gradient is None:
+            self.output_gradient = gradient.clone()
+        else:  # a second backward through the same output (retain_graph)
+            self.output_gradient = self.output_gradient + gradient
+
+    def check(self, step, X, versions):
+        """Refuse a batch that is not the named training rows at the step's weights."""
+        if self.rows is None:
+            raise RecordingRefused(
+                f"Step {step}: a training batch has no rows; call recorder.rows(indices) "
+                "for every forward pass of the module that is backpropagated."
+            )
+        if self.versions != versions:
+            raise RecordingRefused(
+                f"Step {step}: the weights changed between a batch's forward pass and "
+                "optimizer.step() (an in-place edit of the parameters)."
+            )
+        if self.output_gradient.shape[0] != len(self.rows):
+            raise RecordingRefused(
+                f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
+                f"{self.output_gradient.shape[0]}."
+            )
+        expected = X[torch.as_tensor(self.rows, device=X.device)]
+        inputs = self.inputs
+        if inputs.shape != expected.shape or not torch.equal(inputs, expected.to(inputs)):
+            raise RecordingRefused(
+                f"Step {step}: the batch's inputs are not the training rows X[rows] named "
+                "by recorder.rows (random augmentation, a transform in the data loader, or "
+                "wrong indices): the kernel would be of other data. Record the augmented "
+                "inputs as training rows of their own."
+            )
+
+
+class GrowingRows:
+    """A host array of rows that grows by doubling: each step writes its row in
+    place (one copy), and :meth:`view` is the rows written, without a final copy.
+
+    Parameters
+    ----------
+    width : int
+    dtype : torch.dtype
+    capacity : int, default=64
+    """
+
+    def __init__(self, width, dtype, capacity=64, storage="memory"):
+        self._data, self.storage = allocate_weights(capacity, width, storage, dtype)
+        self.n_rows = 0
+
+    def write(self, parts, numels):
+        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
+        if self.n_rows == self._data.shape[0]:
+            if self.storage != "memory":
+                raise RecordingRefused(
+                    f"More steps than max_steps ({self._data.shape[0]} rows) on disk storage."
+                )
+            grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
+            grown[: self.n_rows] = self._data
+            self._data = grown
+        row = self._data[self.n_rows]
+        offset = 0
+        for part, numel in zip(parts, numels, strict=True):
+            chunk = row[offset : offset + numel]
+            if isinstance(part, float):
+                chunk.fill_(part)
+            else:
+                chunk.copy_(part.detach().reshape(-1))
+            offset += numel
+        self.n_rows += 1
+
+    def rows(self):
+        """The rows written, as a view (to write into)."""
+        return self._data[: self.n_rows]
+
+    def view(self):
+        """The rows written: a view on disk, a copy in memory when rows are unused
+        (early stopping), so that the unused capacity is released."""
+        if self.storage == "memory" and self.n_rows < self._data.shape[0]:
+            return self._data[: self.n_rows].clone()
+        return self._data[: self.n_rows]
+
+
+class StepLog:
+    """The recorded steps, on the host.
+
+    Parameters
+    ----------
+    initial : list of torch.Tensor
+        The parameters at ``w_0``.
+    numels : list of int
+        The sizes of the parameters, in the path's order.
+    dtype : torch.dtype
+        The path's dtype (the parameters').
+    max_steps : int or None
+        The steps expected (the arrays' first capacity), if known.
+    """
+
+    def __init__(self, initial, numels, dtype, max_steps=None, storage="memory"):
+        self._numels = list(numels)
+        if max_steps is None and storage_directory(storage) is not None:
+            raise ValueError("Recording on disk needs max_steps (the arrays' size).")
+        capacity = 64 if max_steps is None else max(1, int(max_steps))
+        self._weights = GrowingRows(sum(self._numels), dtype, capacity + 1, storage)
+        self._weights.write(initial, self._numels)
+        self._storage = storage
+        self._scales = None  # allocated at the first step that needs per-coordinate scales
+        self._capacity, self._dtype = capacity, dtype
+        self._uniform = []  # per step: its one scale, or None when written in _scales
+        self._rates = []  # per step: the rate folded into alpha_s and zeta_s
+        self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
+        self._finished_rows = 0  # rows of _scales already turned into P_s
+        self._batches, self._gradients = [], []
+        self._decays, self._learning_rates = [], []
+
+    @property
+    def n_steps(self):
+        return len(self._batches)
+
+    def append(self, weights, rows, output_gradient, step_scales, learning_rate):
+        """Record one step: the parameters after it, its rows and output gradients, its
+        :class:`~._optimizers.StepScales` and a learning rate (the largest of the
+        groups, for display). Cost: one copy of the weights (and of a
+        per-coordinate scale) into the host arrays."""
+        self._weights.write(weights, self._numels)
+        self._batches.append(rows)
+        self._gradients.append(output_gradient.to("cpu", copy=True))
+        scales = step_scales.scales
+        self._rates.append(step_scales.rate)
+        if step_scales.adam_terms is not None:
+            self._adam_terms.append(step_scales.adam_terms)
+        if (
+            step_scales.adam_terms is None
+            and all(isinstance(s, float) for s in scales)
+            and len(set(scales)) == 1
+        ):
+            self._uniform.append(scales[0])
+        else:
+            self._fill_uniform(len(self._uniform))  # earlier uniform steps
+            self._scale_rows().write(scales, self._numels)
+            self._uniform.append(None)
+        self._decays.append(step_scales.decoupled_decay)
+        self._learning_rates.append(learning_rate)
+
+    def _finish_adam(self, preconditioners):
+        """Turn the rows that hold Adam's second moments into :math:`P_s`, in place,
+        all steps at once per parameter (once per row)."""
+        rows = slice(self._finished_rows, len(self._adam_terms))
+        if rows.start == rows.stop:
+            return
+        terms = torch.tensor(
+            self._adam_terms[rows], dtype=torch.float64, device="cpu"
+        )  # (steps, params, 3)
+        offset = 0
+        for index, numel in enumerate(self._numels):
+            block = preconditioners[rows, offset : offset + numel]
+            step_size, correction, eps = (
+                terms[:, index, k, None].to(block.dtype) for k in range(3)
+            )
+            adam_scale(block, step_size, correction, eps)
+            offset += numel
+        self._finished_rows = rows.stop
+
+    def _scale_rows(self):
+        """The per-coordinate scales' rows (allocated at first use)."""
+        if self._scales is None:
+            self._scales = GrowingRows(
+                sum(self._numels), self._dtype, self._capacity, self._storage
+            )
+        return self._scales
+
+    def _fill_uniform(self, n_steps):
+        """Write the uniform scales of the steps before ``n_steps`` not written yet."""
+        rows = self._scale_rows()
+        while rows.n_rows < n_steps:
+            rows.write([self._uniform[rows.n_rows]], [sum(self._numels)])
+
+    def path(self, names, shapes, form):
+        """The :class:`~._path.WeightPath` of the steps so far, in the linear form ``form``."""
+        weights = self._weights.view()
+        storage = self._weights.storage
+        n_steps = len(self._uniform)
+        if not form.preconditioned and None not in self._uniform:
+            scales = np.asarray(self._rates, dtype=float) * np.asarray(self._uniform, dtype=float)
+            preconditioners = None
+        else:
+            scales = np.asarray(self._rates, dtype=float)
+            self._fill_uniform(n_steps)
+            self._finish_adam(self._scale_rows().rows())
+            preconditioners = self._scale_rows().view()
+        update = UpdateRecord(
+            buffer_decay=form.buffer_decay,
+            gradient_scale=form.gradient_scale,
+            coupled_decay=form.coupled_decay,
+            gradient_rates=form.gradient_rate * scales,
+            direct_rates=form.direct_rate * scales,
+            decoupled_decays=np.asarray(self._decays, dtype=float),
+            preconditioners=preconditioners,
+        )
+        return WeightPath(
+            weights,
+            list(self._batches),
+            list(self._gradients),
+            np.asarray(self._learning_rates, dtype=float),
+            list(names),
+            list(shapes),
+            storage,
+            update,
+        )

@@ -1,0 +1,320 @@
+"""The recorder in a user's own loop: the recorded linear form reproduces every
+torch.optim step, and the decomposition is exact.
+
+Independent computations: the weights are torch.optim's own (the run itself);
+``replay`` rebuilds every step from the recorded linear form with autograd
+gradients of the recorded rows and output gradients and a hand-kept buffer, and
+must land on the recorded weights; the decomposition's sum is held against the
+module's own float64 output; the estimator's own fit is matched by a hand loop.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from sklearn_pathkernel import ExactPathKernelRegressor, TrainingRecorder
+from sklearn_pathkernel._training._losses import log_softmax
+
+OPTIMIZERS = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.2),
+    "sgd-decay": lambda groups: torch.optim.SGD(groups, lr=0.2, weight_decay=0.05),
+    "momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+    "nesterov-decay": lambda groups: torch.optim.SGD(
+        groups, lr=0.1, momentum=0.8, nesterov=True, weight_decay=0.02
+    ),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.02),
+    "adam-decay": lambda groups: torch.optim.Adam(
+        groups, lr=0.02, betas=(0.8, 0.99), weight_decay=0.05
+    ),
+    "adam-amsgrad-foreach": lambda groups: torch.optim.Adam(
+        groups, lr=0.02, amsgrad=True, foreach=True
+    ),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.02, weight_decay=0.1, eps=1e-6),
+    "adamw-fused": lambda groups: torch.optim.AdamW(groups, lr=0.02, weight_decay=0.1, fused=True),
+}
+
+
+def data(n=30, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    y = (X[:, 0] > 0).long() + (X[:, 1] > 0.3).long()
+    return X.to(dtype), y
+
+
+def mlp(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+
+
+def run(model, optimizer, X, y, *, epochs=3, batch_size=8, scheduler=None, loss=None, seed=1):
+    """An ordinary loop, with the recorder's two lines."""
+    loss = loss or (lambda out, target: F.cross_entropy(out, target))
+    recorder = TrainingRecorder(model, optimizer, X)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = torch.randperm(X.shape[0], generator=generator)
+        for start in range(0, X.shape[0], batch_size):
+            rows = order[start : start + batch_size]  # a short last batch
+            optimizer.zero_grad()
+            out = model(X[rows])
+            recorder.rows(rows)
+            loss(out, y[rows]).backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return recorder.finish()
+
+
+def replay(recording):
+    """Every step rebuilt from the recorded linear form: (largest weight error,
+    largest step)."""
+    path, update = recording.path_, recording.path_.update
+    module = recording.module_
+    X = recording.X_train_
+    buffer, worst, largest = None, 0.0, 0.0
+    for step in range(path.n_steps):
+        w = path.weights[step].to(torch.float64)
+        params = {k: v.requires_grad_(True) for k, v in path.unflatten(w.clone()).items()}
+        frozen = {k: v.to(torch.float64) for k, v in module.named_parameters() if k not in params}
+        out = functional_call(
+            module.to(torch.float64), {**params, **frozen}, (X[path.batches[step]].double(),)
+        )
+        e = path.output_gradients[step].to(torch.float64)
+        grads = torch.autograd.grad(-(e * out).sum(), list(params.values()), allow_unused=True)
+        G = torch.cat(
+            [
+                (torch.zeros_like(p) if g is None else g).reshape(-1)
+                for g, p in zip(grads, params.values(), strict=True)
+            ]
+        )
+        g = G + update.coupled_decay * w
+        buffer = (
+            update.gradient_scale * g
+            if buffer is None
+            else (update.buffer_decay * buffer + update.gradient_scale * g)
+        )
+        P = 1.0 if update.preconditioners is None else update.preconditioners[step].double()
+        move = -P * (update.gradient_rates[step] * buffer + update.direct_rates[step] * g)
+        move = move + update.decoupled_decays[step] * w
+        actual = path.weights[step + 1].double() - w
+        worst = max(worst, float((move - actual).abs().max()))
+        largest = max(largest, float(actual.abs().max()))
+    module.to(recording.dtype)
+    return worst, largest
+
+
+def groups_of(model, variant, name):
+    """One group, or two groups with their own learning rates (and a frozen bias);
+    AdamW's groups share the product lr * weight_decay (its decoupled decay)."""
+    if variant == "plain":
+        return model.parameters()
+    model[2].bias.requires_grad_(False)
+    first = {"params": model[0].parameters(), "lr": 0.3 if name.startswith("sgd") else 0.05}
+    if name.startswith("adamw"):
+        first["weight_decay"] = 0.04  # 0.05 * 0.04 == 0.02 * 0.1
+    return [first, {"params": [model[2].weight]}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("variant", ["plain", "groups-scheduler-frozen"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_identity(name, variant, dtype):
+    X, y = data(dtype=dtype)
+    model = mlp(dtype)
+    optimizer = OPTIMIZERS[name](groups_of(model, variant, name))
+    scheduler = None
+    if variant != "plain":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
+    recording = run(model, optimizer, X, y, scheduler=scheduler)
+    assert recording.n_steps_ == 12
+    worst, largest = replay(recording)
+    parts = recording.decompose(X[:6])
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    assert np.abs(total - parts.output).max() == pytest.approx(parts.residual.max())
+    assert parts.quadrature_error.max() <= 1e-9
+    if dtype == torch.float64:
+        assert worst <= 1e-14  # torch.optim's step, to the last bits
+        assert parts.residual.max() <= 1e-11
+        assert parts.model_gap.max() == 0.0
+    else:
+        # The float32 optimiser rounds its own updates: the linear form holds to
+        # float32's rounding of each move, and so does the decomposition.
+        assert worst <= 1e-4 * largest
+        assert parts.residual.max() <= 1e-5
+        assert 0 < parts.model_gap.max() <= 1e-5
+
+
+def test_estimators_fit_is_a_recorded_loop():
+    """The regressor's own fit and the same loop by hand, recorded: the same weights
+    (<= 1e-14) and the same contributions (<= 1e-12)."""
+    rng = np.random.RandomState(0)
+    X = rng.randn(20, 3)
+    y = np.c_[np.sin(X[:, 0]), X[:, 1] * X[:, 2]]
+    est = ExactPathKernelRegressor(
+        hidden_layer_sizes=(5,),
+        solver="adam",
+        learning_rate=0.02,
+        max_iter=4,
+        batch_size=7,
+        random_state=0,
+        weight_decay=0.01,
+    ).fit(X, y)
+    model = est.module_
+    with torch.no_grad():  # back to w_0
+        for name, value in est.path_.unflatten(est.path_.weights[0]).items():
+            model.get_parameter(name).copy_(value)
+    model.requires_grad_(True)
+    X_t, y_t = torch.tensor(X), torch.tensor(y)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02, weight_decay=0.01)
+    recorder = TrainingRecorder(model, optimizer, X_t)
+    for rows in est.path_.batches:
+        optimizer.zero_grad()
+        out = model(X_t[rows])
+        recorder.rows(rows)
+        (0.5 * (out - y_t[rows]).square().mean(dim=1)).mean().backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14
+    mine, theirs = recording.decompose(X_t[:5]), est.decompose(X[:5])
+    assert np.abs(mine.contributions - theirs.contributions).max() <= 1e-12
+    assert np.abs(mine.decay - theirs.decay).max() <= 1e-12
+
+
+def test_gradient_accumulation_skipped_steps_and_skipped_parameters():
+    """Two backward passes per step, a step skipped (backward then zero_grad), a
+    parameter without a gradient at some steps: exact."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X, check="every")
+    for step in range(6):
+        optimizer.zero_grad()
+        for half in (np.arange(0, 5), np.arange(5, 11)):
+            rows = (half + 3 * step) % 30
+            out = model(X[rows])
+            recorder.rows(rows)
+            (F.cross_entropy(out, y[rows], reduction="sum") / 11).backward()
+        if step == 2:  # skipped: reset, next batch
+            optimizer.zero_grad()
+            out = model(X[:4])
+            recorder.rows(np.arange(4))
+            F.cross_entropy(out, y[:4]).backward()
+        if step % 2:
+            model[0].bias.grad = None  # torch.optim skips it
+        optimizer.step()
+    recording = recorder.finish()
+    assert [len(b) for b in recording.path_.batches] == [11, 11, 4, 11, 11, 11]
+    worst, _ = replay(recording)
+    assert worst <= 1e-14
+    parts = recording.decompose(X[:5])
+    assert parts.residual.max() <= 1e-11
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_class_weights_and_squared_error(reduction):
+    X, y = data()
+    weights = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    for loss in (
+        lambda out, t: F.cross_entropy(out, t, weight=weights, reduction=reduction),
+        lambda out, t: F.mse_loss(out, F.one_hot(t, 3).double(), reduction=reduction),
+    ):
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+        recording = run(model, optimizer, X, y, epochs=2, loss=loss)
+        assert recording.decompose(X[:4]).residual.max() <= 1e-11
+
+
+def test_early_stopping_and_no_steps():
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    recorder = TrainingRecorder(model, optimizer, X)
+    empty = recorder.finish()
+    assert empty.n_steps_ == 0
+    parts = empty.decompose(X[:3])
+    assert np.abs(parts.contributions).max() == 0 and parts.residual.max() == 0
+
+
+def test_gram_blocks_and_kernel():
+    """The three Gram blocks and the scikit-learn kernel agree with each other."""
+    from sklearn.svm import SVC
+
+    X, y = data()
+    model = mlp()
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2), X, y, epochs=1)
+    train = recording.gram(X, a_train=True)
+    cross = recording.gram(X[:4] + 0.1, X, b_train=True)
+    test = recording.gram(X[:4] + 0.1)
+    assert train.shape == (30, 30) and cross.shape == (4, 30) and test.shape == (4, 4)
+    np.testing.assert_allclose(train, train.T, rtol=0, atol=1e-12)
+    kernel = recording.kernel_
+    np.testing.assert_allclose(kernel(X.numpy()), train, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(kernel(X[:4].numpy() + 0.1, X.numpy()), cross, rtol=1e-12)
+    svc = SVC(kernel="precomputed").fit(train, y.numpy())
+    assert svc.predict(cross).shape == (4,)
+
+
+def test_long_run_grows_its_arrays_and_reads_mid_run():
+    """More steps than the host arrays' first capacity (64), the path read in the
+    middle of the run: every step still replays torch.optim's to 1e-14."""
+    X, y = data()
+    model = mlp()
+    groups = [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[2].parameters()}]
+    optimizer = torch.optim.Adam(groups, lr=0.02)
+    recorder = TrainingRecorder(model, optimizer, X)
+    middle = None
+    for step in range(70):
+        rows = np.arange(10) + (step % 3) * 10
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+        if step == 40:
+            middle = recorder.path()
+    recording = recorder.finish()
+    assert recording.n_steps_ == 70 and middle.n_steps == 41
+    torch.testing.assert_close(
+        middle.update.preconditioners, recording.path_.update.preconditioners[:41], rtol=0, atol=0
+    )
+    worst, _ = replay(recording)
+    assert worst <= 1e-14
+
+
+def test_classifier_fit_is_a_recorded_loop_with_a_link():
+    """The classifier decomposes f = log_softmax(module(x)): a hand loop recorded with
+    that link (and output=f) gives its weights (<= 1e-14) and contributions (<= 1e-12)."""
+    from sklearn_pathkernel import ExactPathKernelClassifier
+
+    X, y = data()
+    est = ExactPathKernelClassifier(
+        hidden_layer_sizes=(5,),
+        solver="sgd",
+        momentum=0.9,
+        nesterovs_momentum=True,
+        learning_rate=0.1,
+        max_iter=3,
+        batch_size=8,
+        random_state=0,
+    ).fit(X.numpy(), y.numpy())
+    model = est.module_
+    with torch.no_grad():
+        for name, value in est.path_.unflatten(est.path_.weights[0]).items():
+            model.get_parameter(name).copy_(value)
+    model.requires_grad_(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    recorder = TrainingRecorder(model, optimizer, X, link=log_softmax)
+    for rows in est.path_.batches:
+        optimizer.zero_grad()
+        f = log_softmax(model(X[rows]))
+        recorder.rows(rows, output=f)
+        F.nll_loss(f, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14
+    mine, theirs = recording.decompose(X[:5]), est.decompose(X[:5].numpy())
+    assert np.abs(mine.contributions - theirs.contributions).max() <= 1e-12
+    assert np.abs(mine.output - theirs.output).max() <= 1e-14
