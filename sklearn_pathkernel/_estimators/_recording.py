@@ -5,7 +5,11 @@ returns: the module at its final weights, the recorded
 :class:`~sklearn_pathkernel._training._path.WeightPath` and the training inputs.
 It offers what a fitted estimator offers: :meth:`decompose`, :meth:`gram`, and
 :attr:`kernel_` (an :class:`~sklearn_pathkernel.ExactPathKernel` for
-``SVC(kernel=...)`` or Gaussian processes).
+``SVC(kernel=...)`` or Gaussian processes), and the explanation API of
+:class:`~.._explain._mixin.ExplanationMixin` (``explain``, ``self_influence``,
+``explain_over_time``, ``class_contributions``, ``influence_matrix``; these need
+the training targets, ``TrainingRecorder(..., y=y)``: integer labels in ``[0, K)``
+make a classifier whose output ``k`` is class ``k``, other targets a regressor).
 
 The function decomposed is the module's own output ``f(x) = module(x)`` (the
 logits of a classifier): by the chain rule each step's gradient is
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
+from .._explain._mixin import ExplanationMixin
 from .._training._losses import Loss
 
 DTYPE = torch.float64
@@ -52,7 +57,7 @@ class ModuleOutput:
         self.link = identity if link is None else link
 
 
-class Recording:
+class Recording(ExplanationMixin):
     """The exact path kernel of a training run recorded in the user's own loop.
 
     Parameters
@@ -125,6 +130,13 @@ class Recording:
         """Bytes held by the recording's path (weights, preconditioners, rows,
         output gradients); the training inputs are the user's."""
         return self.path_.nbytes
+
+    def _explanation_context(self):
+        """The recording as an explanation's context (see
+        :func:`~.._explain._recording_context.recording_context`)."""
+        from .._explain._recording_context import recording_context
+
+        return recording_context(self)
 
     def __getstate__(self):
         state = dict(self.__dict__)
