@@ -16,13 +16,14 @@ logits of a classifier): by the chain rule each step's gradient is
 ``sum_i J_i^T dL/dout_i`` for any loss of the output, with the output gradients
 recorded as the user's loss produced them.
 
-Precision: the kernel is always computed in float64, on a float64 copy of the
-module evaluated at the recorded weights. For a float64 model the decomposition
-is exact to the quadrature's certificate. For a float32 model the recorded
-weights are the float32 run's; the decomposition then holds against the float64
-evaluation of those weights up to the float32 rounding of the optimiser's
-updates, and ``model_gap`` says how far the float32 model's own output is from
-that evaluation.
+Precision: the kernel is always computed in float64. For a float64 model it is
+the kernel of the recorded path, exact to the quadrature's certificate. A float32
+optimiser rounds its own updates, so a float32 path does not meet the update's
+linear form exactly; the kernel is then that of the path's float64 replay
+(:func:`~.._training._replay.replay_in_float64`: the recorded ``w_0``, rows,
+output gradients, rates and preconditioners, each gradient recomputed in float64),
+exact against the float64 network at the replayed final weights, and
+``model_gap`` says how far the float32 model's own output is from it.
 """
 
 import copy
@@ -33,6 +34,7 @@ from sklearn.utils import Bunch
 
 from .._explain._mixin import ExplanationMixin
 from .._training._losses import Loss
+from .._training._replay import replay_in_float64
 
 DTYPE = torch.float64
 
@@ -150,8 +152,16 @@ class Recording(ExplanationMixin):
         if self._engine_cache is None:
             from .._engine._facade import PathKernelEngine
 
-            path = self.path_ if self.path_.weights.dtype == DTYPE else self.path_.astype(DTYPE)
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
+            path = self.path_
+            if path.weights.dtype != DTYPE:
+                link = ModuleOutput(self.link).link
+                path = replay_in_float64(path, module, self.X_train_, link)
+                final = path.unflatten(path.weights[-1])
+                with torch.no_grad():
+                    for name, param in module.named_parameters():
+                        if name in final:
+                            param.copy_(final[name])
             self._engine_cache = PathKernelEngine(
                 module,
                 path,
@@ -183,7 +193,8 @@ class Recording(ExplanationMixin):
             ``contributions`` (n, n_train, K): what each training row moved each
             output over the run; ``bias`` (n, K): the output at the initial
             weights; ``decay`` (n, K): what weight decay moved; ``output`` (n, K):
-            the module's own output at the final weights, in float64;
+            the module's output at the final weights, in float64 (for a float32
+            run, at the final weights of its float64 replay);
             ``residual`` (n,): ``max_k |bias + sum contributions + decay -
             output|``, the certificate against the module itself;
             ``quadrature_error`` (n,): the part the quadrature accounts for;

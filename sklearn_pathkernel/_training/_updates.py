@@ -99,6 +99,10 @@ class UpdateRecord:
         """A fresh :class:`BackwardAccumulation` of this record's steps."""
         return BackwardAccumulation(self)
 
+    def forward(self):
+        """A fresh :class:`ForwardAccumulation` of this record's steps."""
+        return ForwardAccumulation(self)
+
     def truncated(self, n_steps):
         """The record of the first ``n_steps`` steps (early stopping)."""
         return UpdateRecord(
@@ -161,6 +165,45 @@ class BackwardAccumulation:
             record.gradient_scale * b + zeta * layer
             for b, layer in zip(self._buffer, u, strict=True)
         ]
+
+
+class ForwardAccumulation:
+    """The weights' moves of the recorded linear form, step by step from the first:
+    given :math:`w_s` and :math:`G_s`,
+
+    .. math::
+
+        g_s = G_s + \\lambda_c w_s, \\quad b_s = \\beta b_{s-1} + \\gamma g_s, \\quad
+        w_{s+1} - w_s = -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s.
+
+    Used to replay a recorded run at another precision (the run's rates and
+    preconditioners as recorded, the gradients recomputed). Cost: a few
+    multiply-adds per weight; memory: one buffer of the weights' size.
+    """
+
+    def __init__(self, record):
+        self.record = record
+        self._buffer = None
+        self._next_step = 0
+
+    def move(self, step, weights, gradient):
+        """:math:`w_{s+1} - w_s` of step ``step`` from :math:`w_s` (``weights``) and
+        :math:`G_s` (``gradient``), flat tensors; steps must come in order."""
+        record = self.record
+        if step != self._next_step:
+            raise ValueError(
+                f"Steps must be fed first to last: got {step}, expected {self._next_step}."
+            )
+        self._next_step = step + 1
+        g = gradient + record.coupled_decay * weights if record.coupled_decay else gradient
+        if self._buffer is None:
+            self._buffer = record.gradient_scale * g
+        else:
+            self._buffer = record.buffer_decay * self._buffer + record.gradient_scale * g
+        direction = record.gradient_rates[step] * self._buffer + record.direct_rates[step] * g
+        if record.preconditioners is not None:
+            direction = record.preconditioners[step].to(direction) * direction
+        return record.decoupled_decays[step] * weights - direction
 
 
 @dataclass(frozen=True)

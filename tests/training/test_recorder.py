@@ -141,9 +141,9 @@ def test_identity(name, variant, dtype):
         assert parts.model_gap.max() == 0.0
     else:
         # The float32 optimiser rounds its own updates: the linear form holds to
-        # float32's rounding of each move, and so does the decomposition.
+        # float32's rounding of each move; the kernel is the float64 replay's.
         assert worst <= 1e-4 * largest
-        assert parts.residual.max() <= 1e-5
+        assert parts.residual.max() <= 1e-9
         assert 0 < parts.model_gap.max() <= 1e-5
 
 

@@ -1,0 +1,90 @@
+"""Float32 runs: the kernel of the float64 replay of the recorded run.
+
+Independent computations: the test's own step-by-step check of the linear form
+(``test_recorder.replay``: autograd gradients of the recorded rows at the
+replayed weights, a hand-kept buffer) applied to the replayed path; the float64
+network evaluated at the replayed final weights by ``functional_call``; the
+float32 module's own output; for float64 runs, the engine as it was built before
+the replay existed.
+"""
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_recorder import data, mlp, replay, run
+from torch.func import functional_call
+
+from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._estimators._recording import ModuleOutput
+
+OPTIMIZERS = {
+    "sgd-momentum-decay": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.02),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.02, weight_decay=0.1),
+}
+
+
+def recorded(name, dtype):
+    X, y = data(dtype=dtype)
+    model = mlp(dtype)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
+    return run(model, optimizer, X, y, scheduler=scheduler), X
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float32_run_is_exact_for_its_float64_replay(name):
+    recording, X = recorded(name, torch.float32)
+    engine = recording._engine()
+    path = engine.path
+    assert path.weights.dtype == torch.float64 and recording.path_.weights.dtype == torch.float32
+    # the replay starts at the recorded w_0 and follows the recorded run closely
+    np.testing.assert_array_equal(path.weights[0].numpy(), recording.path_.weights[0].double())
+    drift = (path.weights - recording.path_.weights.double()).abs().max()
+    assert 0 < drift <= 1e-5
+    # independently: every replayed move is the linear form of the float64 gradients
+    replayed = SimpleNamespace(
+        path_=path,
+        module_=copy.deepcopy(recording.module_).double(),
+        X_train_=recording.X_train_.double(),
+        dtype=torch.float64,
+    )
+    worst, largest = replay(replayed)
+    assert worst <= 1e-14 * max(largest, 1.0)
+
+    queries = X[:6] + 0.05
+    parts = recording.decompose(queries)
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    module64 = copy.deepcopy(recording.module_).double()
+    with torch.no_grad():
+        final = path.unflatten(path.weights[-1])
+        output = functional_call(module64, final, (queries.double(),)).numpy()
+        own = recording.module_(queries).double().numpy()
+    np.testing.assert_array_equal(parts.output, output)  # the float64 replayed network
+    assert np.abs(total - output).max() <= 1e-9
+    assert parts.residual.max() <= 1e-9 and parts.quadrature_error.max() <= 1e-9
+    np.testing.assert_allclose(parts.model_gap, np.abs(own - output).max(axis=1), rtol=0, atol=0)
+    assert 0 < parts.model_gap.max() <= 1e-5
+
+
+def test_float64_run_is_unchanged():
+    recording, X = recorded("adamw", torch.float64)
+    engine = recording._engine()
+    assert engine.path is recording.path_  # no replay: the recorded path itself
+    # the engine as built before the float64 replay existed
+    before = PathKernelEngine(
+        copy.deepcopy(recording.module_).eval(),
+        recording.path_,
+        recording.X_train_,
+        loss=ModuleOutput(recording.link),
+    )
+    queries = X[:4] - 0.1
+    parts, expected = recording.decompose(queries), before.decompose(queries)
+    np.testing.assert_array_equal(parts.contributions, expected.contributions)
+    np.testing.assert_array_equal(parts.bias, expected.bias)
+    np.testing.assert_array_equal(parts.decay, expected.decay)
+    with torch.no_grad():
+        np.testing.assert_array_equal(parts.output, recording.module_(queries).numpy())
+    assert parts.model_gap.max() == 0.0 and parts.residual.max() <= 1e-11
