@@ -26,6 +26,8 @@ from dataclasses import replace
 import torch
 from torch.func import functional_call
 
+from ._path import allocate_weights
+
 DTYPE = torch.float64
 
 
@@ -55,9 +57,11 @@ def replay_in_float64(path, module, X, link):
     -----
     Cost: one forward and backward pass of each step's batch in float64 (the
     training run's work, at float64 speed); memory: the float64 weights,
-    ``8 (S + 1) W`` bytes, in RAM.
+    ``8 (S + 1) W`` bytes, where the recording keeps its own (RAM, or a
+    memory-mapped file in its directory).
     """
-    recorded = path.astype(DTYPE)
+    # w_0 only: the recorded weights are not converted (they may be on disk)
+    recorded = replace(path, weights=path.weights[:1]).astype(DTYPE)
     device = X.device
     module = _float64_copy(module, device)
     names = set(path.param_names)
@@ -70,11 +74,11 @@ def replay_in_float64(path, module, X, link):
         list(module.named_parameters())
     )
     X64 = X.to(DTYPE)
-    weights = torch.empty_like(recorded.weights, device="cpu")
+    weights, storage = allocate_weights(*path.weights.shape, path.storage, DTYPE)
     weights[0] = recorded.weights[0]
     w = recorded.weights[0].to(device)
     accumulation = recorded.update.forward()
-    for step in range(recorded.n_steps):
+    for step in range(path.n_steps):
         params = {k: v.requires_grad_(True) for k, v in path.unflatten(w.clone()).items()}
         rows = torch.as_tensor(recorded.batches[step], device=device)
         out = link(functional_call(module, {**constants, **params}, (X64[rows],), tie_weights=tied))
@@ -88,7 +92,7 @@ def replay_in_float64(path, module, X, link):
         )
         w = w + accumulation.move(step, w, gradient)
         weights[step + 1] = w.cpu()
-    return replace(recorded, weights=weights, storage="memory")
+    return replace(recorded, weights=weights, storage=storage)
 
 
 def _float64_copy(module, device):

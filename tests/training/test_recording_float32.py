@@ -17,6 +17,7 @@ import torch
 from test_recorder import data, mlp, replay, run
 from torch.func import functional_call
 
+from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._estimators._recording import ModuleOutput
 
@@ -88,3 +89,24 @@ def test_float64_run_is_unchanged():
     with torch.no_grad():
         np.testing.assert_array_equal(parts.output, recording.module_(queries).numpy())
     assert parts.model_gap.max() == 0.0 and parts.residual.max() <= 1e-11
+
+
+def test_replay_of_a_recording_on_disk_stays_on_disk():
+    X, y = data(dtype=torch.float32)
+    replays = []
+    for storage in ["memory", "disk"]:
+        model = mlp(torch.float32)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+        recorder = TrainingRecorder(model, optimizer, X, max_steps=4, storage=storage)
+        for start in range(0, 32, 8):
+            rows = torch.arange(start, min(start + 8, X.shape[0]))
+            optimizer.zero_grad()
+            out = model(X[rows])
+            recorder.rows(rows)
+            torch.nn.functional.cross_entropy(out, y[rows]).backward()
+            optimizer.step()
+        replays.append(recorder.finish()._engine().path)
+    memory, disk = replays
+    assert memory.storage == "memory" and disk.storage != "memory"
+    assert disk.weights.dtype == torch.float64
+    np.testing.assert_array_equal(disk.weights.numpy(), memory.weights.numpy())
