@@ -16,6 +16,8 @@ PathKernelTransformer
     The EPK Gram matrix as a pipeline step, for ``SVC(kernel="precomputed")``.
 DistanceLayer
     The distance layer, for building your own networks.
+DistanceConv2d
+    The convolutional distance layer (patches compared with memories), for images.
 """
 
 from ._estimators._classifier import ExactPathKernelClassifier
@@ -25,8 +27,10 @@ from ._estimators._kernel import ExactPathKernel
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
 from ._nn._distance import DistanceLayer
+from ._nn._distance_conv import DistanceConv2d
 
 __all__ = [
+    "DistanceConv2d",
     "DistanceKernelClassifier",
     "DistanceKernelRegressor",
     "DistanceLayer",
