@@ -31,6 +31,7 @@ def make_mlp(n_features, n_outputs, hidden_layer_sizes=(100,), activation="relu"
     nn.init.zeros_(head.bias)
     return nn.Sequential(*layers, head)
 
+
 HEADS = ("linear", "distance")
 
 

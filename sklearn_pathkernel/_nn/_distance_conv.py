@@ -137,7 +137,11 @@ class DistanceConv2d(nn.Module):
         than a patch."""
         sizes = []
         for size, patch, stride, pad, axis in zip(
-            (height, width), self.kernel_size, self.stride, self.padding, ("height", "width"),
+            (height, width),
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            ("height", "width"),
             strict=True,
         ):
             if size + 2 * pad < patch:
