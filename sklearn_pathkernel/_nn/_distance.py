@@ -227,7 +227,8 @@ class Transform(nn.Module):
     - ``"log1p"``: ``log(1 + max(z, 0))`` (compresses the tail; smooth, slope 1 at 0).
     - ``"standardize"``: per example, subtract the mean over the layer's outputs
       and divide by their standard deviation (LayerNorm without affine part; no
-      statistics across examples).
+      statistics across examples). Over dimension 1: for a convolutional distance
+      layer's (n, J, H, W) outputs, over its memories at each position.
 
     Parameters
     ----------
