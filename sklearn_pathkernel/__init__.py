@@ -16,6 +16,8 @@ PathKernelTransformer
     The EPK Gram matrix as a pipeline step, for ``SVC(kernel="precomputed")``.
 DistanceLayer
     The distance layer, for building your own networks.
+DistanceConv2d
+    The convolutional distance layer (patches compared with memories), for images.
 Explanation, SelfInfluence, TimeAttribution
     The results of the estimators' ``explain``, ``self_influence`` and
     ``explain_over_time``.
@@ -38,10 +40,12 @@ from ._explain._explanation import Explanation
 from ._explain._over_time import TimeAttribution
 from ._explain._self_influence import SelfInfluence
 from ._nn._distance import DistanceLayer
+from ._nn._distance_conv import DistanceConv2d
 from ._training._optimizers import RecordingRefused
 from ._training._recorder import TrainingRecorder
 
 __all__ = [
+    "DistanceConv2d",
     "DistanceKernelClassifier",
     "DistanceKernelRegressor",
     "DistanceLayer",

@@ -4,7 +4,13 @@ from sklearn.utils._param_validation import StrOptions
 
 from .._nn._builders import HEADS
 from ._base import BasePathClassifier
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
+from ._docstrings import (
+    FITTED_ATTRIBUTES,
+    IMAGE_PARAMETERS,
+    PATH_PARAMETERS,
+    fill_doc,
+    training_parameters,
+)
 from ._networks import DistanceNetworkMixin
 
 # This estimator's reasons for its own solver defaults (the measurements:
@@ -21,6 +27,7 @@ _NOTES = {
 
 
 @fill_doc(
+    image_parameters=IMAGE_PARAMETERS,
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
     training_parameters=training_parameters(_NOTES),
@@ -67,6 +74,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         factor, which slows its training (``doc/benchmarks_distance.rst``).
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
+    {image_parameters}
     learning_rate : float or callable, default=0.02
         Step size, or a schedule ``learning_rate(step) -> float``. The default
         goes with ``solver="adam"``; plain gradient descent (``solver="sgd"``)
@@ -126,6 +134,8 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         skew_transform="log1p",
         head="linear",
         gamma=1.0,
+        image_shape=None,
+        conv_layers=(16,),
         learning_rate=0.02,
         max_iter=500,
         batch_size=None,
@@ -153,6 +163,8 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         self.skew_transform = skew_transform
         self.head = head
         self.gamma = gamma
+        self.image_shape = image_shape
+        self.conv_layers = conv_layers
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size

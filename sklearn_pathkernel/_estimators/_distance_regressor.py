@@ -1,12 +1,19 @@
 """DistanceKernelRegressor: a network of distance layers, as an exact kernel regression."""
 
 from ._base import BasePathRegressor
-from ._docstrings import FITTED_ATTRIBUTES, PATH_PARAMETERS, fill_doc, training_parameters
+from ._docstrings import (
+    FITTED_ATTRIBUTES,
+    IMAGE_PARAMETERS,
+    PATH_PARAMETERS,
+    fill_doc,
+    training_parameters,
+)
 from ._networks import DistanceNetworkMixin
 
 
 @fill_doc(
     training_parameters=training_parameters(),
+    image_parameters=IMAGE_PARAMETERS,
     path_parameters=PATH_PARAMETERS,
     fitted_attributes=FITTED_ATTRIBUTES,
 )
@@ -46,6 +53,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         infinite. Measurements: ``doc/benchmarks_distance.rst``.
     gamma : float, default=1.0
         Initial width of the ``"rbf"`` and ``"laplacian"`` kernels (learned).
+    {image_parameters}
     learning_rate : float or callable, default=0.01
         Step size, or a schedule ``learning_rate(step) -> float``. The default
         goes with Adam: with the squared error, plain gradient descent on a
@@ -99,6 +107,8 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         init="kmeans++",
         skew_transform="log1p",
         gamma=1.0,
+        image_shape=None,
+        conv_layers=(16,),
         learning_rate=0.01,
         max_iter=300,
         batch_size=None,
@@ -125,6 +135,8 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         self.init = init
         self.skew_transform = skew_transform
         self.gamma = gamma
+        self.image_shape = image_shape
+        self.conv_layers = conv_layers
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size

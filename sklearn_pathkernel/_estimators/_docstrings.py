@@ -131,6 +131,21 @@ def training_parameters(notes=None):
     return fragment
 
 
+IMAGE_PARAMETERS = """image_shape : tuple of int or None, default=None
+        ``(H, W)`` or ``(C, H, W)``: each row of ``X`` is an image of this shape,
+        flattened (C-order, as ``X.reshape(n, -1)``), and the network starts with
+        the convolutional distance layers of ``conv_layers``
+        (:class:`DistanceConv2d`: every patch compared with learned patch
+        memories, with ``kernel``, ``init`` and ``skew_transform`` as the dense
+        layers), whose flattened outputs feed the dense layers of
+        ``hidden_layer_sizes`` (``()`` for none). ``None``: a dense network.
+        A ``ValueError`` names the sizes when the shape does not match the
+        number of features or a patch is larger than its (padded) input.
+    conv_layers : tuple, default=(16,)
+        The convolutional distance layers (with ``image_shape``): per layer its
+        number of memories (3x3 patches, stride 1, no padding) or a tuple
+        ``(n_memories, kernel_size[, stride[, padding]])``."""
+
 PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         How the test-copy features integrate the gradient along each step:
         ``"exact"`` splits each step at the kinks of the network and uses

@@ -6,7 +6,12 @@ from numbers import Integral, Real
 from sklearn.utils._param_validation import Interval, StrOptions
 from torch import nn
 
-from .._nn._builders import ACTIVATIONS, make_distance_network, make_mlp
+from .._nn._builders import (
+    ACTIVATIONS,
+    make_distance_conv_network,
+    make_distance_network,
+    make_mlp,
+)
 from .._nn._distance import INITS, KERNELS, TRANSFORMS
 
 
@@ -41,10 +46,57 @@ class MLPNetworkMixin:
         return module
 
 
+def _positive_ints(value, name, lengths):
+    """``value`` as a tuple of positive ints of one of ``lengths`` (a ValueError otherwise)."""
+    items = (value,) if isinstance(value, Integral) else tuple(value)
+    if len(items) not in lengths or any(not isinstance(v, Integral) or v < 1 for v in items):
+        raise ValueError(f"{name} must be {lengths} positive integers, got {value!r}.")
+    return tuple(int(v) for v in items)
+
+
+def image_geometry(image_shape, n_features):
+    """``image_shape`` as ``(C, H, W)`` (``(H, W)`` is one channel), checked against the
+    number of features."""
+    shape = _positive_ints(image_shape, "image_shape", (2, 3))
+    shape = (1, *shape) if len(shape) == 2 else shape
+    if shape[0] * shape[1] * shape[2] != n_features:
+        raise ValueError(
+            f"image_shape={tuple(image_shape)!r} has {shape[0] * shape[1] * shape[2]} values "
+            f"per image but X has {n_features} features."
+        )
+    return shape
+
+
+def conv_specs(conv_layers):
+    """Each layer of ``conv_layers`` as ``(n_memories, kernel_size, stride, padding)``:
+    an int is ``n_memories`` with 3x3 patches; a tuple gives ``(n_memories,
+    kernel_size[, stride[, padding]])`` (stride 1, padding 0 by default)."""
+    specs = []
+    for layer in conv_layers:
+        items = (layer, 3) if isinstance(layer, Integral) else tuple(layer)
+        if not 2 <= len(items) <= 4 or any(not isinstance(v, Integral) for v in items):
+            raise ValueError(
+                "Each entry of conv_layers must be n_memories or a tuple (n_memories, "
+                f"kernel_size[, stride[, padding]]) of ints, got {layer!r}."
+            )
+        n_memories, kernel_size, stride, padding = (*items, *(1, 0)[len(items) - 2 :])
+        if min(n_memories, kernel_size, stride) < 1 or padding < 0:
+            raise ValueError(
+                f"conv_layers entry {layer!r}: n_memories, kernel_size and stride must be "
+                "positive and padding non-negative."
+            )
+        specs.append(tuple(int(v) for v in (n_memories, kernel_size, stride, padding)))
+    return specs
+
+
 class DistanceNetworkMixin:
     """``_build_module`` of the distance estimators, from ``hidden_layer_sizes``,
-    ``kernel``, ``init``, ``skew_transform``, ``gamma`` and the estimator's head
-    (``head``; regressors have a linear head)."""
+    ``kernel``, ``init``, ``skew_transform``, ``gamma``, ``image_shape``,
+    ``conv_layers`` and the estimator's head (``head``; regressors have a linear head).
+
+    With ``image_shape`` set, the rows of ``X`` are flattened images: the network
+    starts with the convolutional distance layers of ``conv_layers``
+    (:func:`make_distance_conv_network`); with ``image_shape=None`` it is dense."""
 
     _parameter_constraints = {
         "hidden_layer_sizes": ["array-like", Interval(Integral, 1, None, closed="left")],
@@ -52,6 +104,8 @@ class DistanceNetworkMixin:
         "init": [StrOptions(set(INITS))],
         "skew_transform": [StrOptions(set(TRANSFORMS))],
         "gamma": [Interval(Real, 0, None, closed="neither")],
+        "image_shape": ["array-like", None],
+        "conv_layers": ["array-like"],
     }
 
     #: The head of an estimator that has no ``head`` parameter.
@@ -70,10 +124,24 @@ class DistanceNetworkMixin:
                 "cosine kernel's similarities are in [-1, 1]; use skew_transform='none' or "
                 "'standardize' with kernel='cosine'."
             )
+        sizes = [int(size) for size in sizes]
+        if self.image_shape is not None:
+            return make_distance_conv_network(
+                X,
+                n_outputs,
+                image_geometry(self.image_shape, X.shape[1]),
+                conv_specs(self.conv_layers),
+                sizes,
+                self.kernel,
+                self.init,
+                self.skew_transform,
+                self.head,
+                gamma=self.gamma,
+            )
         return make_distance_network(
             X,
             n_outputs,
-            [int(size) for size in sizes],
+            sizes,
             self.kernel,
             self.init,
             self.skew_transform,

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ._distance import DISTANCE_KERNELS, DistanceLayer, Negate, Transform, init_memories
+from ._distance_conv import DistanceConv2d
 
 ACTIVATIONS = {
     "relu": nn.ReLU,
@@ -30,6 +31,7 @@ def make_mlp(n_features, n_outputs, hidden_layer_sizes=(100,), activation="relu"
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     return nn.Sequential(*layers, head)
+
 
 HEADS = ("linear", "distance")
 
@@ -66,3 +68,63 @@ def make_distance_network(
         if kernel in DISTANCE_KERNELS:
             layers.append(Negate())
     return nn.Sequential(*layers)
+
+
+#: At most this many training patches are given to a data-based initialisation
+#: (drawn at random): k-means++ seeding costs ``O(rows k D)``.
+MAX_INIT_PATCHES = 20000
+
+
+def _init_rows(rows):
+    """At most ``MAX_INIT_PATCHES`` of ``rows``, drawn by torch's global generator."""
+    if rows.shape[0] <= MAX_INIT_PATCHES:
+        return rows
+    return rows[torch.randperm(rows.shape[0], device="cpu")[:MAX_INIT_PATCHES].to(rows.device)]
+
+
+def make_distance_conv_network(
+    X,
+    n_classes,
+    image_shape,
+    conv_layers,
+    hidden_layer_sizes,
+    kernel,
+    init,
+    transform,
+    head,
+    gamma=1.0,
+):
+    """Convolutional distance layers on images, then :func:`make_distance_network`.
+
+    ``X`` (n, C H W) holds flattened images of ``image_shape`` ``(C, H, W)``; the
+    network unflattens them and applies, per spec ``(n_memories, kernel_size,
+    stride, padding)`` of ``conv_layers``, a :class:`DistanceConv2d` followed by
+    ``transform``; the flattened result feeds the dense distance layers
+    ``hidden_layer_sizes`` and the head. Data-based initialisations see the
+    training images' patches as the previous layers map them (at most
+    ``MAX_INIT_PATCHES`` of them, drawn at random).
+    """
+    stem = [nn.Unflatten(1, tuple(image_shape))]
+    with torch.no_grad():
+        H = stem[0](X)
+    for n_memories, kernel_size, stride, padding in conv_layers:
+        layer = DistanceConv2d(
+            H.shape[1],
+            n_memories,
+            kernel_size,
+            stride,
+            padding,
+            kernel,
+            gamma=gamma,
+            dtype=X.dtype,
+            device=X.device,
+        )
+        init_memories(layer, _init_rows(layer.patch_rows(H)), init)
+        stem += [layer, Transform(transform)]
+        with torch.no_grad():
+            H = stem[-1](layer(H))
+    stem.append(nn.Flatten())
+    dense = make_distance_network(
+        H.flatten(1), n_classes, hidden_layer_sizes, kernel, init, transform, head, gamma=gamma
+    )
+    return nn.Sequential(*stem, *dense)

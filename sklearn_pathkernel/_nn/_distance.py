@@ -64,13 +64,23 @@ def _cosine(layer, x):
 
 
 #: ``k(x, m_j)`` of each kernel, as a function of the layer and its input.
-_SIMILARITIES = {
+SIMILARITIES = {
     "sqeuclidean": _sqeuclidean,
     "euclidean": _root_msd,
     "rbf": _rbf,
     "laplacian": _laplacian,
     "cosine": _cosine,
 }
+
+
+def kernel_values(layer, x):
+    """``k(x_i, m_j)`` (n, J) of ``layer``'s kernel for rows ``x`` (n, layer.in_features).
+
+    Shared by every layer with ``memories`` (J, in_features), ``in_features``,
+    ``kernel`` and ``log_gamma`` (:class:`DistanceLayer`, and
+    :class:`~sklearn_pathkernel._nn._distance_conv.DistanceConv2d` on its patches).
+    """
+    return SIMILARITIES[layer.kernel](layer, x)
 
 
 class DistanceLayer(nn.Module):
@@ -178,7 +188,7 @@ class DistanceLayer(nn.Module):
 
     def similarity(self, x):
         """The kernel values ``k(x, m_j)`` without the bias, shape (n, n_memories)."""
-        return _SIMILARITIES[self.kernel](self, x)
+        return kernel_values(self, x)
 
     def extra_repr(self):
         return (
@@ -217,7 +227,8 @@ class Transform(nn.Module):
     - ``"log1p"``: ``log(1 + max(z, 0))`` (compresses the tail; smooth, slope 1 at 0).
     - ``"standardize"``: per example, subtract the mean over the layer's outputs
       and divide by their standard deviation (LayerNorm without affine part; no
-      statistics across examples).
+      statistics across examples). Over dimension 1: for a convolutional distance
+      layer's (n, J, H, W) outputs, over its memories at each position.
 
     Parameters
     ----------
@@ -264,10 +275,11 @@ def init_memories(layer, X, method):
 
     Parameters
     ----------
-    layer : DistanceLayer
+    layer : DistanceLayer or DistanceConv2d
     X : torch.Tensor of shape (n, layer.in_features)
-        The inputs the layer sees (for deeper layers, the previous layers'
-        outputs on the training data).
+        The rows the layer compares with its memories (for deeper layers, the
+        previous layers' outputs on the training data; for a convolutional
+        layer, the training images' patches, ``DistanceConv2d.patch_rows``).
     method : {"uniform", "kmeans++", "samples"}
         ``"uniform"`` keeps ``nn.Linear``'s range; ``"samples"`` copies random
         distinct rows of ``X``; ``"kmeans++"`` picks rows by k-means++ seeding
@@ -276,7 +288,7 @@ def init_memories(layer, X, method):
 
     Returns
     -------
-    layer : DistanceLayer
+    layer : DistanceLayer or DistanceConv2d
     """
     if method not in INITS:
         raise ValueError(f"Unknown init {method!r}; expected one of {INITS}.")

@@ -61,15 +61,18 @@ than materialising), and networks with it keep one pass per distinct ``t``.
 
 Modules: ``_geometry`` (distances accurate where the expansion cancels),
 ``_factors`` (typed factors per kernel family), ``_family`` (what a family
-implements), ``_squared`` and ``_cosine`` (the families), ``_rule`` (the rule).
+implements), ``_squared`` and ``_cosine`` (the families), ``_rule`` (the rule);
+``_conv``, the rule of the convolutional layer ``DistanceConv2d``.
 """
 
+from ._conv import DistanceConv2dRule
 from ._factors import CosineFactors, DistanceFactors, Memories, SquaredDistanceFactors
 from ._rule import FACTORED_KERNELS, DistanceRule
 
 __all__ = [
     "FACTORED_KERNELS",
     "CosineFactors",
+    "DistanceConv2dRule",
     "DistanceFactors",
     "DistanceRule",
     "Memories",
