@@ -376,9 +376,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
+    parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
+    parser.add_argument("--gram-queries", type=int, default=None, help="rows of the cross Gram")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = dict(QUICK if args.quick else FULL)
+    for key in ("queries", "gram_queries"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
     sizes = args.sizes or config["sizes"]
     if args.cells:
         cells = [tuple(cell.split("/")) for cell in args.cells]

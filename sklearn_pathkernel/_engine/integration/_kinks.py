@@ -354,7 +354,9 @@ def polynomial_switches(states):
         floor = torch.stack([z.abs().amax(1) for z in samples]).amax(0)
         fit = fit_samples(*samples, POLYNOMIAL_RTOL, floor[:, None])
         masks.append(fit.solved)
-        row, unit = torch.nonzero(fit.solved, as_tuple=True)
+        # (a line has a root inside only if its ends' signs differ)
+        crossing = fit.quadratic | (fit.linear & ((samples[0] > 0) != (samples[-1] > 0)))
+        row, unit = torch.nonzero(crossing, as_tuple=True)
         for u in quadratic_roots(fit.a[row, unit], fit.b[row, unit], fit.c[row, unit]):
             inside = (u > 0) & (u < 1)  # (nan and +-inf fail both tests)
             row_in, u = row[inside], u[inside]

@@ -88,6 +88,16 @@ def pool_windows(args, kwargs, n_spatial):
     )
 
 
+@lru_cache(maxsize=16)
+def _pairs(k, device):
+    """The pairs ``i < m`` of ``k`` entries, as two index tensors."""
+    first, second = zip(*combinations(range(k), 2), strict=True) if k > 1 else ((), ())
+    return (
+        torch.tensor(first, dtype=torch.long, device=device),
+        torch.tensor(second, dtype=torch.long, device=device),
+    )
+
+
 @lru_cache(maxsize=64)
 def _windows(shape, kernel, stride, padding, dilation, device):
     positions = torch.arange(1, shape[0] * shape[1] + 1, dtype=torch.float64).view(1, 1, *shape)
@@ -124,30 +134,41 @@ def polynomial_pools(states, rtol):
         fit = fit_samples(*samples, rtol, floor[:, None, None])
         valid = windows >= 0  # (windows, k)
         where = windows.clamp(min=0)
-        a, b, c = (coefficient[:, :, where] for coefficient in fit[2:])  # (n, C, windows, k)
-        solved = (fit.solved[:, :, where] | ~valid).all(-1)
+        solved = (fit.solved[:, :, where] | ~valid).all(-1)  # (n, C, windows)
         masks.append(solved)
+        # The winner of lines (a window of linear entries: their maximum is convex)
+        # that wins at both ends wins throughout: only windows with a quadratic
+        # entry, or whose winner differs at the ends, can switch.
+        curved = (fit.quadratic[:, :, where] & valid).any(-1)
+        ends_differ = indices != states[-1].pools[j][1]
+        row, channel, window = torch.nonzero(solved & (curved | ends_differ), as_tuple=True)
+        a, b, c = (
+            coefficient[row[:, None], channel[:, None], where[window]] for coefficient in fit[2:]
+        )  # (candidates, k)
+        member = valid[window]
         size = (a.abs() + b.abs() + c.abs()).amax(-1)
-        for i, m in combinations(range(windows.shape[1]), 2):
-            pair = solved & valid[:, i] & valid[:, m]
-            da, db, dc = a[..., i] - a[..., m], b[..., i] - b[..., m], c[..., i] - c[..., m]
-            for u in quadratic_roots(da, db, dc):
-                inside = pair & (u > 0) & (u < 1)  # (nan and +-inf fail both tests)
-                if not inside.any():
-                    continue
-                row, channel, window = torch.nonzero(inside, as_tuple=True)
-                at = u[row, channel, window]
-                values = (
-                    a[row, channel, window]
-                    + at[:, None]
-                    * (b[row, channel, window] + at[:, None] * c[row, channel, window])
-                ).masked_fill(~valid[window], -torch.inf)
-                value = values[:, i]
-                top = values.amax(1)
-                winner = value >= top - WINNER_RTOL * size[row, channel, window]
-                row, at = row[winner], at[winner]
-                kink_rows.append(row.cpu().numpy())
-                kink_t.append((lo[row] + (hi[row] - lo[row]) * at).cpu().numpy())
+        # every pair (i, m) of a window's entries at once: (candidates, pairs)
+        first, second = _pairs(windows.shape[1], windows.device)
+        paired = member[:, first] & member[:, second]
+        roots = torch.stack(
+            quadratic_roots(
+                a[:, first] - a[:, second],
+                b[:, first] - b[:, second],
+                c[:, first] - c[:, second],
+            )
+        )
+        inside = paired & (roots > 0) & (roots < 1)  # (nan and +-inf fail both tests)
+        which, candidate, pair = torch.nonzero(inside, as_tuple=True)
+        at = roots[which, candidate, pair]
+        values = (
+            a[candidate] + at[:, None] * (b[candidate] + at[:, None] * c[candidate])
+        ).masked_fill(~member[candidate], -torch.inf)
+        value = values.gather(1, first[pair][:, None])[:, 0]
+        winner = value >= values.amax(1) - WINNER_RTOL * size[candidate]
+        row = row[candidate]
+        row, at = row[winner], at[winner]
+        kink_rows.append(row.cpu().numpy())
+        kink_t.append((lo[row] + (hi[row] - lo[row]) * at).cpu().numpy())
     return PoolSwitches(
         masks,
         np.concatenate(kink_rows) if kink_rows else np.zeros(0, int),
