@@ -145,14 +145,17 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
         solved = closed_form_kinks(states)
         kink_rows.append(piece_row[solved.rows])
         kink_t.append(solved.t)
-        rest = [_without(state, solved.switches, solved.pools) for state in states]
-        changes = (
-            torch.stack(
-                [~left.same_piece(right) for left, right in zip(rest[:-1], rest[1:], strict=True)]
+        changes = np.zeros((3, piece_row.size), dtype=bool)  # between consecutive samples
+        if solved.unsolved.any():  # (solved values never change once masked)
+            rest = [_without(state, solved.switches, solved.pools) for state in states]
+            changes = np.stack(
+                [
+                    (~left.same_piece(right)).cpu().numpy()
+                    for left, right in zip(rest[:-1], rest[1:], strict=True)
+                ]
             )
-            .cpu()
-            .numpy()
-        )  # (3, pieces): between consecutive samples
+        if not solved.unsolved.any():  # every value in closed form: done
+            break
         inside = _inner_kinks(solved, lo, hi)
         split = (changes.any(0) | solved.unsolved) & (inside.counts > 0)
         if level == MAX_LEVELS:
@@ -187,20 +190,27 @@ def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi):
     Points shared by pieces (a piece's end, the next one's start) are evaluated
     once; all of them in passes of at most ``ROWS_PER_PASS`` rows.
     """
-    u = np.array([0.0, 1 / 3, 2 / 3, 1.0])
-    t = lo[None, :] + (hi - lo)[None, :] * u[:, None]
-    t[0], t[-1] = lo, hi  # exactly
-    point_rows = np.tile(piece_row, 4)
-    keys = np.stack([point_rows, t.ravel()])
-    unique, inverse = np.unique(keys, axis=1, return_inverse=True)
-    inverse = torch.as_tensor(inverse.ravel(), device=X_rows.device)
-    unique_rows = torch.as_tensor(unique[0].astype(np.int64), device=X_rows.device)
-    unique_t = torch.as_tensor(unique[1], dtype=torch.float64, device=X_rows.device)
+    # Pieces come sorted by row, then lo: a piece starting where the one before
+    # it (same row) ends shares that point. Each piece adds its thirds and end,
+    # and its start unless shared: positions of its four samples in the points.
+    shared = np.zeros(piece_row.size, dtype=bool)
+    shared[1:] = (piece_row[1:] == piece_row[:-1]) & (lo[1:] == hi[:-1])
+    count = 4 - shared
+    offset = np.cumsum(count) - count
+    own = offset + 1 - shared  # the first of the piece's own points after its start
+    index = np.stack([np.where(shared, offset - 1, offset), own, own + 1, own + 2])
+    total = int(count.sum())
+    point_row, point_t = np.empty(total, dtype=np.int64), np.empty(total)
+    for j, u in enumerate((0.0, 1 / 3, 2 / 3, 1.0)):
+        point_row[index[j]] = piece_row
+        point_t[index[j]] = lo if j == 0 else (hi if j == 3 else lo + (hi - lo) * u)
+    inverse = torch.as_tensor(index.ravel(), device=X_rows.device)
+    unique_rows = torch.as_tensor(point_row, device=X_rows.device)
+    unique_t = torch.as_tensor(point_t, dtype=torch.float64, device=X_rows.device)
     parts = [
         switch_state(probe, start, direction, X_rows[unique_rows[part]], unique_t[part])
         for part in (
-            slice(begin, begin + ROWS_PER_PASS)
-            for begin in range(0, unique.shape[1], ROWS_PER_PASS)
+            slice(begin, begin + ROWS_PER_PASS) for begin in range(0, total, ROWS_PER_PASS)
         )
     ]
     evaluated = parts[0] if len(parts) == 1 else SwitchState.cat(parts)
@@ -350,8 +360,9 @@ def polynomial_switches(states):
     lo, hi = states[0].t, states[-1].t
     masks, kink_rows, kink_t = [], [], []
     for samples in zip(*(state.switches for state in states), strict=True):
-        # values are computed to a few eps of the row's largest one (at best)
-        floor = torch.stack([z.abs().amax(1) for z in samples]).amax(0)
+        # values are computed to a few eps of the row's largest one (at best;
+        # the largest at the ends stands for it)
+        floor = torch.maximum(samples[0].abs().amax(1), samples[-1].abs().amax(1))
         fit = fit_samples(*samples, POLYNOMIAL_RTOL, floor[:, None])
         masks.append(fit.solved)
         # (a line has a root inside only if its ends' signs differ)

@@ -128,9 +128,12 @@ def polynomial_pools(states, rtol):
             masks.append(torch.zeros(indices.shape, dtype=torch.bool, device=indices.device))
             continue
         samples = [state.pools[j][0] for state in states]
-        # A pool's inputs are computed to a few eps of the row's largest one: a
-        # ReLU output that rounding leaves at 1e-18 instead of 0 is no kink.
-        floor = torch.stack([v.abs().flatten(1).amax(1) for v in samples]).amax(0)
+        # A pool's inputs are computed to a few eps of the row's largest one (the
+        # largest at the ends stands for it): a ReLU output that rounding leaves
+        # at 1e-18 instead of 0 is no kink.
+        floor = torch.maximum(
+            samples[0].flatten(1).abs().amax(1), samples[-1].flatten(1).abs().amax(1)
+        )
         fit = fit_samples(*samples, rtol, floor[:, None, None])
         valid = windows >= 0  # (windows, k)
         where = windows.clamp(min=0)
