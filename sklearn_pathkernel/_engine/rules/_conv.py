@@ -181,7 +181,12 @@ class ConvGradients(Gradients):
         first where the row's columns are the same at all its nodes."""
         first = first_of_rows(rows, n_rows)
         columns = self.columns[first]
-        if rows.numel() and torch.equal(columns[rows], self.columns):
+        # (one column entry first: a moving input differs there already)
+        if (
+            rows.numel()
+            and torch.equal(columns[rows, 0], self.columns[:, 0])
+            and torch.equal(columns[rows], self.columns)
+        ):
             return ConvGradients(columns, row_sums(rows, weights, self.deltas, n_rows))
         return Gradients(row_sums(rows, weights, self.grads, n_rows))
 
