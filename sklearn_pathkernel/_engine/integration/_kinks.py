@@ -8,15 +8,20 @@ Gauss-Legendre (:mod:`._quadrature`) is exact to machine precision with a
 handful of nodes.
 
 :func:`row_kinks` evaluates every row at the ends and thirds of each interval of a
-grid: switching values linear or quadratic in ``t`` there (a first layer's
-pre-activations, a first distance layer's outputs) have their kinks solved in
-closed form; the others are located by :func:`locate_kinks`, regula falsi on the
-first switching value to change sign, for all rows at once.
+grid: switching values and max-pool windows linear or quadratic in ``t`` there (a
+first layer's pre-activations, a first distance layer's outputs, a max-pool over
+a first convolution) have their kinks solved in closed form, and between those
+kinks the next layer's values are sampled again; what is left is located by
+:func:`locate_kinks`, regula falsi on the first switching value to change sign,
+for all rows and intervals at once.
 
-Cost: one forward pass (no backward pass) of the rows per ``POINTS_PER_PASS``
-points of the grid, plus, per kink left to the search, a few passes of the rows
-that have one (regula falsi converges in a handful of iterations, bisection takes
-over where it does not).
+Cost: one forward pass (no backward pass) of every row at the ends and thirds of
+its pieces per level (one level for a network whose switching values are all
+polynomials of degree <= 2 in ``t``, one more per layer whose values become so
+between the kinks of the layers before it), plus, per kink left to the search, a
+few passes of the intervals that have one, all intervals in the same passes
+(regula falsi converges in a handful of iterations, bisection takes over where it
+does not).
 """
 
 from typing import NamedTuple
@@ -24,12 +29,24 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._polynomials import fit_samples, quadratic_roots
+from ._pool_switches import polynomial_pools
 from ._switches import SwitchState, switch_state
 
-#: Points of the kink search evaluated in one forward pass (for all rows): the
-#: default grid's ends and its two thirds; finer grids take several passes, so a
-#: pass holds at most four evaluations of the rows.
-POINTS_PER_PASS = 4
+#: Rows (pieces times sample points) of the kink search evaluated in one forward
+#: pass: all rows and pieces of a step in one pass, unless a refinement grid makes
+#: many (the switching values of a pass are held in memory at once).
+ROWS_PER_PASS = 8192
+#: Pieces split at their closed-form kinks and sampled again, at most this many
+#: times in a row: a level per layer whose values are polynomials between the
+#: kinks of the layers before it (degree <= 2: one moving layer below them).
+MAX_LEVELS = 3
+#: A closed-form kink splits its piece only this fraction of the piece's width
+#: inside it (at its ends it is the kink the piece was split at, found again).
+SPLIT_MARGIN = 1e-9
+#: Kinks of a row closer than this are one (the search brackets to 4e-13): a
+#: piece narrower than it would add nothing to the integral.
+KINK_MERGE = 1e-13
 #: Switching values sampled at u = 0, 1/3, 2/3, 1 of an interval are taken as
 #: polynomials in u (linear or quadratic) when the differences that vanish for
 #: such polynomials vanish to this fraction of the values' magnitude. Values are
@@ -88,10 +105,17 @@ class PolynomialSwitches(NamedTuple):
 def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     """Kinks of each row in ``rows`` along ``w(t) = start + t * direction``.
 
-    Each interval of ``grid`` is evaluated at its ends and thirds, in the same
-    passes: switching values linear or quadratic in ``t`` there have their kinks
-    solved in closed form (:func:`polynomial_switches`); the others are compared
-    at the grid points, and located between grid points whose pieces differ. A
+    Each interval of ``grid`` is a *piece*, evaluated at its ends and thirds, all
+    rows and pieces in the same passes (:func:`sampled_pieces`): switching values
+    and max-pool windows polynomial in ``t`` there (degree <= 2) have their kinks
+    solved in closed form (:func:`polynomial_switches`,
+    :func:`._pool_switches.polynomial_pools`). A piece where some other value
+    changes, or is no polynomial, is split at its closed-form kinks and its
+    sub-pieces evaluated again, up to ``MAX_LEVELS`` times: between a first
+    layer's kinks the next layer's values are polynomials too (a convolution's
+    max-pool over its ReLUs, a second layer's pre-activations). What is left
+    changes sign between samples of a piece with no closed-form kink to split it
+    at: :func:`locate_kinks` searches those intervals, all in the same passes. A
     finer grid finds pairs of kinks that cancel between two coarse points. Grid
     points are returned as breakpoints too (harmless: a finer partition of a
     smooth piece).
@@ -104,52 +128,211 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     rows = np.asarray(rows)
     n = rows.size
     X_rows = X[torch.as_tensor(rows, device=X.device)]
-
-    def evaluate(subset, t):
-        return switch_state(probe, start, direction, X_rows[subset], t)
-
-    # The grid points and the thirds between them (which tell which switching values
-    # are linear or quadratic in t), all rows at up to POINTS_PER_PASS points per pass.
     grid = np.asarray(grid, dtype=float)
-    points = np.empty(3 * grid.size - 2)
-    points[0::3] = grid
-    points[1::3], points[2::3] = (2 * grid[:-1] + grid[1:]) / 3, (grid[:-1] + 2 * grid[1:]) / 3
-    states = []
-    for begin in range(0, points.size, POINTS_PER_PASS):
-        part = points[begin : begin + POINTS_PER_PASS]
-        t = torch.as_tensor(np.repeat(part, n), dtype=torch.float64, device=X.device)
-        repeated = X_rows.repeat(part.size, *([1] * (X_rows.ndim - 1)))
-        evaluated = switch_state(probe, start, direction, repeated, t)
-        states += [evaluated.take(slice(j * n, (j + 1) * n)) for j in range(part.size)]
-    ends = StepEnds(*states[0].outputs, *states[-1].outputs)
-
-    # Kinks as flat (row position, t) pairs, the inner grid points first.
-    kink_rows = [np.repeat(np.arange(n), grid.size - 2)]
-    kink_t = [np.tile(grid[1:-1], n)]
-    for begin in range(0, len(states) - 1, 3):
-        left, right = states[begin], states[begin + 3]
-        polynomial = polynomial_switches(states[begin : begin + 4])
-        kink_rows.append(polynomial.rows)
-        kink_t.append(polynomial.t)
-        solved = polynomial.solved
-        left, right = _without(left, solved), _without(right, solved)
-        if left.same_piece(right).all():  # every kink was solved: nothing to search
-            continue
-
-        def evaluate_rest(subset, t, solved=solved):
-            return _without(evaluate(subset, t), [mask[subset] for mask in solved])
-
-        found = locate_kinks(evaluate_rest, left, right)
-        kink_rows.append(np.repeat(np.arange(n), [len(row) for row in found]))
-        kink_t.append(np.fromiter((t for row in found for t in row), float))
+    n_pieces = grid.size - 1
+    piece_row = np.repeat(np.arange(n), n_pieces)
+    lo, hi = np.tile(grid[:-1], n), np.tile(grid[1:], n)
+    kink_rows, kink_t = [np.repeat(np.arange(n), grid.size - 2)], [np.tile(grid[1:-1], n)]
+    searches, ends = [], None
+    for level in range(MAX_LEVELS + 1):
+        if piece_row.size == 0:
+            break
+        states = sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi)
+        if level == 0:
+            first = torch.arange(n, device=X.device) * n_pieces
+            last = first + n_pieces - 1
+            ends = StepEnds(*states[0].take(first).outputs, *states[-1].take(last).outputs)
+        solved = closed_form_kinks(states)
+        kink_rows.append(piece_row[solved.rows])
+        kink_t.append(solved.t)
+        changes = np.zeros((3, piece_row.size), dtype=bool)  # between consecutive samples
+        if solved.unsolved.any():  # (solved values never change once masked)
+            rest = [_without(state, solved.switches, solved.pools) for state in states]
+            changes = np.stack(
+                [
+                    (~left.same_piece(right)).cpu().numpy()
+                    for left, right in zip(rest[:-1], rest[1:], strict=True)
+                ]
+            )
+        if not solved.unsolved.any():  # every value in closed form: done
+            break
+        inside = _inner_kinks(solved, lo, hi)
+        split = (changes.any(0) | solved.unsolved) & (inside.counts > 0)
+        if level == MAX_LEVELS:
+            split[:] = False
+        search = changes & ~split
+        if search.any():
+            searches.append(_SearchIntervals.of(rest, search, piece_row, solved))
+        piece_row, lo, hi = inside.pieces(split, piece_row, lo, hi)
     if n == 0:
         return KinkSearch([], ends)
-    kink_rows, kink_t = np.concatenate(kink_rows), np.concatenate(kink_t)
-    order = np.lexsort((kink_t, kink_rows))
-    bounds = np.searchsorted(kink_rows[order], np.arange(n + 1)).tolist()
-    kink_t = kink_t[order]
-    kinks = [kink_t[begin:end] for begin, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    return KinkSearch(kinks, ends)
+    if searches:
+        intervals = _SearchIntervals.cat(searches)
+
+        def evaluate_rest(subset, t):
+            state = switch_state(probe, start, direction, X_rows[intervals.rows[subset]], t)
+            return _without(
+                state,
+                [mask[subset] for mask in intervals.switches],
+                [mask[subset] for mask in intervals.pools],
+            )
+
+        found = locate_kinks(evaluate_rest, intervals.left, intervals.right)
+        kink_rows.append(np.repeat(intervals.rows.cpu().numpy(), [len(row) for row in found]))
+        kink_t.append(np.fromiter((t for row in found for t in row), float))
+    return KinkSearch(_by_row(n, np.concatenate(kink_rows), np.concatenate(kink_t)), ends)
+
+
+def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi):
+    """Switch states of every piece ``[lo, hi]`` of row ``piece_row`` at ``u = 0,
+    1/3, 2/3, 1``: four lists of states, one entry per piece.
+
+    Points shared by pieces (a piece's end, the next one's start) are evaluated
+    once; all of them in passes of at most ``ROWS_PER_PASS`` rows.
+    """
+    # Pieces come sorted by row, then lo: a piece starting where the one before
+    # it (same row) ends shares that point. Each piece adds its thirds and end,
+    # and its start unless shared: positions of its four samples in the points.
+    shared = np.zeros(piece_row.size, dtype=bool)
+    shared[1:] = (piece_row[1:] == piece_row[:-1]) & (lo[1:] == hi[:-1])
+    count = 4 - shared
+    offset = np.cumsum(count) - count
+    own = offset + 1 - shared  # the first of the piece's own points after its start
+    index = np.stack([np.where(shared, offset - 1, offset), own, own + 1, own + 2])
+    total = int(count.sum())
+    point_row, point_t = np.empty(total, dtype=np.int64), np.empty(total)
+    for j, u in enumerate((0.0, 1 / 3, 2 / 3, 1.0)):
+        point_row[index[j]] = piece_row
+        point_t[index[j]] = lo if j == 0 else (hi if j == 3 else lo + (hi - lo) * u)
+    inverse = torch.as_tensor(index.ravel(), device=X_rows.device)
+    unique_rows = torch.as_tensor(point_row, device=X_rows.device)
+    unique_t = torch.as_tensor(point_t, dtype=torch.float64, device=X_rows.device)
+    parts = [
+        switch_state(probe, start, direction, X_rows[unique_rows[part]], unique_t[part])
+        for part in (
+            slice(begin, begin + ROWS_PER_PASS) for begin in range(0, total, ROWS_PER_PASS)
+        )
+    ]
+    evaluated = parts[0] if len(parts) == 1 else SwitchState.cat(parts)
+    size = piece_row.size
+    return [evaluated.take(inverse[j * size : (j + 1) * size]) for j in range(4)]
+
+
+class ClosedFormKinks(NamedTuple):
+    """Kinks solved in closed form on pieces (:func:`closed_form_kinks`).
+
+    Attributes
+    ----------
+    switches, pools : list of torch.Tensor
+        Per switch tensor and max-pool, the mask of its entries (windows) solved.
+    unsolved : ndarray of bool
+        Per piece, whether some entry is not solved.
+    rows, t : ndarray
+        Piece position and point along the step of every kink found.
+    """
+
+    switches: list
+    pools: list
+    unsolved: np.ndarray
+    rows: np.ndarray
+    t: np.ndarray
+
+
+def closed_form_kinks(states):
+    """The kinks of the switching values and max-pool windows polynomial on their
+    pieces, from the states at ``u = 0, 1/3, 2/3, 1`` (see :func:`polynomial_switches`
+    and :func:`._pool_switches.polynomial_pools`)."""
+    switches = polynomial_switches(states)
+    pools = polynomial_pools(states, POLYNOMIAL_RTOL)
+    unsolved = torch.zeros(states[0].t.shape[0], dtype=torch.bool, device=states[0].t.device)
+    for mask in (*switches.solved, *pools.solved):
+        unsolved |= ~mask.flatten(1).all(1)
+    return ClosedFormKinks(
+        switches.solved,
+        pools.solved,
+        unsolved.cpu().numpy(),
+        np.concatenate([switches.rows, pools.rows]),
+        np.concatenate([switches.t, pools.t]),
+    )
+
+
+class _InnerKinks(NamedTuple):
+    """The closed-form kinks strictly inside their pieces, and how many per piece."""
+
+    rows: np.ndarray
+    t: np.ndarray
+    counts: np.ndarray
+
+    def pieces(self, split, piece_row, lo, hi):
+        """The sub-pieces ``(row, lo, hi)`` of the pieces ``split``, split at their kinks."""
+        chosen = split[self.rows]
+        parents = np.flatnonzero(split)
+        edge_piece = np.concatenate([parents, self.rows[chosen], parents])
+        edge_t = np.concatenate([lo[parents], self.t[chosen], hi[parents]])
+        order = np.lexsort((edge_t, edge_piece))
+        edge_piece, edge_t = edge_piece[order], edge_t[order]
+        keep = (edge_piece[1:] == edge_piece[:-1]) & (edge_t[1:] - edge_t[:-1] > KINK_MERGE)
+        return piece_row[edge_piece[:-1][keep]], edge_t[:-1][keep], edge_t[1:][keep]
+
+
+def _inner_kinks(solved, lo, hi):
+    """The kinks of ``solved`` at least ``SPLIT_MARGIN`` of their piece's width
+    inside it (kinks at a piece's ends are those it was split at)."""
+    rows, t = solved.rows, solved.t
+    margin = SPLIT_MARGIN * (hi - lo)[rows]
+    inside = (t > lo[rows] + margin) & (t < hi[rows] - margin)
+    rows, t = rows[inside], t[inside]
+    return _InnerKinks(rows, t, np.bincount(rows, minlength=lo.size))
+
+
+class _SearchIntervals(NamedTuple):
+    """Intervals left to :func:`locate_kinks`: their row (position in the search's
+    rows), their masked states at both ends, and the solved masks of their piece."""
+
+    rows: torch.Tensor
+    left: SwitchState
+    right: SwitchState
+    switches: list
+    pools: list
+
+    @classmethod
+    def of(cls, rest, search, piece_row, solved):
+        sample, piece = np.nonzero(search)  # between samples ``sample`` and ``sample + 1``
+        device = rest[0].t.device
+        order = torch.as_tensor(sample * piece_row.size + piece, device=device)
+        take = torch.as_tensor(piece, device=device)
+        return cls(
+            torch.as_tensor(piece_row[piece], device=device),
+            SwitchState.cat(rest[:-1]).take(order),
+            SwitchState.cat(rest[1:]).take(order),
+            [mask[take] for mask in solved.switches],
+            [mask[take] for mask in solved.pools],
+        )
+
+    @classmethod
+    def cat(cls, parts):
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            torch.cat([p.rows for p in parts]),
+            SwitchState.cat([p.left for p in parts]),
+            SwitchState.cat([p.right for p in parts]),
+            [torch.cat(masks) for masks in zip(*(p.switches for p in parts), strict=True)],
+            [torch.cat(masks) for masks in zip(*(p.pools for p in parts), strict=True)],
+        )
+
+
+def _by_row(n, rows, t):
+    """Per row of ``n``, its sorted kinks ``t``, those within ``KINK_MERGE`` of the
+    one before dropped (the same kink found twice: at a piece's ends and inside
+    its parent)."""
+    order = np.lexsort((t, rows))
+    rows, t = rows[order], t[order]
+    keep = np.ones(t.size, dtype=bool)
+    keep[1:] = (rows[1:] != rows[:-1]) | (t[1:] - t[:-1] > KINK_MERGE)
+    rows, t = rows[keep], t[keep]
+    bounds = np.searchsorted(rows, np.arange(n + 1)).tolist()
+    return [t[begin:end] for begin, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def polynomial_switches(states):
@@ -162,19 +345,12 @@ def polynomial_switches(states):
     plus a bias) quadratic, so their kinks follow from these four values at once
     (no search).
 
-    An entry is linear when both interior values lie on the chord,
-    ``|z_1 - (2 z_0 + z_3) / 3|`` and ``|z_2 - (z_0 + 2 z_3) / 3|`` at most
-    ``POLYNOMIAL_RTOL (|z_0| + |z_3|)``; its root is ``u = z_0 / (z_0 - z_3)``.
-    It is quadratic when the third difference, zero for every quadratic,
-    vanishes: ``|z_3 - 3 z_2 + 3 z_1 - z_0| <= POLYNOMIAL_RTOL (|z_0| + 3 |z_1| +
-    3 |z_2| + |z_3|)``. Then ``z(u) = a + b u + c u^2`` with the curvature from
-    the mean of the two second differences (each ``2 c / 9``),
-    ``c = 9 (z_3 - z_2 - z_1 + z_0) / 4``, and ``a = z_0``, ``b = z_3 - z_0 - c``
-    through the ends (so that a sign change between the ends always has a root);
-    its roots ``(-b -+ sqrt(b^2 - 4 a c)) / (2 c)`` are taken in the cancellation-free
-    form ``q / c`` and ``a / q``, ``q = -(b + sign(b) sqrt(b^2 - 4 a c)) / 2``,
-    and kept in ``(0, 1)``. Both crossings of a value that leaves its piece and
-    comes back within the interval are found, which the end signs cannot show.
+    Which entries are linear or quadratic, and their coefficients ``z(u) = a + b u
+    + c u^2``, come from :func:`._polynomials.fit_samples` (at
+    ``POLYNOMIAL_RTOL``); the roots (:func:`._polynomials.quadratic_roots`, in a
+    cancellation-free form) are kept in ``(0, 1)``. Both crossings of a value
+    that leaves its piece and comes back within the interval are found, which
+    the end signs cannot show.
 
     Returns
     -------
@@ -183,25 +359,20 @@ def polynomial_switches(states):
     """
     lo, hi = states[0].t, states[-1].t
     masks, kink_rows, kink_t = [], [], []
-    for z0, z1, z2, z3 in zip(*(state.switches for state in states), strict=True):
-        ends = z0.abs() + z3.abs()
-        linear = ((z1 - (2 * z0 + z3) / 3).abs() <= POLYNOMIAL_RTOL * ends) & (
-            (z2 - (z0 + 2 * z3) / 3).abs() <= POLYNOMIAL_RTOL * ends
-        )
-        scale = ends + 3 * (z1.abs() + z2.abs())
-        quadratic = ~linear & ((z3 - 3 * z2 + 3 * z1 - z0).abs() <= POLYNOMIAL_RTOL * scale)
-        masks.append(linear | quadratic)
-        row, unit = torch.nonzero(linear & ((z0 > 0) != (z3 > 0)), as_tuple=True)
-        a, d = z0[row, unit], z3[row, unit]
-        roots = [(row, a / (a - d))]
-        row, unit = torch.nonzero(quadratic, as_tuple=True)
-        a, c = z0[row, unit], 2.25 * (z3 - z2 - z1 + z0)[row, unit]
-        roots += [(row, u) for u in _quadratic_roots(a, z3[row, unit] - a - c, c)]
-        for row, u in roots:
+    for samples in zip(*(state.switches for state in states), strict=True):
+        # values are computed to a few eps of the row's largest one (at best;
+        # the largest at the ends stands for it)
+        floor = torch.maximum(samples[0].abs().amax(1), samples[-1].abs().amax(1))
+        fit = fit_samples(*samples, POLYNOMIAL_RTOL, floor[:, None])
+        masks.append(fit.solved)
+        # (a line has a root inside only if its ends' signs differ)
+        crossing = fit.quadratic | (fit.linear & ((samples[0] > 0) != (samples[-1] > 0)))
+        row, unit = torch.nonzero(crossing, as_tuple=True)
+        for u in quadratic_roots(fit.a[row, unit], fit.b[row, unit], fit.c[row, unit]):
             inside = (u > 0) & (u < 1)  # (nan and +-inf fail both tests)
-            row, u = row[inside], u[inside]
-            kink_rows.append(row.cpu().numpy())
-            kink_t.append((lo[row] + (hi[row] - lo[row]) * u).cpu().numpy())
+            row_in, u = row[inside], u[inside]
+            kink_rows.append(row_in.cpu().numpy())
+            kink_t.append((lo[row_in] + (hi[row_in] - lo[row_in]) * u).cpu().numpy())
     return PolynomialSwitches(
         masks,
         np.concatenate(kink_rows) if kink_rows else np.zeros(0, int),
@@ -209,24 +380,20 @@ def polynomial_switches(states):
     )
 
 
-def _quadratic_roots(a, b, c):
-    """Both real roots of ``a + b u + c u^2`` per entry, cancellation-free.
-
-    ``q = -(b + sign(b) sqrt(b^2 - 4 a c)) / 2`` and the roots ``q / c``, ``a / q``;
-    nan where the roots are complex, inf for a missing root (``c = 0``).
-    """
-    discriminant = b * b - 4 * a * c
-    root = torch.sqrt(discriminant)  # nan below 0: no real root
-    q = -0.5 * (b + torch.where(b >= 0, root, -root))
-    return q / c, a / q
-
-
-def _without(state, masks):
-    """The state with masked switching values replaced by a constant (never switching)."""
+def _without(state, switch_masks, pool_masks=None):
+    """The state with masked switching values replaced by a constant (never
+    switching) and masked max-pool windows by a constant winner."""
+    pools = state.pools
+    if pool_masks is not None:
+        pools = [
+            (values, torch.where(mask, 0, indices))
+            for (values, indices), mask in zip(state.pools, pool_masks, strict=True)
+        ]
     return SwitchState(
         state.t,
-        [torch.where(mask, 1.0, z) for z, mask in zip(state.switches, masks, strict=True)],
-        state.pools,
+        [torch.where(mask, 1.0, z) for z, mask in zip(state.switches, switch_masks, strict=True)],
+        pools,
+        windows=state.windows,
     )
 
 

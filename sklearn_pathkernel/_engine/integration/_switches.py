@@ -15,15 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ._pool_switches import pool_windows
+
 _SIGN_AT_ZERO = {"relu", "relu_", "leaky_relu", "leaky_relu_", "abs", "abs_", "sign", "rrelu"}
 _BOUNDED = {"hardtanh", "hardtanh_", "relu6", "clamp", "clamp_", "clip", "clip_", "threshold"}
 _POOLS = {
-    "max_pool1d": F.max_pool1d_with_indices,
-    "_max_pool1d": F.max_pool1d_with_indices,
-    "max_pool2d": F.max_pool2d_with_indices,
-    "_max_pool2d": F.max_pool2d_with_indices,
-    "max_pool3d": F.max_pool3d_with_indices,
-    "_max_pool3d": F.max_pool3d_with_indices,
+    "max_pool1d": (F.max_pool1d_with_indices, 1),
+    "_max_pool1d": (F.max_pool1d_with_indices, 1),
+    "max_pool2d": (F.max_pool2d_with_indices, 2),
+    "_max_pool2d": (F.max_pool2d_with_indices, 2),
+    "max_pool3d": (F.max_pool3d_with_indices, 3),
+    "_max_pool3d": (F.max_pool3d_with_indices, 3),
 }
 _PAIRWISE = {"maximum", "minimum", "fmax", "fmin"}
 
@@ -32,13 +34,15 @@ class SwitchRecorder(TorchFunctionMode):
     """Records, per row, the values whose signs pick the linear piece of the network.
 
     After a forward pass, ``switches`` is a list of (n, m) tensors (a kink where an
-    entry crosses zero) and ``pools`` a list of ``(inputs, indices)`` of max-pools
-    (a kink where a window's winner changes).
+    entry crosses zero), ``pools`` a list of ``(inputs, indices)`` of max-pools
+    (a kink where a window's winner changes) and ``windows`` the input positions
+    of each pool's windows (:func:`._pool_switches.pool_windows`; None where
+    unknown).
     """
 
     def __init__(self):
         super().__init__()
-        self.switches, self.pools = [], []
+        self.switches, self.pools, self.windows = [], [], []
 
     @staticmethod
     def _rows(tensor):
@@ -49,8 +53,10 @@ class SwitchRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _POOLS and not kwargs.get("return_indices", False):
-            out, indices = _POOLS[name](*args, **kwargs)
+            pool, n_spatial = _POOLS[name]
+            out, indices = pool(*args, **kwargs)
             self.pools.append((args[0].detach().flatten(2), indices.flatten(2)))
+            self.windows.append(pool_windows(args, kwargs, n_spatial))
             return out
         if args and isinstance(args[0], torch.Tensor) and args[0].ndim > 0:
             z = args[0]
@@ -83,11 +89,14 @@ class SwitchState:
 
     ``outputs``, when recorded, is ``(f, scale)`` of the same forward pass
     (``scale``: each row's largest absolute logit), which the certificate reuses.
+    ``windows``, per pool, its windows' input positions (the same for every row;
+    None where unknown, and for every pool when not given).
     """
 
-    def __init__(self, t, switches, pools, outputs=None):
+    def __init__(self, t, switches, pools, outputs=None, windows=None):
         self.t, self.switches, self.pools = t, switches, pools
         self.outputs = outputs
+        self.windows = [None] * len(pools) if windows is None else windows
 
     def _map(self, fn):
         return SwitchState(
@@ -95,6 +104,7 @@ class SwitchState:
             [fn(s) for s in self.switches],
             [(fn(a), fn(i)) for a, i in self.pools],
             None if self.outputs is None else tuple(fn(v) for v in self.outputs),
+            self.windows,
         )
 
     def take(self, rows):
@@ -114,6 +124,7 @@ class SwitchState:
                 for j in range(len(first.pools))
             ],
             outputs,
+            first.windows,
         )
 
     def where(self, mask, other):
@@ -129,6 +140,7 @@ class SwitchState:
                 (pick(va, vb), pick(ia, ib))
                 for (va, ia), (vb, ib) in zip(self.pools, other.pools, strict=True)
             ],
+            windows=self.windows,
         )
 
     def put(self, rows, other):
@@ -146,6 +158,7 @@ class SwitchState:
                 (assign(va, vb), assign(ia, ib))
                 for (va, ia), (vb, ib) in zip(self.pools, other.pools, strict=True)
             ],
+            windows=self.windows,
         )
 
     def same_piece(self, other):
@@ -175,7 +188,9 @@ class _Switches:
             if isinstance(t, torch.Tensor)
             else torch.full((X.shape[0],), float(t or 0.0), dtype=torch.float64, device=X.device)
         )
-        return SwitchState(t_rows.to(torch.float64), recorder.switches, recorder.pools, outputs)
+        return SwitchState(
+            t_rows.to(torch.float64), recorder.switches, recorder.pools, outputs, recorder.windows
+        )
 
     cat = staticmethod(SwitchState.cat)
 

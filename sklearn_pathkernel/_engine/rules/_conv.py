@@ -14,6 +14,8 @@ materialised one (the gradient formed per layer: one kernel's worth of
 weights) otherwise.
 """
 
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ from .._modes import OutputMode
 from ._contract import contract
 from ._gradients import FactoredGradients, Gradients, WeightAndBiasRule, factored
 from ._registry import register_rule
+from ._rows import first_of_rows, row_sums
 
 # Memory for one chunk of the factored convolution's (rows, rows, P, P) intermediates.
 _CONV_CHUNK_BYTES = 64 * 2**20
@@ -32,8 +35,10 @@ class Conv2dRule(WeightAndBiasRule):
     """``nn.Conv2d`` (one group, zero padding given as numbers).
 
     Factors are :class:`FactoredGradients` of the columns (n, d_in', P) and the
-    cotangents (n, K, d_out, P), or the :class:`Gradients` (n, K, d_out d_in'),
-    per output channel its kernel's weights then its bias.
+    cotangents (n, K, d_out, P), or :class:`ConvGradients`: the gradients (n, K,
+    d_out d_in'), per output channel its kernel's weights then its bias, formed
+    from the same columns and cotangents when first needed (a first convolution's
+    quadrature nodes are summed per row before: its columns do not move).
     """
 
     @classmethod
@@ -94,11 +99,14 @@ class Conv2dRule(WeightAndBiasRule):
         columns = self._columns(inputs[0], delta.shape[-1])  # (n, d_in', P)
         if self.factored_is_cheaper(delta.shape[-1], columns.shape[1], delta.shape[2]):
             return FactoredGradients(columns, delta)
-        return Gradients(_conv_grads(columns, delta))
+        return ConvGradients(columns, delta)
 
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Each row's weighted sum of materialised gradients over its nodes (None
-        for the factored form: its columns change from node to node)."""
+        for the factored form: its columns change from node to node). Where a
+        row's columns are the same at all its nodes (a first convolution: they
+        are ``x``'s), the cotangents are summed first and the gradients formed
+        once per row, ``sum_e w_e g_e = sum_p (sum_e w_e delta_ep) u_p^T``."""
         if factored(factors):
             return None
         return factors.row_sums(rows, weights, n_rows)
@@ -118,6 +126,69 @@ class Conv2dRule(WeightAndBiasRule):
             return factors.directional(step.reshape(-1))
         moved = torch.einsum("od,ndp->nop", step, factors.inputs)
         return torch.einsum("nkop,nop->nk", factors.deltas, moved)
+
+
+class ConvGradients(Gradients):
+    """A convolution's per-example gradients, kept as the columns (n, d_in', P)
+    and cotangents (n, K, d_out, P) they are formed from; ``grads`` (n, K,
+    d_out d_in') formed when first asked for (``O(n K d_out d_in' P)``), then
+    kept: :class:`Gradients` to every reader.
+    """
+
+    def __init__(self, columns, deltas):  # (frozen: set once, here)
+        object.__setattr__(self, "columns", columns)
+        object.__setattr__(self, "deltas", deltas)
+
+    def __repr__(self):
+        shapes = f"columns={tuple(self.columns.shape)}, deltas={tuple(self.deltas.shape)}"
+        return f"ConvGradients({shapes})"
+
+    @cached_property
+    def grads(self):
+        return _conv_grads(self.columns, self.deltas)
+
+    def take(self, rows):
+        """The gradients of a subset of rows."""
+        return ConvGradients(self.columns[rows], self.deltas[rows])
+
+    @staticmethod
+    def cat(parts):
+        """Stack the rows of several batches of the same layer."""
+        return ConvGradients(
+            torch.cat([part.columns for part in parts]), torch.cat([part.deltas for part in parts])
+        )
+
+    @property
+    def nbytes(self):
+        """Memory held: the columns and cotangents, and the gradients once formed."""
+        formed = self.__dict__.get("grads")
+        extra = 0 if formed is None else formed.nbytes
+        return self.columns.nbytes + self.deltas.nbytes + extra
+
+    def inner(self, other, mode):
+        """See :meth:`Gradients.inner`."""
+        return contract(self.grads, other.grads, mode)
+
+    def directional(self, step):
+        """``<g_k, step>`` per row and output, (n, K), for a flat ``step`` (W_layer,)
+        laid out (d_out, d_in'): ``sum_p delta_kp . (step u_p)``, no gradient formed."""
+        step = step.view(self.deltas.shape[2], self.columns.shape[1])
+        moved = torch.einsum("od,ndp->nop", step, self.columns)
+        return torch.einsum("nkop,nop->nk", self.deltas, moved)
+
+    def row_sums(self, rows, weights, n_rows):
+        """Each row's weighted sum of its nodes' gradients: the cotangents summed
+        first where the row's columns are the same at all its nodes."""
+        first = first_of_rows(rows, n_rows)
+        columns = self.columns[first]
+        # (one column entry first: a moving input differs there already)
+        if (
+            rows.numel()
+            and torch.equal(columns[rows, 0], self.columns[:, 0])
+            and torch.equal(columns[rows], self.columns)
+        ):
+            return ConvGradients(columns, row_sums(rows, weights, self.deltas, n_rows))
+        return Gradients(row_sums(rows, weights, self.grads, n_rows))
 
 
 def _conv_grads(columns, delta):

@@ -165,3 +165,29 @@ def test_cnn_sum_identity_with_a_factored_layer(cnn_case):
         network = F.log_softmax(module(A), 1).numpy()
     assert np.abs(parts.bias + parts.contributions.sum(1) - network).max() < 1e-9
     assert parts.quadrature_error.max() < 1e-9
+
+
+def test_conv_gradients_sum_a_first_layers_nodes_before_forming_them():
+    """``ConvGradients``: the row sums of nodes with the same columns (a first
+    convolution) keep the columns and sum the cotangents; with different columns
+    the gradients are formed; both equal the sums of the formed gradients, and the
+    directional derivative needs no gradient formed."""
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+    from sklearn_pathkernel._engine.rules._rows import row_sums
+
+    torch.manual_seed(0)
+    columns = torch.randn(3, 10, 16, dtype=torch.float64)
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    deltas = torch.randn(6, 4, 5, 16, dtype=torch.float64)
+    weights = torch.rand(6, dtype=torch.float64)
+    same = ConvGradients(columns[rows], deltas)
+    moved = ConvGradients(columns[rows] + torch.randn(6, 10, 16, dtype=torch.float64), deltas)
+    for factors, kept in ((same, ConvGradients), (moved, Gradients)):
+        expected = row_sums(rows, weights, factors.grads, 3)
+        summed = factors.row_sums(rows, weights, 3)
+        assert type(summed) is kept and isinstance(summed, Gradients)
+        torch.testing.assert_close(summed.grads, expected, rtol=1e-13, atol=1e-13)
+    step = torch.randn(5 * 10, dtype=torch.float64)
+    fresh = ConvGradients(columns[rows], deltas)
+    torch.testing.assert_close(fresh.directional(step), same.grads @ step, rtol=1e-13, atol=1e-13)
+    assert "grads" not in vars(fresh)

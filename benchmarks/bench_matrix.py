@@ -1,0 +1,415 @@
+"""Benchmark matrix: networks x solvers x batches, this commit against an earlier one.
+
+Usage::
+
+    python benchmarks/bench_matrix.py --quick                  # M=300, 30 steps, a few minutes
+    python benchmarks/bench_matrix.py                          # M=1000, 100 steps, every cell
+    python benchmarks/bench_matrix.py --cells cnn/sgd/mini mlp/adam/full
+    python benchmarks/bench_matrix.py --base none              # this commit only
+    python benchmarks/bench_matrix.py --sizes 4000 --cells mlp/sgd/full
+
+Cells are ``network/solver/batch``:
+
+networks
+    ``mlp`` (ReLU 64-64-10), ``cnn`` (conv 1->8 3x3, ReLU, 2x2 max-pool, linear:
+    the issue's network), ``cnn2`` (conv 1->4 3x3 pad 1, ReLU, conv 4->8 3x3 pad 1,
+    ReLU, 2x2 max-pool, linear) and ``distance`` (``DistanceKernelClassifier``,
+    64 memories).
+solvers
+    ``sgd`` (lr 0.1), ``momentum`` (0.9, lr 0.05), ``adam`` (lr 1e-2; the
+    distance network 2e-2).
+batches
+    ``full`` (100 full-batch steps) and ``mini`` (batches of 100 rows, 10 epochs of
+    M=1000 rows: 100 steps).
+
+On scikit-learn's digits scaled to [0, 1], float64, ``torch.set_num_threads(1)``
+(``--threads``). Per cell, both packages (this one and ``--base``, exported by
+``git archive`` into a cache, see ``_baseline.py``) are fitted with the same seed
+and every task is timed alternately on each, the order swapped on every repeat,
+so that both see the same machine load; the time is the fastest of ``--repeats``.
+Prints per cell: the fit (the faster of the two packages' fits, which run the same
+training code), ``decompose`` per query (``--queries`` rows), the cross
+Gram ``gram(Q, X_train, b_train=True)`` per query (``--gram-queries`` rows), the
+training Gram ``gram(X_train, a_train=True)`` (``--train-gram``), each with the
+base's time and the ratio; the pieces and nodes per step and query of this
+commit's ``decompose``; and where its time goes (``--breakdown``): the kink
+search, the node passes (forward and backward passes at the quadrature nodes and
+the batch's own rows), the products (features against the batch's factors, the
+materialised features of momentum and Adam), everything else (the certificate's
+directional derivatives, Adam's preconditioner, bookkeeping), from wall-clock
+timers around those functions (the outermost one counts).
+
+Exactness: the largest relative difference between the two commits'
+contributions and Grams, and this commit's certificate (max over queries of
+``|bias + sum contributions + decay - output|``).
+"""
+
+import argparse
+import contextlib
+import functools
+import importlib
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _baseline import import_commit  # noqa: E402
+
+import sklearn_pathkernel  # noqa: E402
+
+print = functools.partial(print, flush=True)  # noqa: A001 (progress in a log file)
+
+NETWORKS = ("mlp", "cnn", "cnn2", "distance")
+SOLVERS = ("sgd", "momentum", "adam")
+BATCHES = ("full", "mini")
+PHASES = ("kink search", "node passes", "products", "rest")
+FULL = {"sizes": (1000,), "steps": 100, "batch_size": 100, "queries": 20, "gram_queries": 50}
+QUICK = {"sizes": (300,), "steps": 30, "batch_size": 100, "queries": 10, "gram_queries": 10}
+
+
+class CNN(nn.Module):
+    """conv 1->8 3x3, ReLU, 2x2 max-pool, linear (the issue's network)."""
+
+    def __init__(self, n_classes=10):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3)
+        self.head = nn.Linear(8 * 3 * 3, n_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.conv(x.view(-1, 1, 8, 8))), 2)
+        return self.head(x.flatten(1))
+
+
+class TwoConvCNN(nn.Module):
+    """conv 1->4 3x3 pad 1, ReLU, conv 4->8 3x3 pad 1, ReLU, 2x2 max-pool, linear."""
+
+    def __init__(self, n_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 4 * 4, n_classes)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x.view(-1, 1, 8, 8)))
+        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def solver_settings(network, solver):
+    if solver == "sgd":
+        return {"solver": "sgd", "learning_rate": 0.1}
+    if solver == "momentum":
+        return {"solver": "sgd", "learning_rate": 0.05, "momentum": 0.9}
+    return {"solver": "adam", "learning_rate": 2e-2 if network == "distance" else 1e-2}
+
+
+def make_estimator(package, network, solver, batch, steps, batch_size, n_train):
+    """The cell's estimator from ``package`` (this one or the base)."""
+    settings = solver_settings(network, solver)
+    if batch == "mini":
+        settings.update(batch_size=batch_size, max_iter=max(1, steps * batch_size // n_train))
+    else:
+        settings.update(max_iter=steps)
+    torch.manual_seed(0)
+    if network == "distance":
+        return package.DistanceKernelClassifier(
+            hidden_layer_sizes=(64,), random_state=0, **settings
+        )
+    module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN}[network]
+    if module is None:
+        return package.ExactPathKernelClassifier(
+            hidden_layer_sizes=(64,), random_state=0, **settings
+        )
+    torch.manual_seed(0)
+    return package.ExactPathKernelClassifier(module=module(), random_state=0, **settings)
+
+
+def digits(n_train, n_queries):
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    order = np.random.RandomState(0).permutation(len(X))
+    if n_train + n_queries > len(X):  # M=4000: the digits, jittered copies
+        copies = -(-(n_train + n_queries) // len(X))
+        rng = np.random.RandomState(1)
+        X = np.concatenate([X] + [np.clip(X + 0.05 * rng.randn(*X.shape), 0, 1)] * (copies - 1))
+        y = np.concatenate([y] * copies)
+        order = np.random.RandomState(0).permutation(len(X))
+    train, queries = order[:n_train], order[n_train : n_train + n_queries]
+    return X[train], y[train], X[queries]
+
+
+# -- where the time goes ------------------------------------------------------------------
+
+
+def _phase_targets(package):
+    """(category, owner, attribute name) of the timed functions of ``package``."""
+
+    def module(name):
+        return importlib.import_module(f"{package.__name__}._engine.{name}")
+
+    test_copy, features = module("_test_copy"), module("_features")
+    targets = [
+        ("kink search", module("integration._quadrature"), "row_kinks"),
+        ("node passes", test_copy.TestCopy, "evaluate"),
+        ("node passes", test_copy.TestCopy, "evaluate_with"),
+        ("node passes", module("_blocks").GramBlocks, "factors_of"),
+        ("node passes", module("_probe").NetworkProbe, "factors"),
+        ("products", features.StepFeatures, "add_inner"),
+        ("products", features.StepFeatures, "materialised"),
+        ("products", features.ScaledFeatures, "add_inner"),
+        ("products", module("_decomposition").Decomposition, "_batch_inner"),
+        ("products", module("_blocks").GramBlocks, "add_inner"),
+    ]
+    return [(c, owner, attr) for c, owner, attr in targets if hasattr(owner, attr)]
+
+
+class PhaseTimer:
+    """Wall-clock time per category of the timed functions (the outermost counts),
+    and the pieces and nodes the kink search and node passes handled."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.counts = defaultdict(int)
+        self._depth = 0
+
+    def wrap(self, category, fn):
+        timer = self
+
+        @functools.wraps(fn)
+        def timed_fn(*args, **kwargs):
+            if timer._depth:
+                return fn(*args, **kwargs)
+            timer._depth += 1
+            begin = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                timer.seconds[category] += time.perf_counter() - begin
+                timer._depth -= 1
+            timer.count(fn.__name__, args, result)
+            return result
+
+        return timed_fn
+
+    def count(self, name, args, result):
+        if name == "row_kinks":
+            self.counts["pieces"] += sum(k.size + 1 for k in result.kinks)
+        elif name in ("evaluate", "evaluate_with"):
+            self.counts["nodes"] += args[3].rows.size
+
+    @contextlib.contextmanager
+    def installed(self, package):
+        saved = []
+        try:
+            for category, owner, attr in _phase_targets(package):
+                fn = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+                saved.append((owner, attr, fn))
+                setattr(owner, attr, self.wrap(category, fn))
+            yield self
+        finally:
+            for owner, attr, fn in reversed(saved):
+                setattr(owner, attr, fn)
+
+
+# -- the cells ----------------------------------------------------------------------------
+
+
+def timed(fn):
+    begin = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - begin, result
+
+
+def side_by_side(tasks, repeats):
+    """``tasks``: {name: callable}; the fastest time of each, and its last result."""
+    names = list(tasks)
+    times = {name: [] for name in names}
+    results = {}
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            elapsed, results[name] = timed(tasks[name])
+            times[name].append(elapsed)
+    return {name: min(t) for name, t in times.items()}, results
+
+
+def relative_difference(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-300))
+
+
+def fresh(clf):
+    """The estimator's engine, built again (no cached work between timed calls)."""
+    clf.__dict__.pop("_kernel_cache", None)
+    return clf.kernel_.engine
+
+
+def run_cell(packages, cell, size, config, args):
+    network, solver, batch = cell
+    X, y, Q = digits(size, max(config["queries"], config["gram_queries"]))
+    queries, gram_queries = Q[: config["queries"]], Q[: config["gram_queries"]]
+    fits = {}
+    for name, package in packages.items():
+        clf = make_estimator(
+            package, network, solver, batch, config["steps"], config["batch_size"], size
+        )
+        fit_time, clf = timed(lambda clf=clf: clf.fit(X, y))
+        fits[name] = (clf, fit_time)
+    new = fits["new"][0]
+    # The same training code in both commits: the faster of the two fits (one each).
+    fit_time = min(seconds for _, seconds in fits.values())
+    n_steps = new.path_.n_steps
+    result = {"cell": "/".join(cell), "M": size, "fit": fit_time, "steps": n_steps}
+
+    def decompose(clf):
+        fresh(clf)
+        return clf.decompose(queries)
+
+    timers = {name: PhaseTimer() for name in packages}
+    with contextlib.ExitStack() as stack:
+        for name, package in packages.items():
+            stack.enter_context(timers[name].installed(package))
+        totals = defaultdict(float)
+
+        def decompose_timed(name, clf):
+            elapsed, parts = timed(lambda: decompose(clf))
+            totals[name] += elapsed
+            return parts
+
+        times, parts = side_by_side(
+            {name: lambda n=name, c=c: decompose_timed(n, c) for name, (c, _) in fits.items()},
+            args.repeats,
+        )
+    repeats = args.repeats
+    result["decompose"] = {k: v / len(queries) for k, v in times.items()}
+    result["certificate"] = float(parts["new"].residual.max())
+    if "base" in parts:
+        result["decompose_diff"] = relative_difference(
+            parts["base"].contributions, parts["new"].contributions
+        )
+    per = repeats * n_steps * len(queries)
+    result["breakdown"], result["pieces"], result["nodes"] = {}, {}, {}
+    for name, timer in timers.items():
+        phases = {k: v / repeats for k, v in timer.seconds.items()}
+        phases["rest"] = totals[name] / repeats - sum(phases.values())
+        result["breakdown"][name] = phases
+        result["pieces"][name] = timer.counts["pieces"] / per
+        result["nodes"][name] = timer.counts["nodes"] / per
+
+    Qt = torch.tensor(gram_queries, dtype=torch.float64)
+
+    def cross(clf):
+        engine = fresh(clf)
+        return engine.gram(Qt, engine.X_train, b_train=True)
+
+    times, grams = side_by_side(
+        {name: lambda c=c: cross(c) for name, (c, _) in fits.items()}, args.repeats
+    )
+    result["cross"] = {k: v / len(gram_queries) for k, v in times.items()}
+    if "base" in grams:
+        result["cross_diff"] = relative_difference(grams["base"], grams["new"])
+    if args.train_gram:
+
+        def training(clf):
+            engine = fresh(clf)
+            return engine.gram(engine.X_train, a_train=True)
+
+        times, grams = side_by_side(
+            {name: lambda c=c: training(c) for name, (c, _) in fits.items()}, 1
+        )
+        result["train_gram"] = times
+        if "base" in grams:
+            result["train_diff"] = relative_difference(grams["base"], grams["new"])
+    return result
+
+
+def report(result):
+    fit = result["fit"]
+    print(f"== {result['cell']}  M={result['M']}  {result['steps']} steps  fit {fit:.3f} s")
+
+    def line(label, times, extra=""):
+        new = times["new"]
+        base = times.get("base")
+        compared = f"{1e3 * base:>10.1f}{base / new:>8.1f}x" if base else f"{'-':>10}{'-':>9}"
+        print(f"  {label:<22}{1e3 * new:>10.1f}{compared}  {extra}")
+
+    print(f"  {'task':<22}{'now ms':>10}{'base ms':>10}{'ratio':>9}")
+    dec, cross = result["decompose"]["new"], result["cross"]["new"]
+    line(
+        "decompose / query",
+        result["decompose"],
+        f"{100 * dec / fit:.0f}% of fit; certificate {result['certificate']:.1e}"
+        + (f"; diff {result['decompose_diff']:.1e}" if "decompose_diff" in result else ""),
+    )
+    line(
+        "cross Gram / query",
+        result["cross"],
+        f"{100 * cross / fit:.0f}% of fit"
+        + (f"; diff {result['cross_diff']:.1e}" if "cross_diff" in result else ""),
+    )
+    if "train_gram" in result:
+        line(
+            "training Gram",
+            result["train_gram"],
+            f"{result['train_gram']['new'] / fit:.0f}x fit"
+            + (f"; diff {result['train_diff']:.1e}" if "train_diff" in result else ""),
+        )
+    for name in sorted(result["breakdown"], reverse=True):
+        phases = result["breakdown"][name]
+        parts = ", ".join(f"{k} {phases.get(k, 0.0):.2f}" for k in PHASES)
+        print(
+            f"  {name:<4} decompose s: {parts}; pieces/step/query {result['pieces'][name]:.2f},"
+            f" nodes/step/query {result['nodes'][name]:.1f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cells", nargs="*", default=None, help="network/solver/batch")
+    parser.add_argument("--sizes", type=int, nargs="*", default=None)
+    parser.add_argument("--base", default="c31ef24", help="earlier commit, or 'none'")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
+    parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
+    parser.add_argument("--gram-queries", type=int, default=None, help="rows of the cross Gram")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = dict(QUICK if args.quick else FULL)
+    for key in ("queries", "gram_queries"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    sizes = args.sizes or config["sizes"]
+    if args.cells:
+        cells = [tuple(cell.split("/")) for cell in args.cells]
+    else:
+        cells = [(n, s, b) for n in NETWORKS for s in SOLVERS for b in BATCHES]
+    for cell in cells:
+        if cell[0] not in NETWORKS or cell[1] not in SOLVERS or cell[2] not in BATCHES:
+            parser.error(f"unknown cell {'/'.join(cell)}")
+    packages = {"new": sklearn_pathkernel}
+    if args.base != "none":
+        packages = {"base": import_commit(args.base), "new": sklearn_pathkernel}
+    print(
+        f"digits in [0, 1], float64, {args.threads} thread(s), {config['queries']} queries "
+        f"(decompose), {config['gram_queries']} (cross Gram), best of {args.repeats}; "
+        f"base {args.base}"
+    )
+    # Warm-up: torch's first calls, not the first cell, pay the library's start-up.
+    warm = {"new": sklearn_pathkernel}
+    run_cell(warm, ("cnn", "sgd", "mini"), 200, QUICK | {"steps": 4}, args)
+    for size in sizes:
+        for cell in cells:
+            report(run_cell(packages, cell, size, config, args))
+
+
+if __name__ == "__main__":
+    main()
