@@ -301,7 +301,9 @@ class NaivePathKernelEngine:
                     continue
                 if earlier not in training_gradients:
                     training_gradients[earlier] = self._training_gradients(earlier)
-                values = c * torch.einsum("nkw,bw->nbk", weighted, training_gradients[earlier])
+                # c_{s,r} is per weight where parameter groups differ: applied
+                # to the weights before the contraction
+                values = torch.einsum("nkw,bw->nbk", c * weighted, training_gradients[earlier])
                 contributions.index_add_(1, batches[earlier], values)
                 decay -= update.coupled_decay * c * weighted @ self.path.weights[earlier]
         return Bunch(

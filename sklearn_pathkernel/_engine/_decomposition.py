@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
+from .._training._blockwise import layout_by_rules, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
 
@@ -137,8 +138,10 @@ class Decomposition:
             # Weight decay: d_s <phi_s, w_s> - lambda_c <psi_s, w_s>, psi_s = scale phi_s
             decay_rate = update.decay_rate(index)
             if decay_rate:
-                start = self.probes.current().params(self.steps.step(index).start)
-                decay += decay_rate * integrated.features.directional(start)
+                factor, direction = weighted(
+                    decay_rate, self.steps.step(index).start, self.probes.current().params
+                )
+                decay += factor * integrated.features.directional(direction)
         return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
 
     def _accumulated(self, X):
@@ -155,7 +158,10 @@ class Decomposition:
         contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
         decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(n)
-        accumulation = update.backward()
+        probe = self.probes.current()
+        accumulation = update.backward(
+            layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
+        )
         for index in reversed(range(self.path.n_steps)):
             start = self.steps.step(index).start
             rules = self.probes.current().rules
@@ -175,17 +181,19 @@ class Decomposition:
             )
             quadrature_error += integrated.quadrature_error
             features = integrated.features
-            weights = self.probes.current().params(start)
+            params = self.probes.current().params
             if update.decoupled_decays[index]:
-                decay += update.decoupled_decays[index] * features.directional(weights)
+                factor, direction = weighted(update.decoupled_decays[index], start, params)
+                decay += factor * features.directional(direction)
             u = features.materialised()
             if update.preconditioners is not None:
                 scales = self.path.unflatten(update.preconditioners[index].to(self.steps.device))
                 u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
             psi = accumulation.psi(index, u)
             if update.coupled_decay:
-                decay -= update.coupled_decay * sum(
-                    p @ rule.flatten(weights) for p, rule in zip(psi, rules, strict=True)
+                factor, direction = weighted(update.coupled_decay, start, params)
+                decay -= factor * sum(
+                    p @ rule.flatten(direction) for p, rule in zip(psi, rules, strict=True)
                 )
             if shared:
                 rows = self.steps.on_device(batch)

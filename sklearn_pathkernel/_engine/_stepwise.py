@@ -39,6 +39,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .._training._blockwise import layout_by_rules, on_layers
+
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
 
@@ -98,6 +100,11 @@ class StepwiseDecomposition:
             u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
         return u, integrated.start_factors
 
+    def _layout(self, dtype):
+        """Per-parameter coefficients (parameter groups) laid out per rule."""
+        probe = self._probe()
+        return layout_by_rules(probe.rules, probe.params, dtype, self.device)
+
     def _training_gradients(self, index, rows, factors=None):
         """``sum_k e_{s,i,k} g_k(x_i; w_s)`` of the training ``rows`` (a host index
         array), per rule (b, W_l)."""
@@ -138,7 +145,7 @@ class StepwiseDecomposition:
             are cut into tiles of ``ROW_BUDGET_BYTES`` only inside each step.
         """
         tiles = self._tiles(X.shape[0])
-        accumulations = [self.update.backward() for _ in tiles]
+        accumulations = [self.update.backward(self._layout(X.dtype)) for _ in tiles]
         for index in reversed(range(self.path.n_steps)):
             batch = np.asarray(self.path.batches[index])
             gradients = self._training_gradients(index, batch)
@@ -194,6 +201,7 @@ class StepwiseDecomposition:
         M, K = self.n_train, self.n_outputs
         device, X_train = self.device, self.X_train
         total = torch.zeros((M, K), dtype=X_train.dtype, device=device)
+        layout = self._layout(X_train.dtype)
         buffer = None  # per rule, (M, W_l)
         seen = np.zeros(M, dtype=bool)
         for index in range(first_step, self.path.n_steps):
@@ -202,11 +210,16 @@ class StepwiseDecomposition:
             gradients = self._training_gradients(index, batch)
             if buffer is None:
                 buffer = [g.new_zeros((M, g.shape[1])) for g in gradients]
-            for layer, g in zip(buffer, gradients, strict=True):
-                layer.mul_(update.buffer_decay).index_add_(0, rows, g)
+            n_layers = len(buffer)
+            betas = on_layers(update.buffer_decay, layout, n_layers)
+            for layer, g, beta in zip(buffer, gradients, betas, strict=True):
+                layer.mul_(beta).index_add_(0, rows, g)
             seen[batch] = True
-            rate = update.gradient_scale * update.gradient_rates[index]
+            rates = on_layers(
+                update.gradient_scale * update.gradient_rates[index], layout, n_layers
+            )
             direct = update.direct_rates[index]
+            directs = on_layers(direct, layout, n_layers)
             in_batch = np.full(M, -1)
             in_batch[batch] = np.arange(batch.size)
             active = np.flatnonzero(seen)
@@ -214,13 +227,13 @@ class StepwiseDecomposition:
                 part = active[tile]
                 on_device = self.steps.on_device(part)
                 u, _ = self._scaled_features(index, X_train[on_device])
-                own = [rate * layer[on_device] for layer in buffer]
+                own = [rate * layer[on_device] for rate, layer in zip(rates, buffer, strict=True)]
                 position = in_batch[part]
                 if direct and (position >= 0).any():
                     local = self.steps.on_device(np.flatnonzero(position >= 0))
                     picked = self.steps.on_device(position[position >= 0])
-                    for layer, g in zip(own, gradients, strict=True):
-                        layer.index_add_(0, local, direct * g[picked])
+                    for layer, g, zeta in zip(own, gradients, directs, strict=True):
+                        layer.index_add_(0, local, zeta * g[picked])
                 total.index_add_(0, on_device, _diagonal(u, own))
         return total.cpu().numpy()
 

@@ -27,6 +27,7 @@ import zipfile
 import numpy as np
 import torch
 
+from ._blockwise import from_plain, steps_to_plain, to_plain
 from ._optimizers import RecordingRefused
 from ._path import WeightPath
 from ._updates import UpdateRecord
@@ -75,7 +76,7 @@ def save_recording(recording, directory):
         if path.output_gradients
         else np.zeros((0, 0)),
         "learning_rates": np.asarray(path.learning_rates, dtype=float),
-        **{name: np.asarray(getattr(update, name), dtype=float) for name in _RATES},
+        **{name: steps_to_plain(getattr(update, name), len(path.param_names)) for name in _RATES},
     }
     if update.preconditioners is not None:
         arrays["preconditioners"] = _numpy(update.preconditioners)
@@ -94,9 +95,10 @@ def save_recording(recording, directory):
         "param_names": path.param_names,
         "param_shapes": [list(s) for s in path.param_shapes],
         "update": {
-            "buffer_decay": update.buffer_decay,
-            "gradient_scale": update.gradient_scale,
-            "coupled_decay": update.coupled_decay,
+            # numbers, or one value per parameter (parameter groups)
+            "buffer_decay": to_plain(update.buffer_decay),
+            "gradient_scale": to_plain(update.gradient_scale),
+            "coupled_decay": to_plain(update.coupled_decay),
         },
         "link": _link_name(recording.link),
         "module": module_fingerprint(recording.module_),
@@ -212,11 +214,12 @@ def load_recording(directory, module, X, link=None):
     batches = [rows[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     preconditioners = arrays.get("preconditioners")
     u = manifest["update"]
+    numels = [int(np.prod(s, dtype=np.int64)) for s in manifest["param_shapes"]]
     update = UpdateRecord(
-        buffer_decay=u["buffer_decay"],
-        gradient_scale=u["gradient_scale"],
-        coupled_decay=u["coupled_decay"],
-        **{name: arrays[name] for name in _RATES},
+        buffer_decay=from_plain(u["buffer_decay"], numels),
+        gradient_scale=from_plain(u["gradient_scale"], numels),
+        coupled_decay=from_plain(u["coupled_decay"], numels),
+        **{name: from_plain(arrays[name], numels) for name in _RATES},
         preconditioners=None if preconditioners is None else torch.from_numpy(preconditioners),
     )
     path = WeightPath(

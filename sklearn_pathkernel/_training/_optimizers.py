@@ -26,16 +26,21 @@ differs between parameters into the per-coordinate scale :math:`P_s` (relative t
   ``amsgrad``); Adam's weight decay is :math:`\\lambda_c`, AdamW's is
   :math:`d_s = -\\eta_s \\lambda`.
 
+With several parameter groups, every coefficient is per parameter, its group's
+(a :class:`~._blockwise.Blockwise`: momentum, Nesterov flag, betas, coupled and
+decoupled weight decay may differ between groups), and the form holds
+elementwise; with one group (or groups that agree) they are plain numbers.
+
 The kernel's per-step metric is :math:`P_s` (see the engine), so this split is what
 makes a recorded estimator run's kernel the same as before: bitwise, for one group.
 
 A parameter without a gradient at a step is skipped by torch.optim: its
-coordinates get :math:`P_s = 0`. What the form cannot hold is refused by
-:class:`RecordingRefused`: a buffer decay, Nesterov flag or coupled weight decay
-that differs between parameter groups or changes during the run, a decoupled
-decay :math:`\\eta \\lambda` that differs between groups, dampening, ``maximize``,
-and a skipped parameter whose momentum buffer torch.optim would hold still while
-the linear form decays it.
+coordinates get :math:`P_s = 0` and no decoupled decay (:math:`d_s = 0` there).
+What the form cannot hold is refused by :class:`RecordingRefused`: a group's
+momentum, betas, Nesterov flag or coupled weight decay that changes during the
+run (only learning rates, and so decoupled decays, and Adam's ``eps`` and
+``beta_2`` may change), dampening, ``maximize``, and a skipped parameter whose
+momentum buffer torch.optim would hold still while the linear form decays it.
 
 A new optimiser is one :class:`OptimizerReader` subclass registered in
 :data:`OPTIMIZER_READERS` under its ``torch.optim`` class.
@@ -45,6 +50,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from ._blockwise import block_values, blockwise
 
 
 class RecordingRefused(ValueError):
@@ -58,19 +65,20 @@ class LinearForm:
 
     Attributes
     ----------
-    buffer_decay, gradient_scale, coupled_decay : float
-        :math:`\\beta`, :math:`\\gamma`, :math:`\\lambda_c`.
-    gradient_rate, direct_rate : float
+    buffer_decay, gradient_scale, coupled_decay : float or Blockwise
+        :math:`\\beta`, :math:`\\gamma`, :math:`\\lambda_c` (per parameter where
+        the groups differ).
+    gradient_rate, direct_rate : float or Blockwise
         :math:`\\alpha` and :math:`\\zeta`, before the per-coordinate scale.
     preconditioned : bool
         Whether the scale differs from the learning rate (Adam).
     """
 
-    buffer_decay: float
-    gradient_scale: float
-    coupled_decay: float
-    gradient_rate: float
-    direct_rate: float
+    buffer_decay: object
+    gradient_scale: object
+    coupled_decay: object
+    gradient_rate: object
+    direct_rate: object
     preconditioned: bool
 
 
@@ -85,8 +93,8 @@ class StepScales:
         a tensor of the parameter's shape); 0 for a skipped parameter. With
         ``adam_terms``, the tensors are Adam's second moments ``v``, and
         :math:`P_s` follows from them later (:func:`adam_scale`), off the loop.
-    decoupled_decay : float
-        :math:`d_s`.
+    decoupled_decay : float or Blockwise
+        :math:`d_s` (per parameter where the groups differ; 0 on skipped ones).
     adam_terms : list of (float, float, float) or None
         Per path parameter: ``(step_size / rate, correction, eps)`` of
         :func:`adam_scale`; ``(0, 1, 1)`` for a skipped parameter.
@@ -99,7 +107,7 @@ class StepScales:
     """
 
     scales: list
-    decoupled_decay: float
+    decoupled_decay: object
     adam_terms: list = None
     rate: float = 1.0
 
@@ -151,6 +159,7 @@ class OptimizerReader(ABC):
                 "requires_grad_(False) before creating the recorder, or give them to the optimiser."
             )
         self.group_of = [where[id(p)] for p in params]
+        self.numels = [p.numel() for p in params]
         self._form = None
         self._had_state = [False] * len(params)
         self._skipped = [False] * len(params)
@@ -159,18 +168,13 @@ class OptimizerReader(ABC):
         """The parameter groups that hold recorded parameters."""
         return [self.optimizer.param_groups[k] for k in sorted(set(self.group_of))]
 
-    def common(self, key, step, value=lambda group, key: group[key]):
-        """The value of ``key``, which every group of recorded parameters must share
-        (numbers to a relative 1e-12: ``lr * weight_decay`` of two groups may differ
-        in its last bit, which moves a weight by its rounding only)."""
-        values = [_hashable(value(group, key)) for group in self.groups()]
-        first = values[0]
-        if any(not _close(v, first) for v in values[1:]):
-            raise RecordingRefused(
-                f"Step {step}: the parameter groups use different {key} ({values}); "
-                "the exact path kernel represents one value for the whole network."
-            )
-        return first
+    def per_parameter(self, value):
+        """``value(group)`` (a number) of each recorded parameter's group, as a
+        coefficient of the linear form: a number when every parameter's is the same,
+        else a :class:`~._blockwise.Blockwise`."""
+        groups = self.optimizer.param_groups
+        by_group = {k: float(value(groups[k])) for k in set(self.group_of)}
+        return blockwise([by_group[k] for k in self.group_of], self.numels)
 
     def form(self, step):
         """The linear form of step ``step``, checked to be the same at every step."""
@@ -179,29 +183,34 @@ class OptimizerReader(ABC):
             raise RecordingRefused(
                 f"Step {step}: the optimiser's momentum, betas, Nesterov flag or coupled "
                 f"weight decay changed during the run ({self._form} before, {form} now); "
-                "only the learning rate (and Adam's eps, beta_2) may change between steps."
+                "only the learning rates (and Adam's eps, beta_2) may change between steps."
             )
         self._form = form
         return form
 
-    def check_skips(self, step, active, form, decoupled_decay):
-        """Refuse skipped parameters (no gradient) the linear form cannot hold."""
+    def check_skips(self, step, active, form, removed):
+        """Refuse skipped parameters (no gradient) the linear form cannot hold;
+        ``removed`` flags those the backward pass reached (their gradient was set
+        to None by hand, so the kernel's gradient there is not zero)."""
+        n = len(self.params)
+        buffer_decay = block_values(form.buffer_decay, n)
+        coupled_decay = block_values(form.coupled_decay, n)
         for index, (is_active, name) in enumerate(zip(active, self.names, strict=True)):
             if not is_active:
-                if form.buffer_decay and self._had_state[index]:
+                if buffer_decay[index] and self._had_state[index]:
                     raise RecordingRefused(
                         f"Step {step}: parameter {name!r} has no gradient but has a momentum "
                         "buffer, which torch.optim holds still while the linear form decays it."
                     )
-                if decoupled_decay:
+                if buffer_decay[index] and removed[index]:
                     raise RecordingRefused(
-                        f"Step {step}: parameter {name!r} has no gradient, so torch.optim does "
-                        "not apply its decoupled weight decay; the linear form applies one "
-                        "decay to every weight."
+                        f"Step {step}: the gradient of parameter {name!r} was removed after the "
+                        "backward pass (set to None), so torch.optim skips it, while the linear "
+                        "form's momentum buffer takes the backward pass's gradient."
                     )
                 self._skipped[index] = True
             else:
-                if self._skipped[index] and form.buffer_decay and form.coupled_decay:
+                if self._skipped[index] and buffer_decay[index] and coupled_decay[index]:
                     raise RecordingRefused(
                         f"Step {step}: parameter {name!r} was skipped (no gradient) in earlier "
                         "steps under momentum with coupled weight decay; the linear form's "
@@ -222,26 +231,13 @@ class OptimizerReader(ABC):
         """The :class:`LinearForm` of the optimiser's current settings."""
 
     @abstractmethod
-    def before_step(self, step, active):
-        """Read what the step will use (before ``optimizer.step``)."""
+    def before_step(self, step, active, removed):
+        """Read what the step will use (before ``optimizer.step``); ``active`` and
+        ``removed`` per parameter, as :meth:`check_skips`."""
 
     @abstractmethod
     def after_step(self, step, active):
         """The step's :class:`StepScales`, from the state after the step."""
-
-
-def _close(a, b):
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= 1e-12 * max(abs(a), abs(b))
-    return a == b
-
-
-def _hashable(value):
-    if isinstance(value, torch.Tensor):
-        return _number(value)
-    if isinstance(value, tuple | list):
-        return tuple(_hashable(v) for v in value)
-    return value
 
 
 class SGDReader(OptimizerReader):
@@ -258,16 +254,23 @@ class SGDReader(OptimizerReader):
                 )
 
     def linear_form(self, step):
-        momentum = _number(self.common("momentum", step))
-        nesterov = bool(self.common("nesterov", step)) and momentum > 0
-        decay = _number(self.common("weight_decay", step))
-        rates = (momentum, 1.0) if nesterov else (1.0, 0.0)
-        return LinearForm(momentum, 1.0, decay, *rates, preconditioned=False)
+        momentum = self.per_parameter(lambda group: _number(group["momentum"]))
 
-    def before_step(self, step, active):
+        def nesterov(group):
+            return bool(group["nesterov"]) and _number(group["momentum"]) > 0
+
+        decay = self.per_parameter(lambda group: _number(group["weight_decay"]))
+        # (alpha, zeta) = (mu, 1) with Nesterov, (1, 0) without
+        gradient_rate = self.per_parameter(
+            lambda group: _number(group["momentum"]) if nesterov(group) else 1.0
+        )
+        direct_rate = self.per_parameter(lambda group: 1.0 if nesterov(group) else 0.0)
+        return LinearForm(momentum, 1.0, decay, gradient_rate, direct_rate, preconditioned=False)
+
+    def before_step(self, step, active, removed):
         self.check_options(step)
         form = self.form(step)
-        self.check_skips(step, active, form, 0.0)
+        self.check_skips(step, active, form, removed)
         groups = self.optimizer.param_groups
         self._rates = [_number(groups[k]["lr"]) for k in self.group_of]
 
@@ -292,24 +295,26 @@ class AdamReader(OptimizerReader):
                 raise RecordingRefused(f"Step {step}: Adam with maximize=True is not supported.")
 
     def linear_form(self, step):
-        beta_1 = self.common("betas", step, lambda group, key: _number(group[key][0]))
-        decoupled = self.common("decoupled weight decay", step, lambda g, k: self._decoupled(g))
-        coupled = 0.0 if decoupled else _number(self.common("weight_decay", step))
-        return LinearForm(beta_1, 1.0 - beta_1, coupled, 1.0, 0.0, preconditioned=True)
+        beta_1 = self.per_parameter(lambda group: _number(group["betas"][0]))
+        gradient_scale = self.per_parameter(lambda group: 1.0 - _number(group["betas"][0]))
+        coupled = self.per_parameter(
+            lambda group: 0.0 if self._decoupled(group) else _number(group["weight_decay"])
+        )
+        return LinearForm(beta_1, gradient_scale, coupled, 1.0, 0.0, preconditioned=True)
 
-    def before_step(self, step, active):
+    def before_step(self, step, active, removed):
         self.check_options(step)
         form = self.form(step)
         groups = self.optimizer.param_groups
-        decoupled = 0.0
-        if self._decoupled(self.groups()[0]):
-            decoupled = -self.common(
-                "decoupled decay lr * weight_decay",
-                step,
-                lambda group, key: _number(group["lr"]) * _number(group["weight_decay"]),
-            )
-        self.check_skips(step, active, form, decoupled)
-        self._decoupled_decay = decoupled
+        self.check_skips(step, active, form, removed)
+        # torch.optim skips a parameter without a gradient: no decay there
+        decays = [
+            -(_number(groups[k]["lr"]) * _number(groups[k]["weight_decay"]))
+            if on and self._decoupled(groups[k])
+            else 0.0
+            for k, on in zip(self.group_of, active, strict=True)
+        ]
+        self._decoupled_decay = blockwise(decays, self.numels)
         self._groups = [groups[k] for k in self.group_of]
 
     def after_step(self, step, active):

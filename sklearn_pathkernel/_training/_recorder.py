@@ -310,7 +310,9 @@ class TrainingRecorder:
         versions = self._versions()
         for batch in batches:
             batch.check(step, self.X, versions)
-        self._reader.before_step(step, active)
+        # a parameter the backward pass reached whose gradient was removed by hand
+        removed = [not on and index in self._saved for index, on in enumerate(active)]
+        self._reader.before_step(step, active, removed)
         if len(batches) == 1:  # the user's own index array, kept (shared between steps)
             rows, gradient = batches[0].rows, batches[0].output_gradient
         else:

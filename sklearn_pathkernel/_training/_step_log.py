@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._blockwise import per_step
 from ._optimizers import RecordingRefused, adam_scale
 from ._path import WeightPath, allocate_weights, storage_directory
 from ._updates import UpdateRecord
@@ -258,9 +259,9 @@ class StepLog:
             buffer_decay=form.buffer_decay,
             gradient_scale=form.gradient_scale,
             coupled_decay=form.coupled_decay,
-            gradient_rates=form.gradient_rate * scales,
-            direct_rates=form.direct_rate * scales,
-            decoupled_decays=np.asarray(self._decays, dtype=float),
+            gradient_rates=per_step([form.gradient_rate * scale for scale in scales]),
+            direct_rates=per_step([form.direct_rate * scale for scale in scales]),
+            decoupled_decays=per_step(self._decays),
             preconditioners=preconditioners,
         )
         return WeightPath(

@@ -26,6 +26,10 @@ momentum buffer, :math:`P_s` an elementwise preconditioner (ones for SGD), and
 - AdamW: as Adam with :math:`\\lambda_c = 0` and :math:`d_s = -\\eta_s \\lambda`
   (the weights are multiplied by :math:`1 - \\eta_s \\lambda` first).
 
+With several parameter groups, the constants and rates are per parameter
+(:class:`~._blockwise.Blockwise`, one value per parameter, from its group) and the
+form holds elementwise; with one group they are numbers, as above.
+
 A new optimiser is one :class:`UpdateRule` subclass registered in :data:`UPDATE_RULES`;
 its hyperparameters are :class:`Hyperparameter` declarations on the class, from which
 the estimators' solver settings (:class:`SolverSettings`), parameter constraints
@@ -41,6 +45,8 @@ import numpy as np
 import torch
 from sklearn.utils._param_validation import Interval, StrOptions
 
+from ._blockwise import Blockwise, on_layers
+
 
 @dataclass
 class UpdateRecord:
@@ -48,14 +54,16 @@ class UpdateRecord:
 
     Attributes
     ----------
-    buffer_decay : float
+    buffer_decay : float or Blockwise
         :math:`\\beta`, the momentum buffer's decay (0 without a buffer).
-    gradient_scale : float
+    gradient_scale : float or Blockwise
         :math:`\\gamma`, the weight of a new gradient in the buffer.
-    coupled_decay : float
+    coupled_decay : float or Blockwise
         :math:`\\lambda_c`, weight decay added to every gradient.
     gradient_rates, direct_rates, decoupled_decays : ndarray of shape (n_steps,)
-        :math:`\\alpha_s`, :math:`\\zeta_s` and :math:`d_s`.
+        :math:`\\alpha_s`, :math:`\\zeta_s` and :math:`d_s`: float64, or, where
+        parameter groups differ, an object array whose steps are numbers or
+        :class:`~._blockwise.Blockwise` (see :func:`~._blockwise.per_step`).
     preconditioners : torch.Tensor of shape (n_steps, n_weights) or None
         :math:`P_s` on the host (RAM or a memory-mapped file, like the weights);
         None for ones.
@@ -73,7 +81,14 @@ class UpdateRecord:
     def per_step(self):
         """Whether each step moves along its own gradient only, unpreconditioned:
         then step ``s``'s training gradients meet ``step_scale(s) * phi_s`` alone."""
-        return self.buffer_decay == 0 and self.preconditioners is None
+        return (
+            self.buffer_decay == 0
+            and self.preconditioners is None
+            and not any(
+                isinstance(c, Blockwise)
+                for c in (self.gradient_scale, *self.gradient_rates, *self.direct_rates)
+            )
+        )
 
     def step_scale(self, step):
         """:math:`\\gamma \\alpha_s + \\zeta_s`: with no buffer, the factor of
@@ -95,9 +110,11 @@ class UpdateRecord:
         c = self.gradient_scale * self.gradient_rates[step] * self.buffer_decay ** (step - earlier)
         return c + (self.direct_rates[step] if earlier == step else 0.0)
 
-    def backward(self):
-        """A fresh :class:`BackwardAccumulation` of this record's steps."""
-        return BackwardAccumulation(self)
+    def backward(self, layout=None):
+        """A fresh :class:`BackwardAccumulation` of this record's steps; ``layout``
+        lays a :class:`~._blockwise.Blockwise` coefficient out as per-layer tensors
+        (needed only where parameter groups differ, see :func:`~._blockwise.on_layers`)."""
+        return BackwardAccumulation(self, layout)
 
     def forward(self):
         """A fresh :class:`ForwardAccumulation` of this record's steps."""
@@ -136,14 +153,20 @@ class BackwardAccumulation:
 
     (:meth:`UpdateRecord.mixing` gives :math:`c_{s,r}` in closed form). Feed the
     steps last to first: :meth:`psi` takes :math:`u_r` as a list of per-layer
-    tensors and returns :math:`\\psi_r` in the same layout. Cost: two
+    tensors and returns :math:`\\psi_r` in the same layout. With parameter groups
+    that differ, the coefficients are per parameter (elementwise, laid out per
+    layer by ``layout``), the same as the forward update's. Cost: two
     multiply-adds per number of ``u``; memory: one buffer of ``u``'s size.
     """
 
-    def __init__(self, record):
-        self.record = record
+    def __init__(self, record, layout=None):
+        self.record, self.layout = record, layout
         self._buffer = None
         self._next_step = None
+        self._constants = None
+
+    def _layers(self, coefficient, n_layers):
+        return on_layers(coefficient, self.layout, n_layers)
 
     def psi(self, step, u):
         """:math:`\\psi_{step}` from :math:`u_{step}`; steps must come in decreasing order."""
@@ -153,17 +176,24 @@ class BackwardAccumulation:
                 f"Steps must be fed last to first: got {step} after {self._next_step}."
             )
         self._next_step = step
-        alpha, zeta = record.gradient_rates[step], record.direct_rates[step]
+        n = len(u)
+        if self._constants is None:
+            self._constants = [
+                self._layers(c, n) for c in (record.buffer_decay, record.gradient_scale)
+            ]
+        betas, gammas = self._constants
+        alphas = self._layers(record.gradient_rates[step], n)
+        zetas = self._layers(record.direct_rates[step], n)
         if self._buffer is None:
-            self._buffer = [alpha * layer for layer in u]
+            self._buffer = [alpha * layer for alpha, layer in zip(alphas, u, strict=True)]
         else:
             self._buffer = [
-                alpha * layer + record.buffer_decay * old
-                for layer, old in zip(u, self._buffer, strict=True)
+                alpha * layer + beta * old
+                for alpha, layer, beta, old in zip(alphas, u, betas, self._buffer, strict=True)
             ]
         return [
-            record.gradient_scale * b + zeta * layer
-            for b, layer in zip(self._buffer, u, strict=True)
+            gamma * b + zeta * layer
+            for gamma, b, zeta, layer in zip(gammas, self._buffer, zetas, u, strict=True)
         ]
 
 
@@ -174,8 +204,9 @@ class ForwardAccumulation:
     .. math::
 
         g_s = G_s + \\lambda_c w_s, \\quad b_s = \\beta b_{s-1} + \\gamma g_s, \\quad
-        w_{s+1} - w_s = -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s.
+        w_{s+1} - w_s = -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s,
 
+    elementwise with per-parameter coefficients where parameter groups differ.
     Used to replay a recorded run at another precision (the run's rates and
     preconditioners as recorded, the gradients recomputed). Cost: a few
     multiply-adds per weight; memory: one buffer of the weights' size.

@@ -150,23 +150,50 @@ def test_unsupported_options(make, match):
     refused(f"Step 0: {match}", model, make(model.parameters()))
 
 
-def test_groups_with_different_momentum_or_decay():
+def test_groups_with_different_momentum_or_decay_are_recorded():
+    """Formerly refused: groups that differ in momentum, or in AdamW's decoupled
+    decay lr * weight_decay, are now per-parameter coefficients; the identity holds
+    (tests/training/test_parameter_groups.py checks them against torch.optim and
+    the brute-force reference)."""
+    X, y = data()
+    for make in (
+        lambda m: torch.optim.SGD(
+            [{"params": m[0].parameters(), "momentum": 0.5}, {"params": m[2].parameters()}],
+            lr=0.1,
+            momentum=0.9,
+        ),
+        lambda m: torch.optim.AdamW(
+            [{"params": m[0].parameters(), "lr": 0.01}, {"params": m[2].parameters()}],
+            lr=0.1,
+            weight_decay=0.1,
+        ),
+    ):
+        model = mlp()
+        optimizer = make(model)
+        recorder = TrainingRecorder(model, optimizer, X)
+        steps(model, optimizer, recorder, X, y)
+        recording = recorder.finish()
+        parts = recording.decompose(X[:4])
+        with torch.no_grad():
+            own = model(X[:4]).numpy()
+        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+        np.testing.assert_allclose(total, own, rtol=0, atol=1e-9)
+
+
+def test_group_momentum_changed_during_the_run():
     model = mlp()
-    groups = [
-        {"params": model[0].parameters(), "momentum": 0.5},
-        {"params": model[2].parameters()},
-    ]
+    groups = [{"params": model[0].parameters(), "momentum": 0.5}, {"params": model[2].parameters()}]
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+    def change(step):
+        if step == 2:
+            optimizer.param_groups[1]["momentum"] = 0.8
+
     refused(
-        "Step 0: the parameter groups use different momentum",
+        "Step 2: the optimiser's momentum, betas, Nesterov flag",
         model,
-        torch.optim.SGD(groups, lr=0.1, momentum=0.9),
-    )
-    model = mlp()
-    groups = [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[2].parameters()}]
-    refused(
-        "Step 0: the parameter groups use different decoupled decay lr \\* weight_decay",
-        model,
-        torch.optim.AdamW(groups, lr=0.1, weight_decay=0.1),
+        optimizer,
+        before_step=change,
     )
 
 
@@ -307,6 +334,29 @@ def test_skipped_parameter_with_a_momentum_buffer():
         model,
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         before_step=skip,
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    ],
+)
+def test_gradient_removed_by_hand_under_momentum(make):
+    """The backward pass reached the parameter but its gradient was set to None:
+    torch.optim skips it, the momentum buffer of the linear form would not."""
+    model = mlp()
+
+    def remove(step):
+        model[2].bias.grad = None
+
+    refused(
+        "Step 0: the gradient of parameter '2.bias' was removed after the backward pass",
+        model,
+        make(model.parameters()),
+        before_step=remove,
     )
 
 
