@@ -420,7 +420,9 @@ class _FactorsAt:
             type(parts[0].factors[i]).cat([p.factors[i] for p in parts])
             for i in range(len(parts[0].factors))
         ]
-        return _FactorsAt(self.probe, self.outputs, torch.cat([p.output for p in parts]), factors)
+        return _FactorsAt(
+            self.probe, self.outputs, torch.cat([p.output for p in parts]), factors
+        )
 
     def take(self, rows):
         return _FactorsAt(
