@@ -160,20 +160,23 @@ class OptimizerReader(ABC):
             )
         self.group_of = [where[id(p)] for p in params]
         self.numels = [p.numel() for p in params]
+        self._used = sorted(set(self.group_of))
         self._form = None
         self._had_state = [False] * len(params)
         self._skipped = [False] * len(params)
 
     def groups(self):
         """The parameter groups that hold recorded parameters."""
-        return [self.optimizer.param_groups[k] for k in sorted(set(self.group_of))]
+        return [self.optimizer.param_groups[k] for k in self._used]
 
     def per_parameter(self, value):
         """``value(group)`` (a number) of each recorded parameter's group, as a
         coefficient of the linear form: a number when every parameter's is the same,
         else a :class:`~._blockwise.Blockwise`."""
         groups = self.optimizer.param_groups
-        by_group = {k: float(value(groups[k])) for k in set(self.group_of)}
+        by_group = {k: float(value(groups[k])) for k in self._used}
+        if len(by_group) == 1:  # (the same number blockwise() would give, sooner)
+            return by_group[self._used[0]]
         return blockwise([by_group[k] for k in self.group_of], self.numels)
 
     def form(self, step):
@@ -192,6 +195,9 @@ class OptimizerReader(ABC):
         """Refuse skipped parameters (no gradient) the linear form cannot hold;
         ``removed`` flags those the backward pass reached (their gradient was set
         to None by hand, so the kernel's gradient there is not zero)."""
+        if all(active) and not any(self._skipped):  # (the loop below's outcome, sooner)
+            self._had_state = [True] * len(active)
+            return
         n = len(self.params)
         buffer_decay = block_values(form.buffer_decay, n)
         coupled_decay = block_values(form.coupled_decay, n)
