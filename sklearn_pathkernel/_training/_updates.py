@@ -84,10 +84,9 @@ class UpdateRecord:
         return (
             self.buffer_decay == 0
             and self.preconditioners is None
-            and not any(
-                isinstance(c, Blockwise)
-                for c in (self.gradient_scale, *self.gradient_rates, *self.direct_rates)
-            )
+            and not isinstance(self.gradient_scale, Blockwise)
+            and self.gradient_rates.dtype != object
+            and self.direct_rates.dtype != object
         )
 
     def step_scale(self, step):
