@@ -120,7 +120,7 @@ def recorded_and_bare(name, frozen, scheduled, X, y, **kwargs):
     """The recording of the loop, and the weights of the same loop without recorder."""
     runs = []
     for record in (True, False):
-        model = mlp()
+        model = mlp(X.dtype)
         if frozen:
             model[0].bias.requires_grad_(False)
         optimizer = GROUPED[name](model)
@@ -152,6 +152,23 @@ def test_groups_identity(name, variant):
     assert parts.residual.max() <= 1e-9
     # Weight decay that differs between the groups moves the output.
     assert np.abs(parts.decay).max() > 0
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_groups_float32(name):
+    """A float32 run: the recorded weights are torch.optim's; the kernel is the
+    float64 replay's (with the same per-parameter coefficients), its sum exact, and
+    the float32 model's own gap reported apart."""
+    X, y = data(dtype=torch.float32)
+    recording, bare = recorded_and_bare(name, True, True, X, y)
+    assert torch.equal(recording.path_.weights, bare)
+    worst, largest = replay(recording)
+    assert worst <= 1e-4 * largest
+    parts = recording.decompose(X[:6])
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    np.testing.assert_allclose(total, parts.output, rtol=0, atol=1e-9)
+    assert parts.residual.max() <= 1e-9
+    assert 0 < parts.model_gap.max() <= 1e-5
 
 
 def test_groups_that_differ_are_per_parameter_coefficients():
