@@ -108,7 +108,8 @@ def replay(recording):
 
 def groups_of(model, variant, name):
     """One group, or two groups with their own learning rates (and a frozen bias);
-    AdamW's groups share the product lr * weight_decay (its decoupled decay)."""
+    AdamW's groups here share the product lr * weight_decay, so that its decoupled
+    decay stays one number (groups that differ: test_parameter_groups.py)."""
     if variant == "plain":
         return model.parameters()
     model[2].bias.requires_grad_(False)
