@@ -42,8 +42,9 @@ class Blockwise:
 
     Notes
     -----
-    Immutable. Expanding to a flat tensor costs ``W`` numbers, once per dtype and
-    device (cached).
+    Immutable. Expanding to a flat tensor costs ``W`` numbers at each call (not
+    cached: a record holds one coefficient per step, and a cache per step would
+    hold as many numbers as the weight path).
     """
 
     # numpy defers to the reflected operators (np.float64 * Blockwise).
@@ -58,17 +59,13 @@ class Blockwise:
                 f"Blockwise needs one value per block: {self.values.shape} values "
                 f"for {len(self.numels)} blocks."
             )
-        self._flat = {}
 
     def flat(self, dtype=torch.float64, device="cpu"):
         """The coefficient over the flat weight vector, (W,)."""
-        key = (dtype, str(device))
-        if key not in self._flat:
-            self._flat[key] = torch.repeat_interleave(
-                torch.tensor(self.values.tolist(), dtype=dtype, device=device),
-                torch.as_tensor(self.numels, device=device),
-            )
-        return self._flat[key]
+        return torch.repeat_interleave(
+            torch.tensor(self.values.tolist(), dtype=dtype, device=device),
+            torch.tensor(self.numels, device=device),
+        )
 
     def times(self, tensor):
         """``tensor`` (last axis ``W``) scaled block by block."""
@@ -123,12 +120,6 @@ class Blockwise:
     def __repr__(self):
         return f"Blockwise({self.values.tolist()})"
 
-    def __getstate__(self):
-        return {"values": self.values, "numels": self.numels}
-
-    def __setstate__(self, state):
-        self.__init__(state["values"], state["numels"])
-
 
 def blockwise(values, numels):
     """A :class:`Blockwise` of ``values`` (one per block), or the plain number
@@ -159,8 +150,9 @@ def block_values(coefficient, n_blocks):
 
 def on_layers(coefficient, layout, n_layers):
     """The coefficient for the engine's per-layer tensors: ``n_layers`` numbers
-    for a number, else ``layout(flat)`` (a callable that cuts a flat tensor into
-    per-layer tensors in the rules' layout) of the expanded coefficient."""
+    for a number, else ``layout(coefficient)``: the coefficient expanded over the
+    weights and cut into per-layer tensors in the rules' layout (see
+    :func:`layout_by_rules`)."""
     if isinstance(coefficient, Blockwise):
         return layout(coefficient)
     return [coefficient] * n_layers
