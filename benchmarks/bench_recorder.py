@@ -14,10 +14,16 @@ installed here), and the decomposition's certificate on a few test images
 (``residual``, against the float64 replay of the run, and ``model_gap``, the
 float32 network's own output against it).
 
-Run: ``python benchmarks/bench_recorder.py [--repeats 5] [--epochs 5]``.
+With ``--base COMMIT``, the recorder of an earlier commit (``git archive``, see
+``_baseline.py``) runs in the same interleaved repeats, and its time and overhead
+are printed next to this commit's.
+
+Run: ``python benchmarks/bench_recorder.py [--repeats 5] [--epochs 5] [--base 119e29d]``.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -27,6 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sklearn_pathkernel import TrainingRecorder
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _baseline import import_commit  # noqa: E402
 
 
 def networks():
@@ -46,7 +55,7 @@ def networks():
     }
 
 
-def loop(build, X, y, epochs, batch_size, record):
+def loop(build, X, y, epochs, batch_size, record, recorder_class=TrainingRecorder):
     """One training run; returns (seconds, recording or None, seconds of creating
     the recorder and of finish)."""
     torch.manual_seed(0)
@@ -63,7 +72,7 @@ def loop(build, X, y, epochs, batch_size, record):
     start = time.perf_counter()
     recorder = None
     if record:
-        recorder = TrainingRecorder(model, optimizer, X, max_steps=epochs * len(loader))
+        recorder = recorder_class(model, optimizer, X, max_steps=epochs * len(loader))
     fixed = time.perf_counter() - start
     for _ in range(epochs):
         for images, labels, rows in loader:
@@ -85,7 +94,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--base", default=None, help="an earlier commit to compare with")
     args = parser.parse_args()
+    base = None if args.base is None else import_commit(args.base).TrainingRecorder
     torch.set_num_threads(1)
     digits = load_digits()
     X = torch.tensor(digits.data[:1200] / 16.0, dtype=torch.float32)
@@ -102,12 +113,14 @@ def main():
     )
     print(header)
     for name, build in networks().items():
-        plain, recorded, fixed, recording = [], [], [], None
+        plain, recorded, fixed, recording, based = [], [], [], None, []
         for _ in range(args.repeats):
             plain.append(loop(build, X, y, args.epochs, args.batch_size, False)[0])
             seconds, recording, fixed_s = loop(build, X, y, args.epochs, args.batch_size, True)
             recorded.append(seconds)
             fixed.append(fixed_s)
+            if base is not None:
+                based.append(loop(build, X, y, args.epochs, args.batch_size, True, base)[0])
         # The fastest of the interleaved repeats: the least disturbed by other jobs.
         plain_s, recorded_s, fixed_s = min(plain), min(recorded), min(fixed)
         n_steps = recording.n_steps_
@@ -124,6 +137,8 @@ def main():
             f"{explaind / 1024:>18.1f}{parts.residual.max():>10.1e}"
             f"{parts.quadrature_error.max():>11.1e}{parts.model_gap.max():>10.1e}"
         )
+        if based:
+            print(f"{'  base ' + args.base:<35}{min(based):>11.3f}{min(based) / plain_s - 1:>9.1%}")
 
 
 if __name__ == "__main__":
