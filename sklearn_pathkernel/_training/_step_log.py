@@ -66,9 +66,9 @@ class MicroBatch:
         self._add(grad)
 
     def _add(self, grad):
-        gradient = -grad.detach()
+        gradient = -grad.detach()  # (a new tensor: the negation allocates)
         if self.output_gradient is None:
-            self.output_gradient = gradient.clone()
+            self.output_gradient = gradient
         else:  # a second backward through the same output (retain_graph)
             self.output_gradient = self.output_gradient + gradient
 
@@ -100,6 +100,18 @@ class MicroBatch:
             )
 
 
+def _write_parts(row, parts, numels):
+    """Write ``parts`` (numbers, or tensors on any device and dtype) into ``row``."""
+    offset = 0
+    for part, numel in zip(parts, numels, strict=True):
+        chunk = row[offset : offset + numel]
+        if isinstance(part, float):
+            chunk.fill_(part)
+        else:
+            chunk.copy_(part.detach().reshape(-1))
+        offset += numel
+
+
 class GrowingRows:
     """A host array of rows that grows by doubling: each step writes its row in
     place (one copy), and :meth:`view` is the rows written, without a final copy.
@@ -126,14 +138,13 @@ class GrowingRows:
             grown[: self.n_rows] = self._data
             self._data = grown
         row = self._data[self.n_rows]
-        offset = 0
-        for part, numel in zip(parts, numels, strict=True):
-            chunk = row[offset : offset + numel]
-            if isinstance(part, float):
-                chunk.fill_(part)
-            else:
-                chunk.copy_(part.detach().reshape(-1))
-            offset += numel
+        flat = [part.detach().reshape(-1) for part in parts if isinstance(part, torch.Tensor)]
+        if len(flat) == len(parts) and all(
+            f.device == row.device and f.dtype == row.dtype for f in flat
+        ):
+            torch.cat(flat, out=row)  # one operation for the whole row
+        else:
+            _write_parts(row, parts, numels)
         self.n_rows += 1
 
     def rows(self):
@@ -191,7 +202,8 @@ class StepLog:
         per-coordinate scale) into the host arrays."""
         self._weights.write(weights, self._numels)
         self._batches.append(rows)
-        self._gradients.append(output_gradient.to("cpu", copy=True))
+        # (the recorder's own tensor, from the backward hook: no copy on the host)
+        self._gradients.append(output_gradient.to("cpu"))
         scales = step_scales.scales
         self._rates.append(step_scales.rate)
         if step_scales.adam_terms is not None:
