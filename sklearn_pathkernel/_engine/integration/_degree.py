@@ -26,6 +26,7 @@ of one example row, once per engine.
 """
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ from ..._nested import nested_tensors
 NOT_POLYNOMIAL = None
 
 
-class DegreeRule:
+class DegreeRule(ABC):
     """How an operation's output degree follows from its tensor operands' degrees.
 
     ``degrees`` lists the degree of each tensor operand, in the order
@@ -46,9 +47,9 @@ class DegreeRule:
     ``(args, kwargs)``; ``args`` and ``kwargs`` are the call's own.
     """
 
+    @abstractmethod
     def degree(self, degrees, args, kwargs):
         """The output's degree (int), or ``None`` when it is no polynomial."""
-        raise NotImplementedError
 
 
 class Linear(DegreeRule):
@@ -110,7 +111,8 @@ class IntegerPower(DegreeRule):
 
 
 class Metadata(DegreeRule):
-    """Shapes, sizes and types: no value of the tensor is read."""
+    """Shapes, sizes and types, and new tensors of the same shape (``zeros_like``):
+    no value of the tensor is read, the result does not move."""
 
     def degree(self, degrees, args, kwargs):
         return 0
@@ -157,6 +159,8 @@ _METADATA = (
     _T.size, _T.dim, _T.numel, _T.stride, _T.__len__,
     _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__, _T.device.__get__,
     _T.requires_grad.__get__, _T.is_cuda.__get__, _T.layout.__get__,
+    torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
+    torch.rand_like, torch.randn_like, _T.new_zeros, _T.new_ones, _T.new_full, _T.new_empty,
 )  # fmt: skip
 
 #: The registry: torch function -> :class:`DegreeRule`. An operation on a moving

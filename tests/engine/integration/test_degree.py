@@ -136,7 +136,40 @@ def test_a_distance_network_is_no_polynomial():
     assert degree(network).degree is None
 
 
-def test_a_product_of_moving_tensors_adds_their_degrees():
+class Head(nn.Module):
+    """``operation(first(x))`` into a linear layer: degree ``deg(operation) + 1``."""
+
+    def __init__(self, operation):
+        super().__init__()
+        self.first, self.last, self.operation = nn.Linear(5, 4), nn.Linear(4, 2), operation
+
+    def forward(self, x):
+        return self.last(self.operation(self.first(x)))
+
+
+@pytest.mark.parametrize(
+    ("operation", "expected"),
+    [
+        (lambda h: h * h, 3),
+        (lambda h: h**2, 3),
+        (lambda h: h**3 + h, 4),
+        (lambda h: h / 2.0 - h.abs(), 2),
+        (lambda h: h / torch.full_like(h, 3.0), 2),
+        (lambda h: torch.cat([h[:, :2], F.max_pool1d(h[:, None], 2).flatten(1)], 1), 2),
+        (lambda h: h.sum(1, keepdim=True) @ torch.ones(1, 4, dtype=DTYPE), 2),
+        (lambda h: torch.einsum("ij,ij->ij", h, h), 3),
+        (lambda h: 1.0 / (1.0 + h), None),
+        (lambda h: h**0.5, None),
+        (lambda h: h.exp(), None),
+        (lambda h: torch.where(h > 0, h, 0.0), None),
+        (lambda h: h.max(1, keepdim=True).values.expand(-1, 4), None),
+    ],
+)
+def test_operations_of_moving_tensors(operation, expected):
+    assert degree(Head(operation)).degree == expected
+
+
+def test_a_division_by_a_moving_tensor_is_no_polynomial():
     assert degree(Squared()).degree == 3
     assert degree(Scaled()).degree is None
 
