@@ -128,8 +128,8 @@ def make_estimator(package, cell, steps, batch_size, n_train):
     settings = solver_settings(network, solver)
     if batch == "mini":
         settings.update(batch_size=batch_size, max_iter=max(1, steps * batch_size // n_train))
-    else:
-        settings.update(max_iter=steps)
+    else:  # (the regressor's default batch is 200 rows)
+        settings.update(max_iter=steps, batch_size=None)
     torch.manual_seed(0)
     if network == "distance":
         return package.DistanceKernelClassifier(
