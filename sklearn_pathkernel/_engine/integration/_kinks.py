@@ -233,10 +233,9 @@ def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi, known=Non
         )
     positions.append(todo)
     evaluated = parts[0] if len(parts) == 1 else SwitchState.cat(parts)
-    if len(positions) > 1:  # where each point is in ``evaluated``
-        rank = np.empty(total, dtype=np.int64)
-        rank[np.concatenate(positions)] = np.arange(total)
-        inverse = torch.as_tensor(rank[index.ravel()], device=device)
+    if len(positions) > 1:  # back in the order of the points
+        order = torch.as_tensor(np.argsort(np.concatenate(positions)), device=device)
+        evaluated = evaluated.take(order)
     size = piece_row.size
     return [evaluated.take(inverse[j * size : (j + 1) * size]) for j in range(4)]
 
