@@ -31,7 +31,7 @@ import torch
 
 from ._polynomials import fit_samples, quadratic_roots
 from ._pool_switches import polynomial_pools
-from ._switches import BoundaryStates, SwitchState, switch_state
+from ._switches import SwitchState, switch_state
 
 #: Rows (pieces times sample points) of the kink search evaluated in one forward
 #: pass: all rows and pieces of a step in one pass, unless a refinement grid makes
@@ -78,14 +78,10 @@ class KinkSearch(NamedTuple):
     ends : StepEnds
         The rows' ``f`` and scale at ``t = 0`` and ``t = 1``, from the search's
         own forward passes (the certificate reuses them).
-    boundary : BoundaryStates or None
-        The rows' switch states at ``t = 0`` and ``t = 1`` (None without rows):
-        the next or previous step's search starts from them.
     """
 
     kinks: list
     ends: StepEnds
-    boundary: BoundaryStates | None = None
 
 
 class PolynomialSwitches(NamedTuple):
@@ -106,7 +102,7 @@ class PolynomialSwitches(NamedTuple):
     t: np.ndarray
 
 
-def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), known=None):
+def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     """Kinks of each row in ``rows`` along ``w(t) = start + t * direction``.
 
     Each interval of ``grid`` is a *piece*, evaluated at its ends and thirds, all
@@ -124,10 +120,6 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), known=None):
     points are returned as breakpoints too (harmless: a finer partition of a
     smooth piece).
 
-    ``known`` (a :class:`BoundaryStates` of the rows, from the search of the step
-    before or after this one: the same weights up to rounding) saves evaluating
-    the rows at ``t = 0`` or ``t = 1``; every level reuses the first level's.
-
     Returns
     -------
     KinkSearch
@@ -141,17 +133,15 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), known=None):
     piece_row = np.repeat(np.arange(n), n_pieces)
     lo, hi = np.tile(grid[:-1], n), np.tile(grid[1:], n)
     kink_rows, kink_t = [np.repeat(np.arange(n), grid.size - 2)], [np.tile(grid[1:-1], n)]
-    searches, ends, boundary = [], None, None
+    searches, ends = [], None
     for level in range(MAX_LEVELS + 1):
         if piece_row.size == 0:
             break
-        states = sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi, known)
+        states = sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi)
         if level == 0:
             first = torch.arange(n, device=X.device) * n_pieces
             last = first + n_pieces - 1
-            boundary = BoundaryStates(states[0].take(first), states[-1].take(last))
-            ends = StepEnds(*boundary.start.outputs, *boundary.end.outputs)
-            known = boundary
+            ends = StepEnds(*states[0].take(first).outputs, *states[-1].take(last).outputs)
         solved = closed_form_kinks(states)
         kink_rows.append(piece_row[solved.rows])
         kink_t.append(solved.t)
@@ -175,7 +165,7 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), known=None):
             searches.append(_SearchIntervals.of(rest, search, piece_row, solved))
         piece_row, lo, hi = inside.pieces(split, piece_row, lo, hi)
     if n == 0:
-        return KinkSearch([], ends, boundary)
+        return KinkSearch([], ends)
     if searches:
         intervals = _SearchIntervals.cat(searches)
 
@@ -190,18 +180,15 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0), known=None):
         found = locate_kinks(evaluate_rest, intervals.left, intervals.right)
         kink_rows.append(np.repeat(intervals.rows.cpu().numpy(), [len(row) for row in found]))
         kink_t.append(np.fromiter((t for row in found for t in row), float))
-    kinks = _by_row(n, np.concatenate(kink_rows), np.concatenate(kink_t))
-    return KinkSearch(kinks, ends, boundary)
+    return KinkSearch(_by_row(n, np.concatenate(kink_rows), np.concatenate(kink_t)), ends)
 
 
-def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi, known=None):
+def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi):
     """Switch states of every piece ``[lo, hi]`` of row ``piece_row`` at ``u = 0,
     1/3, 2/3, 1``: four lists of states, one entry per piece.
 
     Points shared by pieces (a piece's end, the next one's start) are evaluated
-    once; all of them in passes of at most ``ROWS_PER_PASS`` rows, but for the
-    points at ``t = 0`` and ``t = 1`` whose states ``known`` (a
-    :class:`BoundaryStates` of the rows of ``X_rows``, or None) has.
+    once; all of them in passes of at most ``ROWS_PER_PASS`` rows.
     """
     # Pieces come sorted by row, then lo: a piece starting where the one before
     # it (same row) ends shares that point. Each piece adds its thirds and end,
@@ -217,25 +204,16 @@ def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi, known=Non
     for j, u in enumerate((0.0, 1 / 3, 2 / 3, 1.0)):
         point_row[index[j]] = piece_row
         point_t[index[j]] = lo if j == 0 else (hi if j == 3 else lo + (hi - lo) * u)
-    device = X_rows.device
-    inverse = torch.as_tensor(index.ravel(), device=device)
-    positions, parts = ([], []) if known is None else known.points(point_row, point_t, device)
-    todo = np.ones(total, dtype=bool)
-    for done in positions:
-        todo[done] = False
-    todo = np.flatnonzero(todo)
-    unique_rows = torch.as_tensor(point_row[todo], device=device)
-    unique_t = torch.as_tensor(point_t[todo], dtype=torch.float64, device=device)
-    for begin in range(0, todo.size, ROWS_PER_PASS):
-        part = slice(begin, begin + ROWS_PER_PASS)
-        parts.append(
-            switch_state(probe, start, direction, X_rows[unique_rows[part]], unique_t[part])
+    inverse = torch.as_tensor(index.ravel(), device=X_rows.device)
+    unique_rows = torch.as_tensor(point_row, device=X_rows.device)
+    unique_t = torch.as_tensor(point_t, dtype=torch.float64, device=X_rows.device)
+    parts = [
+        switch_state(probe, start, direction, X_rows[unique_rows[part]], unique_t[part])
+        for part in (
+            slice(begin, begin + ROWS_PER_PASS) for begin in range(0, total, ROWS_PER_PASS)
         )
-    positions.append(todo)
+    ]
     evaluated = parts[0] if len(parts) == 1 else SwitchState.cat(parts)
-    if len(positions) > 1:  # back in the order of the points
-        order = torch.as_tensor(np.argsort(np.concatenate(positions)), device=device)
-        evaluated = evaluated.take(order)
     size = piece_row.size
     return [evaluated.take(inverse[j * size : (j + 1) * size]) for j in range(4)]
 

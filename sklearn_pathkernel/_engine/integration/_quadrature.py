@@ -14,7 +14,6 @@ plus, for ``EXACT``, the kink search (:mod:`._kinks`: forward passes only).
 """
 
 import enum
-import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,7 +23,6 @@ import numpy as np
 
 from ._degree import NodeCounts
 from ._kinks import StepEnds, row_kinks
-from ._switches import BoundaryStates
 
 #: The test x test integrand is a product of two gradients (twice the polynomial
 #: degree of one) and carries no certificate: it gets this many times the nodes
@@ -150,45 +148,6 @@ class QuadratureRule(ABC):
         """
 
 
-class _StepBoundary(NamedTuple):
-    """The switch states of all rows of ``X`` at both ends of step ``index``."""
-
-    X: object
-    version: int
-    index: int
-    states: BoundaryStates
-
-
-class BoundaryCache:
-    """Per thread, the last step's switch states at its ends, for the next step.
-
-    The state at ``t = 1`` of step ``s`` is the state at ``t = 0`` of step
-    ``s + 1`` (the same weights, up to the rounding of ``w_s + (w_{s+1} - w_s)``):
-    consecutive steps of the same rows, forward (plain gradient descent) or
-    backward (the accumulated updates), search one end less. Entries hold the
-    rows' tensor itself, so an entry is used for that very tensor only, unchanged.
-    """
-
-    def __init__(self):
-        self._by_thread = {}
-
-    def known(self, X, index):
-        """The :class:`BoundaryStates` of step ``index`` known for the rows of ``X``."""
-        last = self._by_thread.get(threading.get_ident())
-        if last is None or last.X is not X or last.version != X._version:
-            return None
-        if last.index == index:
-            return last.states
-        if last.index == index - 1:
-            return BoundaryStates(last.states.end, None)
-        if last.index == index + 1:
-            return BoundaryStates(None, last.states.start)
-        return None
-
-    def store(self, X, index, states):
-        self._by_thread[threading.get_ident()] = _StepBoundary(X, X._version, index, states)
-
-
 class KinkSplittingRule(QuadratureRule):
     """``n_nodes`` Gauss-Legendre nodes on every smooth piece of each row's step.
 
@@ -200,9 +159,6 @@ class KinkSplittingRule(QuadratureRule):
 
     adaptive = True
 
-    def __init__(self):
-        self.boundaries = BoundaryCache()
-
     def node_counts(self, degree, n_nodes):
         """At most ``n_nodes`` per piece, fewer where they are exact already: a
         path of degree ``D`` has gradients of degree ``D - 1`` on each piece,
@@ -211,15 +167,7 @@ class KinkSplittingRule(QuadratureRule):
         return NodeCounts.of(degree, n_nodes, TEST_TEST_NODES)
 
     def row_nodes(self, probe, step, X, n_nodes):
-        """Nodes of every row of ``X``; the kink search starts from the switch
-        states of the last step of the same rows where it was the one before or
-        after this one (:class:`BoundaryCache`)."""
-        rows = np.arange(X.shape[0])
-        known = self.boundaries.known(X, step.index)
-        search = row_kinks(probe, step.start, step.direction, X, rows, known=known)
-        if search.boundary is not None:
-            self.boundaries.store(X, step.index, search.boundary)
-        return RowNodes(piecewise_nodes(rows, search.kinks, n_nodes), search.kinks, search.ends)
+        return self.refined_nodes(probe, step, X, np.arange(X.shape[0]), (0.0, 1.0), n_nodes)
 
     def refined_nodes(self, probe, step, X, rows, grid, n_nodes):
         """The nodes of ``rows`` with kinks searched on the finer ``grid``."""

@@ -11,9 +11,6 @@ Cost: one forward pass of the rows (no backward pass), plus a copy of every
 switching value (a ReLU network: its hidden units per row).
 """
 
-from typing import NamedTuple
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -172,35 +169,6 @@ class SwitchState:
         for (_, ia), (_, ib) in zip(self.pools, other.pools, strict=True):
             same &= (ia == ib).flatten(1).all(1)
         return same
-
-
-class BoundaryStates(NamedTuple):
-    """The switch states of each row at ``t = 0`` and ``t = 1`` of a step (either
-    None where unknown): the end of step ``s`` is the start of step ``s + 1``."""
-
-    start: SwitchState | None
-    end: SwitchState | None
-
-    def at(self, value):
-        """The state at ``t = value`` (0 or 1), its points labelled ``value``."""
-        state = self.start if value == 0.0 else self.end
-        if state is None:
-            return None
-        t = torch.full_like(state.t, value)
-        return SwitchState(t, state.switches, state.pools, state.outputs, state.windows)
-
-    def points(self, point_row, point_t, device):
-        """The points ``(point_row, point_t)`` at ``t = 0`` and ``t = 1`` whose
-        states are known: their positions among the points (a list of arrays) and
-        their states (a list of :class:`SwitchState`)."""
-        positions, states = [], []
-        for value in (0.0, 1.0):
-            state = self.at(value)
-            at = np.flatnonzero(point_t == value)
-            if state is not None and at.size:
-                positions.append(at)
-                states.append(state.take(torch.as_tensor(point_row[at], device=device)))
-        return positions, states
 
 
 class _Switches:
