@@ -281,11 +281,15 @@ CASES = {
     "mlp3/sgd/mini": (lambda: mlp(5, 8, 6, 2), 5, "sgd", 8, 2),
     "mlp/adam": (lambda: mlp(5, 8, 2), 5, "adam", None, 1),
     "cnn/sgd": (CNN, 36, "sgd", None, 1),
+    "cnn2/sgd": (TwoConvCNN, 36, "sgd", None, 2),
     "cnn2/adam": (TwoConvCNN, 36, "adam", None, 2),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c == "cnn2/adam" else c for c in CASES],
+)
 def test_reduced_nodes_give_the_same_kernel(case, monkeypatch):
     make, n_features, solver, batch_size, per_piece = CASES[case]
     module, path, X = trained_regressor(make(), n_features, solver, batch_size)
