@@ -7,8 +7,9 @@ Usage::
     python benchmarks/bench_matrix.py --cells cnn/sgd/mini mlp/adam/full
     python benchmarks/bench_matrix.py --base none              # this commit only
     python benchmarks/bench_matrix.py --sizes 4000 --cells mlp/sgd/full
+    python benchmarks/bench_matrix.py --cells cnn/sgd/mini/reg --base 119e29d
 
-Cells are ``network/solver/batch``:
+Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
 networks
     ``mlp`` (ReLU 64-64-10), ``cnn`` (conv 1->8 3x3, ReLU, 2x2 max-pool, linear:
@@ -21,6 +22,12 @@ solvers
 batches
     ``full`` (100 full-batch steps) and ``mini`` (batches of 100 rows, 10 epochs of
     M=1000 rows: 100 steps).
+tasks
+    ``clf`` (the default: ``ExactPathKernelClassifier``, the log-softmax link) and
+    ``reg`` (``ExactPathKernelRegressor`` of the same network on the one-hot
+    targets, 10 outputs: the identity link, where ``f`` is a polynomial in ``t``
+    on each piece of a step and the engine needs fewer nodes); ``--tasks`` picks
+    those of the default matrix.
 
 On scikit-learn's digits scaled to [0, 1], float64, ``torch.set_num_threads(1)``
 (``--threads``). Per cell, both packages (this one and ``--base``, exported by
@@ -32,7 +39,9 @@ training code), ``decompose`` per query (``--queries`` rows), the cross
 Gram ``gram(Q, X_train, b_train=True)`` per query (``--gram-queries`` rows), the
 training Gram ``gram(X_train, a_train=True)`` (``--train-gram``), each with the
 base's time and the ratio; the pieces and nodes per step and query of this
-commit's ``decompose``; and where its time goes (``--breakdown``): the kink
+commit's ``decompose`` and the node counts its engine chose (per piece for
+one gradient, per piece for the test x test Gram, and the path's degree in
+``t``: ``-`` where ``f`` is no polynomial); and where its time goes (``--breakdown``): the kink
 search, the node passes (forward and backward passes at the quadrature nodes and
 the batch's own rows), the products (features against the batch's factors, the
 materialised features of momentum and Adam), everything else (the certificate's
@@ -71,6 +80,7 @@ print = functools.partial(print, flush=True)  # noqa: A001 (progress in a log fi
 NETWORKS = ("mlp", "cnn", "cnn2", "distance")
 SOLVERS = ("sgd", "momentum", "adam")
 BATCHES = ("full", "mini")
+TASKS = ("clf", "reg")
 PHASES = ("kink search", "node passes", "products", "rest")
 FULL = {"sizes": (1000,), "steps": 100, "batch_size": 100, "queries": 20, "gram_queries": 50}
 QUICK = {"sizes": (300,), "steps": 30, "batch_size": 100, "queries": 10, "gram_queries": 10}
@@ -112,25 +122,25 @@ def solver_settings(network, solver):
     return {"solver": "adam", "learning_rate": 2e-2 if network == "distance" else 1e-2}
 
 
-def make_estimator(package, network, solver, batch, steps, batch_size, n_train):
+def make_estimator(package, cell, steps, batch_size, n_train):
     """The cell's estimator from ``package`` (this one or the base)."""
+    network, solver, batch, task = cell
     settings = solver_settings(network, solver)
     if batch == "mini":
         settings.update(batch_size=batch_size, max_iter=max(1, steps * batch_size // n_train))
-    else:
-        settings.update(max_iter=steps)
+    else:  # (the regressor's default batch is 200 rows)
+        settings.update(max_iter=steps, batch_size=None)
     torch.manual_seed(0)
     if network == "distance":
         return package.DistanceKernelClassifier(
             hidden_layer_sizes=(64,), random_state=0, **settings
         )
+    estimator = {"clf": package.ExactPathKernelClassifier, "reg": package.ExactPathKernelRegressor}
     module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN}[network]
     if module is None:
-        return package.ExactPathKernelClassifier(
-            hidden_layer_sizes=(64,), random_state=0, **settings
-        )
+        return estimator[task](hidden_layer_sizes=(64,), random_state=0, **settings)
     torch.manual_seed(0)
-    return package.ExactPathKernelClassifier(module=module(), random_state=0, **settings)
+    return estimator[task](module=module(), random_state=0, **settings)
 
 
 def digits(n_train, n_queries):
@@ -252,21 +262,25 @@ def fresh(clf):
 
 
 def run_cell(packages, cell, size, config, args):
-    network, solver, batch = cell
     X, y, Q = digits(size, max(config["queries"], config["gram_queries"]))
+    if cell[3] == "reg":
+        y = np.eye(10)[y]
     queries, gram_queries = Q[: config["queries"]], Q[: config["gram_queries"]]
     fits = {}
     for name, package in packages.items():
-        clf = make_estimator(
-            package, network, solver, batch, config["steps"], config["batch_size"], size
-        )
+        clf = make_estimator(package, cell, config["steps"], config["batch_size"], size)
         fit_time, clf = timed(lambda clf=clf: clf.fit(X, y))
         fits[name] = (clf, fit_time)
     new = fits["new"][0]
     # The same training code in both commits: the faster of the two fits (one each).
     fit_time = min(seconds for _, seconds in fits.values())
     n_steps = new.path_.n_steps
-    result = {"cell": "/".join(cell), "M": size, "fit": fit_time, "steps": n_steps}
+    cell_name = "/".join(cell[:3] if cell[3] == "clf" else cell)
+    result = {"cell": cell_name, "M": size, "fit": fit_time, "steps": n_steps}
+    counts = getattr(fresh(new), "nodes", None)  # (the base commit may have none)
+    if counts is not None:
+        degree = "-" if counts.degree is None else counts.degree
+        result["node_counts"] = f"{counts.per_piece}/{counts.test_test} (degree {degree})"
 
     def decompose(clf):
         fresh(clf)
@@ -368,12 +382,15 @@ def report(result):
             f"  {name:<4} decompose s: {parts}; pieces/step/query {result['pieces'][name]:.2f},"
             f" nodes/step/query {result['nodes'][name]:.1f}"
         )
+    if "node_counts" in result:
+        print(f"  new  nodes per piece (gradient/test x test): {result['node_counts']}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cells", nargs="*", default=None, help="network/solver/batch")
+    parser.add_argument("--cells", nargs="*", default=None, help="network/solver/batch[/task]")
+    parser.add_argument("--tasks", nargs="*", default=["clf"], help="of the default matrix")
     parser.add_argument("--sizes", type=int, nargs="*", default=None)
     parser.add_argument("--base", default="c31ef24", help="earlier commit, or 'none'")
     parser.add_argument("--repeats", type=int, default=2)
@@ -390,10 +407,15 @@ def main():
     sizes = args.sizes or config["sizes"]
     if args.cells:
         cells = [tuple(cell.split("/")) for cell in args.cells]
+        cells = [cell if len(cell) == 4 else (*cell, "clf") for cell in cells]
     else:
-        cells = [(n, s, b) for n in NETWORKS for s in SOLVERS for b in BATCHES]
+        cells = [
+            (n, s, b, t) for t in args.tasks for n in NETWORKS for s in SOLVERS for b in BATCHES
+        ]
     for cell in cells:
-        if cell[0] not in NETWORKS or cell[1] not in SOLVERS or cell[2] not in BATCHES:
+        axes = (NETWORKS, SOLVERS, BATCHES, TASKS)
+        known = len(cell) == 4 and all(p in a for p, a in zip(cell, axes, strict=True))
+        if not known or (cell[0] == "distance" and cell[3] == "reg"):
             parser.error(f"unknown cell {'/'.join(cell)}")
     packages = {"new": sklearn_pathkernel}
     if args.base != "none":
@@ -405,7 +427,7 @@ def main():
     )
     # Warm-up: torch's first calls, not the first cell, pay the library's start-up.
     warm = {"new": sklearn_pathkernel}
-    run_cell(warm, ("cnn", "sgd", "mini"), 200, QUICK | {"steps": 4}, args)
+    run_cell(warm, ("cnn", "sgd", "mini", "clf"), 200, QUICK | {"steps": 4}, args)
     for size in sizes:
         for cell in cells:
             report(run_cell(packages, cell, size, config, args))

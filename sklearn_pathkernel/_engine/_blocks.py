@@ -16,7 +16,6 @@ import torch
 from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
 from ._transfer import to_host
-from .integration._quadrature import TEST_TEST_NODES
 
 
 class BlockKind(enum.Enum):
@@ -34,8 +33,9 @@ class BlockKind(enum.Enum):
     ``TEST``
         Both sides on the test copy, integrated at the same ``t``
         (``sum_q nu_q <g(a; w_s(t_q)), g(b; w_s(t_q))>``, nodes shared by all
-        rows, ``TEST_TEST_NODES`` times as many). Cost per step: the shared
-        nodes' passes of both sides, one product per node and layer.
+        rows, as many as a product of two gradients needs: ``NodeCounts.test_test``).
+        Cost per step: the shared nodes' passes of both sides, one product per
+        node and layer.
     """
 
     TRAINING = enum.auto()
@@ -90,14 +90,17 @@ class GramBlocks:
     planner : Planner
     test_copy : TestCopy
     rule : QuadratureRule
-    n_nodes, n_outputs : int
+    nodes : NodeCounts
+        Nodes per smooth piece: ``nodes.test_test`` for the test x test blocks
+        and the test copy's diagonal (products of two gradients).
+    n_outputs : int
     path : WeightPath
     """
 
-    def __init__(self, probes, steps, planner, test_copy, rule, n_nodes, n_outputs, path):
+    def __init__(self, probes, steps, planner, test_copy, rule, nodes, n_outputs, path):
         self.probes, self.steps, self.planner = probes, steps, planner
         self.test_copy, self.rule = test_copy, rule
-        self.n_nodes, self.n_outputs, self.path = n_nodes, n_outputs, path
+        self.nodes, self.n_outputs, self.path = nodes, n_outputs, path
 
     def inner(self, left, right, mode, metric):
         """``sum_layers <g_left, P g_right>`` of two factor lists (``metric`` None: P = 1).
@@ -244,9 +247,7 @@ class GramBlocks:
         """``sum_q nu_q <g(a; w_s(t_q)), P_s g(b; w_s(t_q))>``, nodes shared by all rows."""
         step = self.steps.step(index)
         probe = self.probes.current()
-        t, nu = self.rule.shared_nodes(
-            probe, step, torch.cat([A, B]), TEST_TEST_NODES * self.n_nodes
-        )
+        t, nu = self.rule.shared_nodes(probe, step, torch.cat([A, B]), self.nodes.test_test)
         n_nodes = len(t)
         times = self.steps.on_device(t)
 
@@ -287,7 +288,7 @@ class GramBlocks:
                 # Same rule as the test x test Gram: products of two gradients
                 # need more nodes.
                 features = self.test_copy.integrate(
-                    index, A[test], n_nodes=TEST_TEST_NODES * self.n_nodes
+                    index, A[test], n_nodes=self.nodes.test_test
                 ).features
                 for rows, weights, factors in features.nodes:
                     part.index_add_(

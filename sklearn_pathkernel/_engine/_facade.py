@@ -46,6 +46,7 @@ from ._steps import PathSteps, ThreadProbes
 from ._stepwise import StepwiseDecomposition
 from ._test_copy import TestCopy
 from .integration._certificate import Certificate
+from .integration._degree import path_degree
 from .integration._quadrature import Quadrature
 
 #: The parts built from the settings (rebuilt on unpickling, never pickled).
@@ -82,7 +83,11 @@ class PathKernelEngine:
     n_points : int, default=100
         Points of the fixed rules (``"riemann"``, ``"midpoint"``, ``"gauss"``).
     n_nodes : int, default=4
-        Gauss-Legendre nodes per smooth piece for ``"exact"``.
+        Gauss-Legendre nodes per smooth piece for ``"exact"``, at most: where
+        ``f`` is a polynomial in ``t`` of degree ``D`` on each piece (ReLU
+        networks of linear and convolutional layers with the identity link,
+        see :mod:`.integration._degree`), ``ceil(D / 2)`` nodes are exact and the
+        engine uses no more (``D`` for the test x test Gram, else ``3 n_nodes``).
     tile_size : int, default=512
         Rows per forward pass, per side of a matrix product and per block of
         the test x test Gram (on a GPU, products take more: see
@@ -92,6 +97,12 @@ class PathKernelEngine:
         joblib jobs over blocks (respects ``joblib.parallel_config``, e.g. dask).
     verbose : int, default=0
         Show a progress bar over blocks.
+
+    Attributes
+    ----------
+    nodes : NodeCounts
+        The nodes per smooth piece the engine integrates with, and the path's
+        degree they follow from.
     """
 
     def __init__(
@@ -128,13 +139,15 @@ class PathKernelEngine:
     def _build(self):
         """The parts that hold the device: the path's steps, the probes, the plans."""
         self._rule = Quadrature.of(self.quadrature).rule(self.n_points)
+        degree = path_degree(self.module, self.path.param_names, self.X_train[:1], self.link)
+        self.nodes = self._rule.node_counts(degree.degree, self.n_nodes)
         self._probes = ThreadProbes(self.module, self.path, self.X_train[:1], self.link)
         self._steps = PathSteps(self.path, self.device)
         self._scheduler = Scheduler(self.n_jobs, self.verbose, self.path.n_steps)
         self._planner = Planner(
             self.device,
             self.tile_size,
-            self.n_nodes,
+            self.nodes.per_piece,
             self.path,
             self._scheduler,
             self._probes,
@@ -151,7 +164,7 @@ class PathKernelEngine:
             self._planner,
             self._rule,
             certificate,
-            self.n_nodes,
+            self.nodes.per_piece,
             self.n_outputs,
         )
         self._decomposition = Decomposition(
@@ -162,7 +175,7 @@ class PathKernelEngine:
             self._test_copy,
             self.path,
             self.X_train,
-            self.n_nodes,
+            self.nodes.per_piece,
             self.n_outputs,
         )
         blocks = GramBlocks(
@@ -171,12 +184,12 @@ class PathKernelEngine:
             self._planner,
             self._test_copy,
             self._rule,
-            self.n_nodes,
+            self.nodes,
             self.n_outputs,
             self.path,
         )
         self._gram = Gram(
-            blocks, self._planner, self._scheduler, self._steps, self.n_nodes, self.n_outputs
+            blocks, self._planner, self._scheduler, self._steps, self.nodes, self.n_outputs
         )
 
     def __deepcopy__(self, memo):

@@ -21,7 +21,6 @@ import torch
 
 from ._blocks import BlockKind
 from ._planning import check_fits
-from .integration._quadrature import TEST_TEST_NODES
 
 
 def as_mask(flag, n):
@@ -43,12 +42,14 @@ class Gram:
     planner : Planner
     scheduler : Scheduler
     steps : PathSteps
-    n_nodes, n_outputs : int
+    nodes : NodeCounts
+        Nodes per smooth piece (``nodes.test_test`` plans the diagonal's tiles).
+    n_outputs : int
     """
 
-    def __init__(self, blocks, planner, scheduler, steps, n_nodes, n_outputs):
+    def __init__(self, blocks, planner, scheduler, steps, nodes, n_outputs):
         self.blocks, self.planner, self.scheduler = blocks, planner, scheduler
-        self.steps, self.n_nodes, self.n_outputs = steps, n_nodes, n_outputs
+        self.steps, self.nodes, self.n_outputs = steps, nodes, n_outputs
 
     def gram(self, A, B, a_train, b_train, mode):
         """The Gram of ``A`` and ``B`` (None: ``A`` with ``a_train``) in ``mode``
@@ -140,7 +141,7 @@ class Gram:
     def diag(self, A, a_train):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
         mask = as_mask(a_train, A.shape[0])
-        tiles = self.planner.query_tiles(A.shape[0], 0, TEST_TEST_NODES * self.n_nodes)
+        tiles = self.planner.query_tiles(A.shape[0], 0, self.nodes.test_test)
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
         results = self.scheduler.run(
             [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys]

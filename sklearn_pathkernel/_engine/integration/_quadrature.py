@@ -21,10 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._degree import NodeCounts
 from ._kinks import StepEnds, row_kinks
 
 #: The test x test integrand is a product of two gradients (twice the polynomial
-#: degree of one) and carries no certificate: it gets this many times the nodes.
+#: degree of one) and carries no certificate: it gets this many times the nodes
+#: where the path's degree is unknown (:class:`._degree.NodeCounts`).
 TEST_TEST_NODES = 3
 
 
@@ -131,6 +133,12 @@ class QuadratureRule(ABC):
     def row_nodes(self, probe, step, X, n_nodes):
         """Each row of ``X`` with its own nodes: a :class:`RowNodes`."""
 
+    def node_counts(self, degree, n_nodes):
+        """The :class:`NodeCounts` this rule integrates with, given the path's
+        degree in ``t`` (an int, or None when unknown): a fixed rule's own nodes
+        do not depend on it."""
+        return NodeCounts.of(None, n_nodes, TEST_TEST_NODES)
+
     @abstractmethod
     def shared_nodes(self, probe, step, X, n_nodes):
         """One set of nodes valid for every row of ``X``: a :class:`SharedNodes`.
@@ -145,10 +153,18 @@ class KinkSplittingRule(QuadratureRule):
 
     The pieces are those between the row's kinks (:func:`._kinks.row_kinks`):
     exact to machine precision for a piecewise-polynomial integrand of degree
-    up to ``2 n_nodes - 1``, and certified for any other.
+    up to ``2 n_nodes - 1``, and certified for any other. The engine asks for
+    no more nodes than the path's degree needs (:meth:`node_counts`).
     """
 
     adaptive = True
+
+    def node_counts(self, degree, n_nodes):
+        """At most ``n_nodes`` per piece, fewer where they are exact already: a
+        path of degree ``D`` has gradients of degree ``D - 1`` on each piece,
+        integrated exactly by ``ceil(D / 2)`` nodes, and their products by ``D``
+        (see :class:`NodeCounts`)."""
+        return NodeCounts.of(degree, n_nodes, TEST_TEST_NODES)
 
     def row_nodes(self, probe, step, X, n_nodes):
         return self.refined_nodes(probe, step, X, np.arange(X.shape[0]), (0.0, 1.0), n_nodes)
