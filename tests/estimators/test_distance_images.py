@@ -55,7 +55,7 @@ def test_regressor_with_dense_layer_after_the_convolution(digits):
     [
         ({"image_shape": (5, 6)}, r"has 30 values per image but X has 36 features"),
         ({"image_shape": (6, 6), "conv_layers": ((2, 7),)}, "patch height 7 is larger"),
-        ({"image_shape": (6, 6), "conv_layers": ((2, 3, 1, 1, 1),)}, "Each entry of conv_layers"),
+        ({"image_shape": (6, 6), "conv_layers": ((2, 3, 1, 1, 1, 1),)}, "Each entry of conv_layers"),
         ({"image_shape": (6, 6), "conv_layers": ((0, 3),)}, "must be positive"),
         ({"image_shape": (6, 0)}, "image_shape must be"),
     ],
