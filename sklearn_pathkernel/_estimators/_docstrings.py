@@ -143,8 +143,15 @@ IMAGE_PARAMETERS = """image_shape : tuple of int or None, default=None
         number of features or a patch is larger than its (padded) input.
     conv_layers : tuple, default=(16,)
         The convolutional distance layers (with ``image_shape``): per layer its
-        number of memories (3x3 patches, stride 1, no padding) or a tuple
-        ``(n_memories, kernel_size[, stride[, padding]])``."""
+        number of memories (3x3 patches, stride 1, no padding, no pool), a tuple
+        ``(n_memories, kernel_size[, stride[, padding[, pool]]])`` or a dict
+        with any of those keys (``n_memories`` required). ``pool > 1`` follows
+        the layer with a pool over ``pool`` x ``pool`` windows of positions
+        (stride ``pool``) that keeps each memory's best match: the smallest
+        distance (``kernel="sqeuclidean"`` or ``"euclidean"``) or the largest
+        similarity; it comes before ``skew_transform``. A ``ValueError`` names
+        an entry that is not of these forms, or a pool larger than the layer's
+        output."""
 
 PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         How the test-copy features integrate the gradient along each step:

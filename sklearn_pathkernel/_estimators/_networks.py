@@ -89,7 +89,7 @@ def _conv_entry(layer):
             "Each entry of conv_layers must be n_memories, a tuple (n_memories, "
             f"kernel_size[, stride[, padding[, pool]]]) of ints or a dict, got {layer!r}."
         )
-    return dict(zip(_CONV_FIELDS, items))
+    return dict(zip(_CONV_FIELDS, items, strict=False))
 
 
 def conv_specs(conv_layers):
