@@ -122,3 +122,17 @@ def test_tuple_and_dict_entries_build_the_same_network(digits):
     assert str(nets[0]) == str(nets[1])
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_default_image_network_pools_over_positions(digits):
+    """The default conv_layers: 16 memories of 3x3 patches, padding 1, a 2x2 min-pool."""
+    from sklearn_pathkernel._nn._distance_conv import MinPool2d
+
+    X, y = digits
+    clf = DistanceKernelClassifier(image_shape=(6, 6), hidden_layer_sizes=(), max_iter=2)
+    module = clf.fit(X, y).module_
+    conv, pool = module[1], module[2]
+    assert (conv.n_memories, conv.kernel_size, conv.padding) == (16, (3, 3), (1, 1))
+    assert isinstance(pool, MinPool2d) and pool.pool_size == 2
+    assert module[-1].in_features == 16 * 3 * 3
+    assert clf.predict(X[:4]).shape == (4,)
