@@ -7,20 +7,28 @@ Data sets (no downloads):
   data set: no second labelled image set ships with the installed packages), each
   8x8 digit placed at a random offset in a 10x10 canvas.
 
-Protocol: per data set, ``N_SELECT`` = 300 images (stratified) are set aside to
-choose the learning rate of the two convolutional networks from
-``LEARNING_RATES`` (2-fold cross-validation on them); the other 1497 images are
-scored by 5-fold cross-validation (accuracy, the same folds for every model, one
-run). MLPClassifier keeps scikit-learn's defaults. Inputs are scaled to [0, 1]
+Protocol: per data set, ``N_SELECT`` = 300 images (stratified) are set aside.
+The candidate architectures ``ARCHITECTURES`` (16 memories of 3x3 patches,
+padding 1, a 2x2 or 3x3 pool over positions) come from an exploration on those
+300 images only (5-fold cross-validation on them, ``doc/benchmarks_distance.rst``).
+Here the 300 images choose, by 2-fold cross-validation on them, per data set
+one architecture for both convolutional networks (the one with the largest sum
+of the two networks' best selection scores) and each network's learning rate
+from ``LEARNING_RATES``. The other 1497 images are scored by 5-fold
+cross-validation (accuracy, the same folds for every model, one run).
+MLPClassifier keeps scikit-learn's defaults. Inputs are scaled to [0, 1]
 (pixel / 16).
 
 Models:
 
-- ``conv-distance``: ``DistanceKernelClassifier(image_shape, conv_layers=(16,),
-  hidden_layer_sizes=())``: 16 memories of 3x3 patches, log1p, linear head.
-- ``cnn``: ``nn.Conv2d(1, 16, 3)``, ReLU, linear head: the same parameter count
-  (a convolution's weights and bias have the shape of the memories and the bias),
-  trained by the same loop (``ExactPathKernelClassifier``, Adam, full batches).
+- ``conv-distance``: ``DistanceKernelClassifier(image_shape, conv_layers,
+  hidden_layer_sizes=())``: 16 memories of 3x3 patches (padding 1), the
+  smallest distance of each p x p window of positions (min-pool), log1p, linear
+  head.
+- ``cnn``: the same shape: ``nn.Conv2d(1, 16, 3, padding=1)``, ReLU, p x p
+  max-pool, linear head: the same parameter count (a convolution's weights and
+  bias have the shape of the memories and the bias), trained by the same loop
+  (``ExactPathKernelClassifier``, Adam, full batches).
 - ``mlp``: ``MLPClassifier(random_state=0)`` (100 ReLU units, Adam).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_distance_images.py`` (single thread).
@@ -38,8 +46,12 @@ from sklearn.neural_network import MLPClassifier
 from torch import nn
 
 from sklearn_pathkernel import DistanceKernelClassifier, ExactPathKernelClassifier
+from sklearn_pathkernel._estimators._networks import conv_specs
 
 N_SELECT, MAX_ITER = 300, 300
+#: Candidate ``conv_layers``: (n_memories, kernel_size, stride, padding, pool) per
+#: layer; the CNN mirrors the one chosen.
+ARCHITECTURES = (((16, 3, 1, 1, 2),), ((16, 3, 1, 1, 3),))
 LEARNING_RATES = (0.01, 0.02, 0.05)
 
 
@@ -54,26 +66,47 @@ def digits_sets(seed=0):
     return {"digits": (X, y, (8, 8)), "digits-shifted": (canvas.reshape(-1, 100), y, (10, 10))}
 
 
-class SmallCNN(nn.Module):
-    """Conv2d(1, 16, 3) -> ReLU -> Linear: the conv distance network's parameter count."""
+class MirrorCNN(nn.Module):
+    """The conv distance network's shape with ``nn.Conv2d`` + ReLU (+ ``nn.MaxPool2d``)
+    in place of each distance layer (+ its min-pool): the same parameter count."""
 
-    def __init__(self, image_shape, n_outputs):
+    def __init__(self, image_shape, n_outputs, conv_layers):
         super().__init__()
         self.image_shape = image_shape
-        self.conv = nn.Conv2d(1, 16, 3, dtype=torch.float64)
-        size = (image_shape[0] - 2) * (image_shape[1] - 2) * 16
-        self.head = nn.Linear(size, n_outputs, dtype=torch.float64)
+        layers, channels, (height, width) = [], 1, image_shape
+        for spec in conv_specs(conv_layers):
+            layers += [
+                nn.Conv2d(
+                    channels,
+                    spec.n_memories,
+                    spec.kernel_size,
+                    spec.stride,
+                    spec.padding,
+                    dtype=torch.float64,
+                ),
+                nn.ReLU(),
+            ]
+            height, width = (
+                (size + 2 * spec.padding - spec.kernel_size) // spec.stride + 1
+                for size in (height, width)
+            )
+            if spec.pool > 1:
+                layers.append(nn.MaxPool2d(spec.pool))
+                height, width = height // spec.pool, width // spec.pool
+            channels = spec.n_memories
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(channels * height * width, n_outputs, dtype=torch.float64)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, x):
-        return self.head(torch.relu(self.conv(x.view(-1, 1, *self.image_shape))).flatten(1))
+        return self.head(self.body(x.view(-1, 1, *self.image_shape)).flatten(1))
 
 
-def conv_distance(image_shape, learning_rate):
+def conv_distance(image_shape, conv_layers, learning_rate):
     return DistanceKernelClassifier(
         image_shape=image_shape,
-        conv_layers=(16,),
+        conv_layers=conv_layers,
         hidden_layer_sizes=(),
         learning_rate=learning_rate,
         max_iter=MAX_ITER,
@@ -81,9 +114,9 @@ def conv_distance(image_shape, learning_rate):
     )
 
 
-def cnn(image_shape, learning_rate):
+def cnn(image_shape, conv_layers, learning_rate):
     return ExactPathKernelClassifier(
-        module=lambda n_features, n_outputs: SmallCNN(image_shape, n_outputs),
+        module=lambda n_features, n_outputs: MirrorCNN(image_shape, n_outputs, conv_layers),
         solver="adam",
         learning_rate=learning_rate,
         max_iter=MAX_ITER,
@@ -96,6 +129,25 @@ def n_parameters(estimator, X, y):
     return sum(p.numel() for p in module.parameters())
 
 
+def select(name, shape, X_select, y_select):
+    """The two convolutional networks chosen on the selection images (2-fold CV):
+    one architecture for both, each network's learning rate."""
+    makers = {"conv-distance": conv_distance, "cnn": cnn}
+    best = {}
+    for layers in ARCHITECTURES:
+        for label, make in makers.items():
+            scores = {
+                lr: cross_val_score(make(shape, layers, lr), X_select, y_select, cv=2).mean()
+                for lr in LEARNING_RATES
+            }
+            lr = max(scores, key=scores.get)
+            best[layers, label] = (scores[lr], lr)
+            print(f"{name} {label} {layers}: selection {scores}", flush=True)
+    layers = max(ARCHITECTURES, key=lambda a: sum(best[a, label][0] for label in makers))
+    print(f"{name}: conv_layers={layers}", flush=True)
+    return {label: make(shape, layers, best[layers, label][1]) for label, make in makers.items()}
+
+
 def main():
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Stochastic Optimizer")  # MLP's max_iter
@@ -106,23 +158,24 @@ def main():
             X, y, train_size=N_SELECT, stratify=y, random_state=0
         )
         folds = StratifiedKFold(5, shuffle=True, random_state=0)
-        models = {}
-        for label, make in (("conv-distance", conv_distance), ("cnn", cnn)):
-            scores = {
-                lr: cross_val_score(make(shape, lr), X_select, y_select, cv=2).mean()
-                for lr in LEARNING_RATES
-            }
-            best = max(scores, key=scores.get)
-            print(f"{name} {label}: selection {scores} -> learning_rate={best}", flush=True)
-            models[label] = make(shape, best)
+        models = select(name, shape, X_select, y_select)
         models["mlp"] = MLPClassifier(random_state=0)
         counts = {label: n_parameters(est, X, y) for label, est in models.items() if label != "mlp"}
         counts["mlp"] = X.shape[1] * 100 + 100 + 100 * 10 + 10
         for label, model in models.items():
             tic = time.perf_counter()
             scores = cross_val_score(model, X_report, y_report, cv=folds)
+            lr = "(defaults)" if label == "mlp" else model.learning_rate
             rows.append(
-                (name, label, counts[label], scores.mean(), scores.std(), time.perf_counter() - tic)
+                (
+                    name,
+                    label,
+                    counts[label],
+                    scores.mean(),
+                    scores.std(),
+                    lr,
+                    time.perf_counter() - tic,
+                )
             )
             print(
                 f"{name:15s} {label:14s} params={counts[label]:6d} "
@@ -130,9 +183,9 @@ def main():
                 flush=True,
             )
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
-    print("\n| data set | model | parameters | 5-fold accuracy |\n|---|---|---|---|")
-    for name, label, count, mean, std, _ in rows:
-        print(f"| {name} | {label} | {count} | {mean:.4f} ± {std:.4f} |")
+    print("\n| data set | model | parameters | 5-fold accuracy | lr |\n|---|---|---|---|---|")
+    for name, label, count, mean, std, lr, _ in rows:
+        print(f"| {name} | {label} | {count} | {mean:.4f} ± {std:.4f} | {lr} |")
     return 0
 
 

@@ -5,8 +5,10 @@ Convolutional distance network on digits, explained
 
 A :class:`~sklearn_pathkernel.DistanceKernelClassifier` with ``image_shape=(8, 8)``
 starts with a :class:`~sklearn_pathkernel.DistanceConv2d` layer: every 3x3 patch
-of a digit is compared with 16 learned patch "memories" (mean squared
-difference), and a linear head reads the distance maps. The memories start on
+of a digit (padded by one pixel) is compared with 16 learned patch "memories"
+(mean squared difference); per memory, each 2x2 window of positions keeps its
+best match, the smallest distance (a min-pool: small shifts of a stroke do not
+change it), and a linear head reads the pooled distance maps. The memories start on
 training patches (k-means++ seeding) and are trained with the rest of the network.
 
 The network is also an exact kernel machine: its output for a test digit is a
@@ -27,8 +29,7 @@ X = X / 16.0
 X_train, y_train, X_test, y_test = X[:300], y[:300], X[300:], y[300:]
 
 clf = DistanceKernelClassifier(
-    image_shape=(8, 8),
-    conv_layers=(16,),
+    image_shape=(8, 8),  # the default conv_layers: ((16, 3, 1, 1, 2),)
     hidden_layer_sizes=(),
     max_iter=60,
     random_state=0,

@@ -135,7 +135,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         head="linear",
         gamma=1.0,
         image_shape=None,
-        conv_layers=(16,),
+        conv_layers=((16, 3, 1, 1, 2),),
         learning_rate=0.02,
         max_iter=500,
         batch_size=None,

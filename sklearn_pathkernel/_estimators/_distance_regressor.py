@@ -108,7 +108,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         skew_transform="log1p",
         gamma=1.0,
         image_shape=None,
-        conv_layers=(16,),
+        conv_layers=((16, 3, 1, 1, 2),),
         learning_rate=0.01,
         max_iter=300,
         batch_size=None,

@@ -141,10 +141,19 @@ IMAGE_PARAMETERS = """image_shape : tuple of int or None, default=None
         ``hidden_layer_sizes`` (``()`` for none). ``None``: a dense network.
         A ``ValueError`` names the sizes when the shape does not match the
         number of features or a patch is larger than its (padded) input.
-    conv_layers : tuple, default=(16,)
-        The convolutional distance layers (with ``image_shape``): per layer its
-        number of memories (3x3 patches, stride 1, no padding) or a tuple
-        ``(n_memories, kernel_size[, stride[, padding]])``."""
+    conv_layers : tuple, default=((16, 3, 1, 1, 2),)
+        The convolutional distance layers (with ``image_shape``). Per layer: an
+        int, its number of memories (3x3 patches, stride 1, no padding, no
+        pool); a tuple ``(n_memories, kernel_size[, stride[, padding[, pool]]])``;
+        or a dict with any of those keys (``n_memories`` required). ``pool > 1``
+        follows the layer with a pool over ``pool`` x ``pool`` windows of
+        positions (stride ``pool``) that keeps each memory's best match: the
+        smallest distance (``kernel="sqeuclidean"`` or ``"euclidean"``) or the
+        largest similarity; it comes before ``skew_transform``. The default, 16
+        memories of 3x3 patches, padding 1, 2x2 pool, was chosen on digits
+        images held out from the reported folds (``doc/benchmarks_distance.rst``).
+        A ``ValueError`` names an entry that is not of these forms, or a pool
+        larger than the layer's output."""
 
 PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         How the test-copy features integrate the gradient along each step:

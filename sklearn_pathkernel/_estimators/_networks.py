@@ -8,6 +8,7 @@ from torch import nn
 
 from .._nn._builders import (
     ACTIVATIONS,
+    ConvSpec,
     make_distance_conv_network,
     make_distance_network,
     make_mlp,
@@ -67,25 +68,50 @@ def image_geometry(image_shape, n_features):
     return shape
 
 
+_CONV_FIELDS = ("n_memories", "kernel_size", "stride", "padding", "pool")
+
+
+def _conv_entry(layer):
+    """One entry of ``conv_layers`` as a dict of its given fields."""
+    if isinstance(layer, Integral):
+        return {"n_memories": layer}
+    if isinstance(layer, dict):
+        unknown = sorted(set(layer) - set(_CONV_FIELDS), key=str)
+        if unknown or "n_memories" not in layer:
+            raise ValueError(
+                f"conv_layers entry {layer!r}: a dict needs 'n_memories' and may give "
+                f"{_CONV_FIELDS[1:]}; unknown keys {unknown}."
+            )
+        return dict(layer)
+    items = tuple(layer)
+    if not 2 <= len(items) <= len(_CONV_FIELDS):
+        raise ValueError(
+            "Each entry of conv_layers must be n_memories, a tuple (n_memories, "
+            f"kernel_size[, stride[, padding[, pool]]]) of ints or a dict, got {layer!r}."
+        )
+    return dict(zip(_CONV_FIELDS, items, strict=False))
+
+
 def conv_specs(conv_layers):
-    """Each layer of ``conv_layers`` as ``(n_memories, kernel_size, stride, padding)``:
-    an int is ``n_memories`` with 3x3 patches; a tuple gives ``(n_memories,
-    kernel_size[, stride[, padding]])`` (stride 1, padding 0 by default)."""
+    """Each layer of ``conv_layers`` as a :class:`ConvSpec`: an int is ``n_memories``
+    with 3x3 patches; a tuple gives ``(n_memories, kernel_size[, stride[, padding[,
+    pool]]])`` and a dict any of those fields by name (``n_memories`` required);
+    stride 1, padding 0 and pool 1 (none) by default."""
     specs = []
     for layer in conv_layers:
-        items = (layer, 3) if isinstance(layer, Integral) else tuple(layer)
-        if not 2 <= len(items) <= 4 or any(not isinstance(v, Integral) for v in items):
+        fields = _conv_entry(layer)
+        if any(not isinstance(v, Integral) or isinstance(v, bool) for v in fields.values()):
             raise ValueError(
-                "Each entry of conv_layers must be n_memories or a tuple (n_memories, "
-                f"kernel_size[, stride[, padding]]) of ints, got {layer!r}."
+                f"conv_layers entry {layer!r}: n_memories, kernel_size, stride, padding and "
+                "pool must be ints."
             )
-        n_memories, kernel_size, stride, padding = (*items, *(1, 0)[len(items) - 2 :])
-        if min(n_memories, kernel_size, stride) < 1 or padding < 0:
+        spec = ConvSpec(**{name: int(value) for name, value in fields.items()})
+        if min(spec.n_memories, spec.kernel_size, spec.stride, spec.pool) < 1 or spec.padding < 0:
             raise ValueError(
-                f"conv_layers entry {layer!r}: n_memories, kernel_size and stride must be "
-                "positive and padding non-negative."
+                f"conv_layers entry {layer!r}: n_memories, kernel_size, stride and pool must "
+                "be positive and padding non-negative."
             )
-        specs.append(tuple(int(v) for v in (n_memories, kernel_size, stride, padding)))
+        specs.append(spec)
     return specs
 
 

@@ -1,10 +1,12 @@
 """Network builders: the default MLP and the distance networks of the estimators."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ._distance import DISTANCE_KERNELS, DistanceLayer, Negate, Transform, init_memories
-from ._distance_conv import DistanceConv2d
+from ._distance_conv import DistanceConv2d, MinPool2d
 
 ACTIVATIONS = {
     "relu": nn.ReLU,
@@ -82,6 +84,31 @@ def _init_rows(rows):
     return rows[torch.randperm(rows.shape[0], device="cpu")[:MAX_INIT_PATCHES].to(rows.device)]
 
 
+@dataclass(frozen=True)
+class ConvSpec:
+    """One convolutional distance layer of :func:`make_distance_conv_network`.
+
+    ``n_memories`` memories of ``kernel_size`` x ``kernel_size`` patches, moved by
+    ``stride`` over the input padded by ``padding`` zeros, then a pool over
+    ``pool`` x ``pool`` windows of positions (stride ``pool``; 1: no pool).
+    """
+
+    n_memories: int
+    kernel_size: int = 3
+    stride: int = 1
+    padding: int = 0
+    pool: int = 1
+
+
+def position_pool(kernel, pool):
+    """The pool over positions after a convolutional distance layer with ``kernel``.
+
+    Distances (:data:`DISTANCE_KERNELS`) are small where a patch matches, so the
+    pool keeps the smallest (:class:`MinPool2d`); similarities keep the largest
+    (``nn.MaxPool2d``). Both are piecewise linear."""
+    return MinPool2d(pool) if kernel in DISTANCE_KERNELS else nn.MaxPool2d(pool)
+
+
 def make_distance_conv_network(
     X,
     n_classes,
@@ -97,32 +124,45 @@ def make_distance_conv_network(
     """Convolutional distance layers on images, then :func:`make_distance_network`.
 
     ``X`` (n, C H W) holds flattened images of ``image_shape`` ``(C, H, W)``; the
-    network unflattens them and applies, per spec ``(n_memories, kernel_size,
-    stride, padding)`` of ``conv_layers``, a :class:`DistanceConv2d` followed by
-    ``transform``; the flattened result feeds the dense distance layers
-    ``hidden_layer_sizes`` and the head. Data-based initialisations see the
-    training images' patches as the previous layers map them (at most
-    ``MAX_INIT_PATCHES`` of them, drawn at random).
+    network unflattens them and applies, per :class:`ConvSpec` of ``conv_layers``,
+    a :class:`DistanceConv2d`, its pool over positions (:func:`position_pool`,
+    when ``pool > 1``) and ``transform``; the flattened result feeds the dense
+    distance layers ``hidden_layer_sizes`` and the head. The pool comes before the
+    transform: the transforms that act per value are nondecreasing, so the order
+    does not change the values, and the pooled values stay the distance layer's
+    outputs, quadratic along a training step (the engine solves for their
+    switches in closed form). Data-based initialisations see the training images'
+    patches as the previous layers map them (at most ``MAX_INIT_PATCHES`` of
+    them, drawn at random).
     """
     stem = [nn.Unflatten(1, tuple(image_shape))]
     with torch.no_grad():
         H = stem[0](X)
-    for n_memories, kernel_size, stride, padding in conv_layers:
+    for spec in conv_layers:
         layer = DistanceConv2d(
             H.shape[1],
-            n_memories,
-            kernel_size,
-            stride,
-            padding,
+            spec.n_memories,
+            spec.kernel_size,
+            spec.stride,
+            spec.padding,
             kernel,
             gamma=gamma,
             dtype=X.dtype,
             device=X.device,
         )
+        height, width = layer.check_input(H)
+        if spec.pool > min(height, width):
+            raise ValueError(
+                f"conv_layers entry {spec}: pool {spec.pool} is larger than the layer's "
+                f"{height} x {width} output positions."
+            )
         init_memories(layer, _init_rows(layer.patch_rows(H)), init)
-        stem += [layer, Transform(transform)]
+        stem.append(layer)
+        if spec.pool > 1:
+            stem.append(position_pool(kernel, spec.pool))
+        stem.append(Transform(transform))
         with torch.no_grad():
-            H = stem[-1](layer(H))
+            H = nn.Sequential(*stem[1:])(stem[0](X))
     stem.append(nn.Flatten())
     dense = make_distance_network(
         H.flatten(1), n_classes, hidden_layer_sizes, kernel, init, transform, head, gamma=gamma

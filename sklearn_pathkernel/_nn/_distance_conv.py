@@ -184,3 +184,40 @@ class DistanceConv2d(nn.Module):
             f"stride={self.stride}, padding={self.padding}, kernel={self.kernel!r}, "
             f"bias={self.bias is not None}"
         )
+
+
+class MinPool2d(nn.Module):
+    """The smallest value of each ``pool_size`` x ``pool_size`` window of positions.
+
+    ``-max_pool2d(-z)`` with stride ``pool_size`` (``nn.MaxPool2d(pool_size)``'s
+    windows, the last partial row and column dropped): after a convolutional
+    distance layer it keeps, per memory and window, the best match, the distance
+    of the patch closest to the memory. Piecewise linear, like max-pooling: along
+    a training step the winner of a window changes where two of its values cross
+    (the path kernel engine finds those switches).
+
+    Parameters
+    ----------
+    pool_size : int
+        Window height and width, and the stride.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from sklearn_pathkernel._nn._distance_conv import MinPool2d
+    >>> MinPool2d(2)(torch.arange(16.0).view(1, 1, 4, 4))
+    tensor([[[[ 0.,  2.],
+              [ 8., 10.]]]])
+    """
+
+    def __init__(self, pool_size):
+        super().__init__()
+        if not (isinstance(pool_size, int) and pool_size >= 1):
+            raise ValueError(f"pool_size must be a positive int, got {pool_size!r}.")
+        self.pool_size = pool_size
+
+    def forward(self, z):
+        return -F.max_pool2d(-z, self.pool_size)
+
+    def extra_repr(self):
+        return f"pool_size={self.pool_size}"

@@ -121,3 +121,32 @@ def test_clear_errors_on_bad_parameters(kwargs, match):
     params = {"in_channels": 1, "n_memories": 2, "kernel_size": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         DistanceConv2d(**params)
+
+
+@pytest.mark.parametrize("pool_size, shape", [(2, (6, 6)), (2, (7, 5)), (3, (6, 9)), (1, (4, 4))])
+def test_min_pool_is_the_window_minimum(pool_size, shape):
+    """MinPool2d against explicit windows: the minimum of each pool_size x
+    pool_size block (stride pool_size, partial blocks dropped)."""
+    from sklearn_pathkernel._nn._distance_conv import MinPool2d
+
+    torch.manual_seed(0)
+    z = torch.randn(3, 2, *shape, dtype=DT)
+    out = MinPool2d(pool_size)(z)
+    rows, cols = shape[0] // pool_size, shape[1] // pool_size
+    assert out.shape == (3, 2, rows, cols)
+    for r in range(rows):
+        for c in range(cols):
+            rs, cs = (
+                slice(r * pool_size, (r + 1) * pool_size),
+                slice(c * pool_size, (c + 1) * pool_size),
+            )
+            block = z[:, :, rs, cs]
+            assert torch.equal(out[:, :, r, c], block.amin(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("pool_size", [0, 1.5, "2"])
+def test_min_pool_rejects_bad_sizes(pool_size):
+    from sklearn_pathkernel._nn._distance_conv import MinPool2d
+
+    with pytest.raises(ValueError, match="pool_size must be a positive int"):
+        MinPool2d(pool_size)
