@@ -83,7 +83,43 @@ def kernel_values(layer, x):
     return SIMILARITIES[layer.kernel](layer, x)
 
 
-class DistanceLayer(nn.Module):
+def check_kernel(kernel, gamma):
+    if kernel not in KERNELS:
+        raise ValueError(f"Unknown kernel {kernel!r}; expected one of {KERNELS}.")
+    if not gamma > 0:
+        raise ValueError(f"gamma must be positive, got {gamma!r}.")
+
+
+def check_positive_int(value, name):
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+
+class MemoryBank(nn.Module):
+    """What the distance layers share: ``n_memories`` learned memories of width
+    ``in_features`` (a patch, for :class:`DistanceConv2d`), one bias per memory and,
+    for ``"rbf"`` and ``"laplacian"``, the memories' log-widths."""
+
+    def _create_memories(self, in_features, n_memories, kernel, bias, gamma, dtype, device):
+        check_positive_int(n_memories, "n_memories")
+        self.in_features, self.n_memories, self.kernel = in_features, n_memories, kernel
+        factory = {"dtype": dtype, "device": device}
+        self.memories = nn.Parameter(torch.empty(n_memories, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(n_memories, **factory)) if bias else None
+        if kernel in ("rbf", "laplacian"):
+            self.log_gamma = nn.Parameter(torch.full((n_memories,), math.log(gamma), **factory))
+        else:
+            self.log_gamma = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Memories uniform in ``[-1/sqrt(D), 1/sqrt(D)]`` (the range of ``nn.Linear``'s
+        and ``nn.Conv2d``'s weights, ``D`` the fan-in)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.memories, -bound, bound)
+
+
+class DistanceLayer(MemoryBank):
     """Compare each example with ``n_memories`` learned vectors ("memories").
 
     For an input ``x`` of shape (n, D) and memories ``m_j`` of shape
@@ -154,28 +190,9 @@ class DistanceLayer(nn.Module):
         device=None,
     ):
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"Unknown kernel {kernel!r}; expected one of {KERNELS}.")
-        if not (isinstance(in_features, int) and in_features >= 1):
-            raise ValueError(f"in_features must be a positive int, got {in_features!r}.")
-        if not (isinstance(n_memories, int) and n_memories >= 1):
-            raise ValueError(f"n_memories must be a positive int, got {n_memories!r}.")
-        if not gamma > 0:
-            raise ValueError(f"gamma must be positive, got {gamma!r}.")
-        self.in_features, self.n_memories, self.kernel = in_features, n_memories, kernel
-        factory = {"dtype": dtype, "device": device}
-        self.memories = nn.Parameter(torch.empty(n_memories, in_features, **factory))
-        self.bias = nn.Parameter(torch.zeros(n_memories, **factory)) if bias else None
-        if kernel in ("rbf", "laplacian"):
-            self.log_gamma = nn.Parameter(torch.full((n_memories,), math.log(gamma), **factory))
-        else:
-            self.log_gamma = None
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """Memories uniform in ``[-1/sqrt(D), 1/sqrt(D)]`` (``nn.Linear``'s range)."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.memories, -bound, bound)
+        check_kernel(kernel, gamma)
+        check_positive_int(in_features, "in_features")
+        self._create_memories(in_features, n_memories, kernel, bias, gamma, dtype, device)
 
     def forward(self, x):
         if x.ndim != 2 or x.shape[1] != self.in_features:

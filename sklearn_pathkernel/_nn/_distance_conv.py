@@ -9,13 +9,10 @@ one implementation of the kernels (``kernel_values``) and of the data-based
 initialisation (``init_memories`` on :meth:`DistanceConv2d.patch_rows`).
 """
 
-import math
-
-import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._distance import KERNELS, kernel_values
+from ._distance import MemoryBank, check_kernel, check_positive_int, kernel_values
 
 
 def _pair(value, name, minimum):
@@ -26,7 +23,7 @@ def _pair(value, name, minimum):
     return pair
 
 
-class DistanceConv2d(nn.Module):
+class DistanceConv2d(MemoryBank):
     """Compare every patch of an image with ``n_memories`` learned patches ("memories").
 
     For an input of shape (n, C, H, W), the patch ``u_p`` at output position
@@ -99,31 +96,15 @@ class DistanceConv2d(nn.Module):
         device=None,
     ):
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"Unknown kernel {kernel!r}; expected one of {KERNELS}.")
-        for name, value in (("in_channels", in_channels), ("n_memories", n_memories)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        if not gamma > 0:
-            raise ValueError(f"gamma must be positive, got {gamma!r}.")
-        self.in_channels, self.n_memories, self.kernel = in_channels, n_memories, kernel
+        check_kernel(kernel, gamma)
+        check_positive_int(in_channels, "in_channels")
+        check_positive_int(n_memories, "n_memories")
+        self.in_channels = in_channels
         self.kernel_size = _pair(kernel_size, "kernel_size", 1)
         self.stride = _pair(stride, "stride", 1)
         self.padding = _pair(padding, "padding", 0)
-        self.in_features = in_channels * self.kernel_size[0] * self.kernel_size[1]
-        factory = {"dtype": dtype, "device": device}
-        self.memories = nn.Parameter(torch.empty(n_memories, self.in_features, **factory))
-        self.bias = nn.Parameter(torch.zeros(n_memories, **factory)) if bias else None
-        if kernel in ("rbf", "laplacian"):
-            self.log_gamma = nn.Parameter(torch.full((n_memories,), math.log(gamma), **factory))
-        else:
-            self.log_gamma = None
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """Memories uniform in ``[-1/sqrt(D), 1/sqrt(D)]`` (``nn.Conv2d``'s range)."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.memories, -bound, bound)
+        in_features = in_channels * self.kernel_size[0] * self.kernel_size[1]
+        self._create_memories(in_features, n_memories, kernel, bias, gamma, dtype, device)
 
     @property
     def memory_images(self):
