@@ -11,13 +11,13 @@ contractions, ``O(n m K W)``.
 import torch
 from torch.func import functional_call, grad, vmap
 
-from ._gradients import Gradients
-from ._protocol import LayerRule, RowEvaluation
+from ._gradients import Gradients, MaterialisedRule
+from ._protocol import RowEvaluation
 from ._registry import register_fallback
 
 
 @register_fallback
-class GenericRule(LayerRule):
+class GenericRule(MaterialisedRule):
     """Any module with parameters: per-example gradients via ``torch.func``.
 
     Only the module's own (direct) parameters are differentiated; the forward
@@ -69,16 +69,3 @@ class GenericRule(LayerRule):
         per_pair = vmap(grad(output_dot), in_dims=(None, 0, 0))
         grads = per_pair(theta, pairs, delta.reshape(n * k, *delta.shape[2:]))
         return Gradients(torch.cat([grads[name].reshape(n, k, -1) for name in names], 2))
-
-    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
-        """Each row's weighted sum of gradients over its nodes."""
-        return factors.row_sums(rows, weights, n_rows)
-
-    def inner(self, left, right, mode):
-        return left.inner(right, mode)
-
-    def materialise(self, factors):
-        return factors.grads
-
-    def directional(self, factors, direction):
-        return factors.directional(self.flatten(direction))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ._contract import contract
-from ._protocol import LinearInWeights
+from ._protocol import LayerRule, LinearInWeights
 from ._rows import row_sums
 
 
@@ -55,6 +55,27 @@ class Gradients:
     def row_sums(self, rows, weights, n_rows):
         """Each row's weighted sum of its nodes' gradients (see ``row_sums``)."""
         return Gradients(row_sums(rows, weights, self.grads, n_rows))
+
+
+class MaterialisedRule(LayerRule):
+    """A rule whose factors are materialised :class:`Gradients` (the generic,
+    whole-network and convolutional-distance rules): inner products, directional
+    derivatives and the sums over a row's quadrature nodes are those of the
+    gradients themselves, ``O(n m K K' W)`` and ``O(n K W)``."""
+
+    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
+        """Each row's weighted sum of its nodes' gradients (always cheaper than one
+        inner product per node: the gradients are materialised anyway)."""
+        return factors.row_sums(rows, weights, n_rows)
+
+    def inner(self, left, right, mode):
+        return left.inner(right, mode)
+
+    def materialise(self, factors):
+        return factors.grads
+
+    def directional(self, factors, direction):
+        return factors.directional(self.flatten(direction))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from ..._training._losses import log_softmax, output_cotangent
 from .._planning import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
-from ._gradients import Gradients
-from ._protocol import LayerRule, RowEvaluation, RowWeights
+from ._gradients import Gradients, MaterialisedRule
+from ._protocol import RowEvaluation, RowWeights
 
 # Bytes per Jacobian entry held while a tile is evaluated (an estimate): the
 # result, jacrev's vector-Jacobian products before they are stacked into it, and
@@ -33,7 +33,7 @@ _BYTES_PER_ENTRY = 3 * 8
 logger = logging.getLogger(__name__)
 
 
-class JacobianRule(LayerRule):
+class JacobianRule(MaterialisedRule):
     """Every trainable parameter of a network at once, by per-sample Jacobians.
 
     Factors are the materialised Jacobians, :class:`Gradients` (n, K, W) in path
@@ -234,20 +234,6 @@ class JacobianRule(LayerRule):
         jacobians = torch.stack([row[0] for row in rows])
         output = torch.stack([row[1] for row in rows])
         return output, _selected(jacobians, cotangents)
-
-    def inner(self, left, right, mode):
-        return left.inner(right, mode)
-
-    def directional(self, factors, direction):
-        return factors.directional(self.flatten(direction))
-
-    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
-        """Each row's weighted sum of its nodes' Jacobians (always cheaper than
-        keeping one inner product per node: the Jacobians are materialised anyway)."""
-        return factors.row_sums(rows, weights, n_rows)
-
-    def materialise(self, factors):
-        return factors.grads
 
 
 def _selected(jacobians, cotangents):

@@ -51,8 +51,8 @@ import torch
 
 from ...._nn._distance import COSINE_EPS, SIMILARITIES, kernel_values
 from ...._nn._distance_conv import DistanceConv2d
-from .._gradients import Gradients
-from .._protocol import LayerRule, RowEvaluation
+from .._gradients import Gradients, MaterialisedRule
+from .._protocol import RowEvaluation
 from .._registry import register_rule
 
 _LOCAL_NAMES = ("memories", "bias", "log_gamma")
@@ -71,7 +71,7 @@ class _KernelParameters:
 
 
 @register_rule(DistanceConv2d)
-class DistanceConv2dRule(LayerRule):
+class DistanceConv2dRule(MaterialisedRule):
     """Closed-form per-example gradients of a :class:`DistanceConv2d` (every kernel).
 
     Factors are :class:`Gradients` (n, K, W) laid out as the memories (J, D) flat,
@@ -133,20 +133,6 @@ class DistanceConv2dRule(LayerRule):
                 slope = -params.log_gamma.exp()[:, None] * stat.transpose(1, 2) * values
                 parts.append(torch.einsum("nkjp,njp->nkj", delta, slope))
             return Gradients(torch.cat(parts, 2))
-
-    def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
-        """Each row's weighted sum of gradients over its nodes."""
-        return factors.row_sums(rows, weights, n_rows)
-
-    def inner(self, left, right, mode):
-        """Contractions of the gradients, ``O(n m K K' W)``."""
-        return left.inner(right, mode)
-
-    def materialise(self, factors):
-        return factors.grads
-
-    def directional(self, factors, direction):
-        return factors.directional(self.flatten(direction))
 
 
 def _affine(coefficients, columns, offsets, memories):
