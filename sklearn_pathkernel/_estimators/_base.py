@@ -32,6 +32,24 @@ DTYPE = torch.float64
 _VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
 
 
+def checked_against(parts, output, **extra):
+    """The engine's decomposition ``parts`` as the estimators return it, checked
+    against the network's own ``output`` (n, K): ``residual`` is, per query,
+    ``max_k |bias + sum_i c_i + decay - output|``, the certificate computed from the
+    module's forward pass, independently of the quadrature (whose own bound is
+    ``quadrature_error``). ``extra`` fields are added as they are."""
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    return Bunch(
+        contributions=parts.contributions,
+        bias=parts.bias,
+        decay=parts.decay,
+        output=output,
+        residual=np.abs(total - output).max(axis=1),
+        quadrature_error=parts.quadrature_error,
+        **extra,
+    )
+
+
 def as_tensor(X, device):
     """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
     return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
@@ -310,16 +328,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         parts = self._engine().decompose(X_t)
         with torch.no_grad():  # the module's own forward, at its own (final) weights
             output = self._loss.link(self.module_(X_t)).cpu().numpy()
-        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
-        result = Bunch(
-            contributions=parts.contributions,
-            bias=parts.bias,
-            decay=parts.decay,
-            output=output,
-            residual=np.abs(total - output).max(axis=1),
-            quadrature_error=parts.quadrature_error,
-        )
-        return self._outputs_as_fitted(result)
+        return self._outputs_as_fitted(checked_against(parts, output))
 
     def _explanation_context(self):
         """See :class:`~.._explain._mixin.ExplanationMixin`."""

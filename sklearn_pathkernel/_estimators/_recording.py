@@ -30,11 +30,11 @@ import copy
 
 import numpy as np
 import torch
-from sklearn.utils import Bunch
 
 from .._explain._mixin import ExplanationMixin
 from .._training._losses import Loss
 from .._training._replay import replay_in_float64
+from ._base import checked_against
 
 DTYPE = torch.float64
 
@@ -209,16 +209,7 @@ class Recording(ExplanationMixin):
             link = ModuleOutput(self.link).link
             output = link(engine_module(X64)).cpu().numpy()
             own = link(self.module_(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
-        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
-        return Bunch(
-            contributions=parts.contributions,
-            bias=parts.bias,
-            decay=parts.decay,
-            output=output,
-            residual=np.abs(total - output).max(axis=1),
-            quadrature_error=parts.quadrature_error,
-            model_gap=np.abs(own - output).max(axis=1),
-        )
+        return checked_against(parts, output, model_gap=np.abs(own - output).max(axis=1))
 
     def gram(self, A, B=None, *, a_train=False, b_train=False, output="trace"):
         """The exact path kernel between the rows of ``A`` and ``B`` (see
