@@ -143,7 +143,7 @@ class TrainingRecorder:
         for index, param in enumerate(self._params):
             self._handles.append(param.register_hook(self._before_accumulate(index)))
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
-        self._identity = self._structure()
+        self._structure = StructureWatch(module, optimizer)
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
@@ -162,12 +162,6 @@ class TrainingRecorder:
             )
         check_module(copy64, rows, out.shape[1], classifier=True)
 
-    def _structure(self):
-        """Which parameters the module trains and the optimiser holds (identities)."""
-        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
-        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
-        return trained, held
-
     # -- the user's calls ------------------------------------------------------------
 
     def rows(self, indices, output=None):
@@ -185,6 +179,13 @@ class TrainingRecorder:
         """
         if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
             rows = indices
+        elif (
+            isinstance(indices, torch.Tensor)
+            and indices.dtype == torch.int64
+            and indices.ndim == 1
+            and indices.device.type == "cpu"
+        ):  # (a DataLoader's indices: the same array as below, sooner)
+            rows = indices.numpy()
         else:
             rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
@@ -276,9 +277,10 @@ class TrainingRecorder:
     def _accumulated(self, index):
         def hook(param):
             self._saved[index] = self._fingerprint(param.grad)
-            finished = [b for b in self._open if b.output_gradient is not None]
-            self._open = [b for b in self._open if b.output_gradient is None]
-            self._done.extend(finished)
+            if self._open:  # (after the pass's first parameter, nothing is left open)
+                finished = [b for b in self._open if b.output_gradient is not None]
+                self._open = [b for b in self._open if b.output_gradient is None]
+                self._done.extend(finished)
 
         return hook
 
@@ -293,7 +295,7 @@ class TrainingRecorder:
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
-        if self._structure() != self._identity:
+        if self._structure.changed():
             raise RecordingRefused(
                 f"Step {step}: the module's trainable parameters or the optimiser's parameters "
                 "changed since the recorder was created (a parameter added, replaced, frozen "
@@ -384,6 +386,60 @@ class TrainingRecorder:
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)
         self._open, self._done, self._saved, self._rows = [], [], {}, None
+
+
+class StructureWatch:
+    """Which parameters a module trains and an optimiser holds, checked at every step.
+
+    The structure is the identities of the module's parameters that require a
+    gradient (in ``module.parameters()`` order) and of the optimiser's. Walking
+    the module for it at every step costs more than the rest of the check, so
+    :meth:`changed` first compares a signature read without that walk: the
+    identities of each known submodule's parameters and children, the
+    parameters' ``requires_grad`` flags and the optimiser's parameters. Equal
+    signatures mean an equal structure (the known submodules and parameters are
+    held here, so their identities cannot be reused by new objects); a different
+    signature is settled by the walk (a new layer without parameters is no
+    change, and becomes known).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    """
+
+    def __init__(self, module, optimizer):
+        self.module, self.optimizer = module, optimizer
+        self._identity = self._structure()
+        self._learn()
+
+    def _structure(self):
+        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
+        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        return trained, held
+
+    def _learn(self):
+        self._submodules = list(self.module.modules())
+        self._parameters = list(self.module.parameters())
+        self._signature = self._read()
+
+    def _read(self):
+        return (
+            [id(p) for m in self._submodules for p in m._parameters.values()],
+            [id(c) for m in self._submodules for c in m._modules.values()],
+            [p.requires_grad for p in self._parameters],
+            [id(p) for g in self.optimizer.param_groups for p in g["params"]],
+        )
+
+    def changed(self):
+        """Whether a parameter was added, replaced, frozen or unfrozen (in the module
+        or the optimiser) since creation."""
+        if self._read() == self._signature:
+            return False
+        if self._structure() != self._identity:
+            return True
+        self._learn()
+        return False
 
 
 def _describe(value):

@@ -19,6 +19,9 @@ from ._optimizers import RecordingRefused, adam_scale
 from ._path import WeightPath, allocate_weights, storage_directory
 from ._updates import UpdateRecord
 
+#: The size of the blocks of rows that Adam's preconditioners are finished in.
+CHUNK_BYTES = 1 << 20
+
 
 def relative_difference(a, b):
     """``max |a - b| / max(max |b|, tiny)``."""
@@ -89,9 +92,12 @@ class MicroBatch:
                 f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
                 f"{self.output_gradient.shape[0]}."
             )
-        expected = X[torch.as_tensor(self.rows, device=X.device)]
+        # (one gather and one comparison, in torch: no copy of the rows on the host)
+        expected = X.index_select(0, torch.from_numpy(self.rows).to(X.device))
         inputs = self.inputs
-        if inputs.shape != expected.shape or not torch.equal(inputs, expected.to(inputs)):
+        if expected.dtype != inputs.dtype or expected.device != inputs.device:
+            expected = expected.to(inputs)
+        if inputs.shape != expected.shape or not torch.equal(inputs, expected):
             raise RecordingRefused(
                 f"Step {step}: the batch's inputs are not the training rows X[rows] named "
                 "by recorder.rows (random augmentation, a transform in the data loader, or "
@@ -232,11 +238,17 @@ class StepLog:
         )  # (steps, params, 3)
         offset = 0
         for index, numel in enumerate(self._numels):
-            block = preconditioners[rows, offset : offset + numel]
+            columns = slice(offset, offset + numel)
             step_size, correction, eps = (
-                terms[:, index, k, None].to(block.dtype) for k in range(3)
+                terms[:, index, k, None].to(preconditioners.dtype) for k in range(3)
             )
-            adam_scale(block, step_size, correction, eps)
+            # in blocks of rows of about 1 MiB, each finished while in the cache (the
+            # same elementwise operations: the same numbers as in one pass)
+            chunk = max(1, CHUNK_BYTES // (numel * preconditioners.element_size()))
+            for start in range(0, rows.stop - rows.start, chunk):
+                part = slice(start, min(start + chunk, rows.stop - rows.start))
+                block = preconditioners[rows.start + part.start : rows.start + part.stop, columns]
+                adam_scale(block, step_size[part], correction[part], eps[part])
             offset += numel
         self._finished_rows = rows.stop
 
