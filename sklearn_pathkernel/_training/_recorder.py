@@ -238,16 +238,15 @@ class TrainingRecorder:
             return
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        step = self.n_steps
         if torch.is_autocast_enabled(output.device.type):
             raise RecordingRefused(
-                f"Step {step}: the module runs under autocast (mixed precision); the kernel "
+                f"Step {self.n_steps}: the module runs under autocast (mixed precision); the kernel "
                 "evaluates the recorded weights in float64, not the reduced-precision forward."
             )
         for name, layer in self._layers:
             if layer.training and not (isinstance(layer, _DropoutNd) and layer.p == 0):
                 raise RecordingRefused(
-                    f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
+                    f"Step {self.n_steps}: layer {name!r} ({type(layer).__name__}) is in training mode "
                     "(batch statistics or randomness): one row's output is not a deterministic "
                     "function of that row. Put it in eval mode (module.eval()) for training."
                 )
@@ -257,7 +256,7 @@ class TrainingRecorder:
         output.register_hook(batch.take_gradient)
 
     def _versions(self):
-        return tuple(p._version for p in self._params)
+        return [p._version for p in self._params]
 
     def _before_accumulate(self, index):
         def hook(grad):

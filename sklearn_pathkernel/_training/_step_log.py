@@ -39,7 +39,7 @@ class MicroBatch:
         The batch the module was called on (a reference).
     rows : ndarray of int or None
         The training rows the user named (:meth:`TrainingRecorder.rows`).
-    versions : tuple of int
+    versions : list of int
         The parameters' version counters at the forward pass.
     output_gradient : torch.Tensor or None
         ``e = -dL/dout`` (n, K), set by the backward pass.
@@ -47,7 +47,7 @@ class MicroBatch:
 
     inputs: torch.Tensor
     rows: np.ndarray
-    versions: tuple
+    versions: list
     output_gradient: torch.Tensor = None
     explicit: bool = False
 
@@ -93,7 +93,8 @@ class MicroBatch:
                 f"{self.output_gradient.shape[0]}."
             )
         # (one gather and one comparison, in torch: no copy of the rows on the host)
-        expected = X.index_select(0, torch.from_numpy(self.rows).to(X.device))
+        index = torch.from_numpy(self.rows)
+        expected = X.index_select(0, index if X.is_cpu else index.to(X.device))
         inputs = self.inputs
         if expected.dtype != inputs.dtype or expected.device != inputs.device:
             expected = expected.to(inputs)
@@ -145,9 +146,8 @@ class GrowingRows:
             self._data = grown
         row = self._data[self.n_rows]
         flat = [part.detach().reshape(-1) for part in parts if isinstance(part, torch.Tensor)]
-        if len(flat) == len(parts) and all(
-            f.device == row.device and f.dtype == row.dtype for f in flat
-        ):
+        dtype = row.dtype  # (the rows are on the host)
+        if len(flat) == len(parts) and all(f.is_cpu and f.dtype == dtype for f in flat):
             torch.cat(flat, out=row)  # one operation for the whole row
         else:
             _write_parts(row, parts, numels)
@@ -209,7 +209,7 @@ class StepLog:
         self._weights.write(weights, self._numels)
         self._batches.append(rows)
         # (the recorder's own tensor, from the backward hook: no copy on the host)
-        self._gradients.append(output_gradient.to("cpu"))
+        self._gradients.append(output_gradient if output_gradient.is_cpu else output_gradient.cpu())
         scales = step_scales.scales
         self._rates.append(step_scales.rate)
         if step_scales.adam_terms is not None:
