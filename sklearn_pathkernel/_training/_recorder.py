@@ -239,14 +239,16 @@ class TrainingRecorder:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         if torch.is_autocast_enabled(output.device.type):
+            step = self.n_steps
             raise RecordingRefused(
-                f"Step {self.n_steps}: the module runs under autocast (mixed precision); the kernel "
+                f"Step {step}: the module runs under autocast (mixed precision); the kernel "
                 "evaluates the recorded weights in float64, not the reduced-precision forward."
             )
         for name, layer in self._layers:
             if layer.training and not (isinstance(layer, _DropoutNd) and layer.p == 0):
+                step = self.n_steps
                 raise RecordingRefused(
-                    f"Step {self.n_steps}: layer {name!r} ({type(layer).__name__}) is in training mode "
+                    f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
                     "(batch statistics or randomness): one row's output is not a deterministic "
                     "function of that row. Put it in eval mode (module.eval()) for training."
                 )
