@@ -177,15 +177,10 @@ class TrainingRecorder:
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.is_cpu:
+            indices = indices.numpy()  # (a DataLoader's indices: the same array, sooner)
         if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
             rows = indices
-        elif (
-            isinstance(indices, torch.Tensor)
-            and indices.dtype == torch.int64
-            and indices.ndim == 1
-            and indices.device.type == "cpu"
-        ):  # (a DataLoader's indices: the same array as below, sooner)
-            rows = indices.numpy()
         else:
             rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
@@ -448,10 +443,3 @@ def _describe(value):
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def _fingerprint(grad):
-    """What identifies a gradient as the one a backward pass left: the tensor, its
-    version counter and its L1 norm (some in-place kernels, such as the AMP
-    scaler's unscale, do not bump the version counter). Cost: one reduction."""
-    return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
