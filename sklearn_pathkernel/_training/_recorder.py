@@ -121,7 +121,7 @@ class TrainingRecorder:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._reader = reader_for(optimizer, self._params, self._names)
-        self._check_module()
+        _check_module(module, X)
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
         self.link = link
@@ -147,20 +147,6 @@ class TrainingRecorder:
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
-
-    def _check_module(self):
-        """The estimators' module checks on a float64 eval copy (batch coupling,
-        randomness, output shape and finiteness)."""
-        copy64 = copy.deepcopy(self.module).to(torch.float64).eval()
-        rows = self.X[: min(64, self.X.shape[0])].to(torch.float64)
-        with torch.no_grad():
-            out = copy64(rows[:1])
-        if not isinstance(out, torch.Tensor) or out.ndim != 2:
-            raise RecordingRefused(
-                "The module's output must be one tensor of shape (n_samples, n_outputs); got "
-                f"{_describe(out)}."
-            )
-        check_module(copy64, rows, out.shape[1], classifier=True)
 
     # -- the user's calls ------------------------------------------------------------
 
@@ -263,7 +249,7 @@ class TrainingRecorder:
                 if param.grad is not None and not self._done and bool(param.grad.any()):
                     self._stale = True  # a gradient left over from before the last step
                 return None
-            if param.grad is None or self._fingerprint(param.grad) != saved:
+            if param.grad is None or _fingerprint(self.check, param.grad) != saved:
                 # Gradients reset without a step: the earlier backward passes were dropped.
                 self._done, self._saved = [], {}
             return None
@@ -272,22 +258,13 @@ class TrainingRecorder:
 
     def _accumulated(self, index):
         def hook(param):
-            self._saved[index] = self._fingerprint(param.grad)
+            self._saved[index] = _fingerprint(self.check, param.grad)
             if self._open:  # (after the pass's first parameter, nothing is left open)
                 finished = [b for b in self._open if b.output_gradient is not None]
                 self._open = [b for b in self._open if b.output_gradient is None]
                 self._done.extend(finished)
 
         return hook
-
-    def _fingerprint(self, grad):
-        """What identifies a gradient as the one a backward pass left: the tensor and
-        its version counter and, with ``check="every"``, its L1 norm (the AMP
-        scaler's in-place unscale does not bump the version counter; at the
-        first step the recomputation catches it)."""
-        if self.check == "every":
-            return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
-        return id(grad), grad._version
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -332,7 +309,7 @@ class TrainingRecorder:
             saved = self._saved.get(index)
             if saved is None and not bool(param.grad.any()):
                 continue  # a zero gradient set by hand: a parameter the loss does not reach
-            if saved != self._fingerprint(param.grad):
+            if saved != _fingerprint(self.check, param.grad):
                 raise RecordingRefused(
                     f"Step {step}: the gradient of {self._names[index]!r} changed between the "
                     "backward pass and optimizer.step() (gradient clipping, an AMP "
@@ -343,20 +320,9 @@ class TrainingRecorder:
     def _verify(self, step, batches, active):
         """The step's gradient recomputed from the recorded rows and output gradients."""
         params = [p for p, on in zip(self._params, active, strict=True) if on]
-        total = [torch.zeros_like(p) for p in params]
         self._own_forward = True
         try:
-            with torch.enable_grad():
-                for batch in batches:
-                    out = self.module(self.X[torch.as_tensor(batch.rows, device=self.X.device)])
-                    if self.link is not None:
-                        out = self.link(out)
-                    grads = torch.autograd.grad(
-                        out, params, grad_outputs=-batch.output_gradient, allow_unused=True
-                    )
-                    for t, g in zip(total, grads, strict=True):
-                        if g is not None:
-                            t += g
+            total = _recomputed_gradient(self.module, self.X, self.link, batches, params)
         finally:
             self._own_forward = False
         tolerance = 1e-9 if self._dtype == torch.float64 else 1e-4
@@ -436,6 +402,50 @@ class StructureWatch:
             return True
         self._learn()
         return False
+
+
+def _check_module(module, X):
+    """The estimators' module checks on a float64 eval copy of ``module`` (batch
+    coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
+    copy64 = copy.deepcopy(module).to(torch.float64).eval()
+    rows = X[: min(64, X.shape[0])].to(torch.float64)
+    with torch.no_grad():
+        out = copy64(rows[:1])
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise RecordingRefused(
+            "The module's output must be one tensor of shape (n_samples, n_outputs); got "
+            f"{_describe(out)}."
+        )
+    check_module(copy64, rows, out.shape[1], classifier=True)
+
+
+def _fingerprint(check, grad):
+    """What identifies a gradient as the one a backward pass left: the tensor and
+    its version counter and, with ``check="every"``, its L1 norm (the AMP
+    scaler's in-place unscale does not bump the version counter; at the first
+    step the recomputation catches it)."""
+    if check == "every":
+        return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
+    return id(grad), grad._version
+
+
+def _recomputed_gradient(module, X, link, batches, params):
+    """A step's gradient with respect to ``params``, recomputed from its micro-batches'
+    recorded rows and output gradients: :math:`\\sum_b J_b^T (-e_b)` (one forward and
+    one backward pass per micro-batch)."""
+    total = [torch.zeros_like(p) for p in params]
+    with torch.enable_grad():
+        for batch in batches:
+            out = module(X[torch.as_tensor(batch.rows, device=X.device)])
+            if link is not None:
+                out = link(out)
+            grads = torch.autograd.grad(
+                out, params, grad_outputs=-batch.output_gradient, allow_unused=True
+            )
+            for t, g in zip(total, grads, strict=True):
+                if g is not None:
+                    t += g
+    return total
 
 
 def _describe(value):
