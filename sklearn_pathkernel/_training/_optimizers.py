@@ -161,7 +161,7 @@ class OptimizerReader(ABC):
         self.group_of = [where[id(p)] for p in params]
         self.numels = [p.numel() for p in params]
         self._used = sorted(set(self.group_of))
-        self._form = None
+        self._form, self._form_settings = None, None
         self._had_state = [False] * len(params)
         self._skipped = [False] * len(params)
 
@@ -180,7 +180,11 @@ class OptimizerReader(ABC):
         return blockwise([by_group[k] for k in self.group_of], self.numels)
 
     def form(self, step):
-        """The linear form of step ``step``, checked to be the same at every step."""
+        """The linear form of step ``step``, checked to be the same at every step
+        (built again only when the settings it is made of change)."""
+        settings = [self.form_settings(group) for group in self.groups()]
+        if settings == self._form_settings:
+            return self._form
         form = self.linear_form(step)
         if self._form is not None and form != self._form:
             raise RecordingRefused(
@@ -188,7 +192,7 @@ class OptimizerReader(ABC):
                 f"weight decay changed during the run ({self._form} before, {form} now); "
                 "only the learning rates (and Adam's eps, beta_2) may change between steps."
             )
-        self._form = form
+        self._form, self._form_settings = form, settings
         return form
 
     def check_skips(self, step, active, form, removed):
@@ -233,6 +237,11 @@ class OptimizerReader(ABC):
         """Refuse the options (per group) the linear form cannot represent."""
 
     @abstractmethod
+    def form_settings(self, group):
+        """The settings of ``group`` that :meth:`linear_form` is made of (numbers and
+        flags: a tensor setting changed in place is a new value)."""
+
+    @abstractmethod
     def linear_form(self, step):
         """The :class:`LinearForm` of the optimiser's current settings."""
 
@@ -258,6 +267,13 @@ class SGDReader(OptimizerReader):
                     f"Step {step}: SGD with dampening={group['dampening']} is not represented "
                     "exactly (torch.optim does not dampen the first step); use dampening=0."
                 )
+
+    def form_settings(self, group):
+        return (
+            _number(group["momentum"]),
+            bool(group["nesterov"]),
+            _number(group["weight_decay"]),
+        )
 
     def linear_form(self, step):
         momentum = self.per_parameter(lambda group: _number(group["momentum"]))
@@ -300,6 +316,13 @@ class AdamReader(OptimizerReader):
             if group.get("maximize", False):
                 raise RecordingRefused(f"Step {step}: Adam with maximize=True is not supported.")
 
+    def form_settings(self, group):
+        return (
+            _number(group["betas"][0]),
+            self._decoupled(group),
+            _number(group["weight_decay"]),
+        )
+
     def linear_form(self, step):
         beta_1 = self.per_parameter(lambda group: _number(group["betas"][0]))
         gradient_scale = self.per_parameter(lambda group: 1.0 - _number(group["betas"][0]))
@@ -314,31 +337,44 @@ class AdamReader(OptimizerReader):
         groups = self.optimizer.param_groups
         self.check_skips(step, active, form, removed)
         # torch.optim skips a parameter without a gradient: no decay there
-        decays = [
-            -(_number(groups[k]["lr"]) * _number(groups[k]["weight_decay"]))
-            if on and self._decoupled(groups[k])
+        by_group = {
+            k: -(_number(groups[k]["lr"]) * _number(groups[k]["weight_decay"]))
+            if self._decoupled(groups[k])
             else 0.0
-            for k, on in zip(self.group_of, active, strict=True)
-        ]
+            for k in self._used
+        }
+        decays = [by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)]
         self._decoupled_decay = blockwise(decays, self.numels)
-        self._groups = [groups[k] for k in self.group_of]
+        self._groups = groups
 
     def after_step(self, step, active):
         seconds, sizes, corrections, eps = [], [], [], []
-        for param, group, on in zip(self.params, self._groups, active, strict=True):
+        settings, terms = {}, {}  # per group, and per (group, step count): computed once
+        states = self.optimizer.state
+        for param, k, on in zip(self.params, self.group_of, active, strict=True):
             if not on:
                 seconds.append(0.0)
                 sizes.append(0.0)
                 corrections.append(1.0)
                 eps.append(1.0)
                 continue
-            state = self.optimizer.state[param]
-            beta_1, beta_2 = (_number(b) for b in group["betas"])
+            group = self._groups[k]
+            if k not in settings:
+                settings[k] = (
+                    _number(group["lr"]),
+                    *(_number(b) for b in group["betas"]),
+                    _number(group["eps"]),
+                )
+            lr, beta_1, beta_2, group_eps = settings[k]
+            state = states[param]
             count = _number(state["step"])
-            # torch.optim.Adam, step by step (_single_tensor_adam).
-            sizes.append(_number(group["lr"]) / (1 - beta_1**count))
-            corrections.append((1 - beta_2**count) ** 0.5)
-            eps.append(_number(group["eps"]))
+            if (k, count) not in terms:
+                # torch.optim.Adam, step by step (_single_tensor_adam).
+                terms[k, count] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5)
+            size, correction = terms[k, count]
+            sizes.append(size)
+            corrections.append(correction)
+            eps.append(group_eps)
             seconds.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))

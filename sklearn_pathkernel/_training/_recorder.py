@@ -121,7 +121,7 @@ class TrainingRecorder:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._reader = reader_for(optimizer, self._params, self._names)
-        self._check_module()
+        _check_module(module, X)
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
         self.link = link
@@ -143,30 +143,10 @@ class TrainingRecorder:
         for index, param in enumerate(self._params):
             self._handles.append(param.register_hook(self._before_accumulate(index)))
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
-        self._identity = self._structure()
+        self._structure = StructureWatch(module, optimizer)
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
-
-    def _check_module(self):
-        """The estimators' module checks on a float64 eval copy (batch coupling,
-        randomness, output shape and finiteness)."""
-        copy64 = copy.deepcopy(self.module).to(torch.float64).eval()
-        rows = self.X[: min(64, self.X.shape[0])].to(torch.float64)
-        with torch.no_grad():
-            out = copy64(rows[:1])
-        if not isinstance(out, torch.Tensor) or out.ndim != 2:
-            raise RecordingRefused(
-                "The module's output must be one tensor of shape (n_samples, n_outputs); got "
-                f"{_describe(out)}."
-            )
-        check_module(copy64, rows, out.shape[1], classifier=True)
-
-    def _structure(self):
-        """Which parameters the module trains and the optimiser holds (identities)."""
-        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
-        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
-        return trained, held
 
     # -- the user's calls ------------------------------------------------------------
 
@@ -183,6 +163,8 @@ class TrainingRecorder:
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.is_cpu:
+            indices = indices.numpy()  # (a DataLoader's indices: the same array, sooner)
         if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
             rows = indices
         else:
@@ -237,14 +219,15 @@ class TrainingRecorder:
             return
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        step = self.n_steps
         if torch.is_autocast_enabled(output.device.type):
+            step = self.n_steps
             raise RecordingRefused(
                 f"Step {step}: the module runs under autocast (mixed precision); the kernel "
                 "evaluates the recorded weights in float64, not the reduced-precision forward."
             )
         for name, layer in self._layers:
             if layer.training and not (isinstance(layer, _DropoutNd) and layer.p == 0):
+                step = self.n_steps
                 raise RecordingRefused(
                     f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
                     "(batch statistics or randomness): one row's output is not a deterministic "
@@ -256,7 +239,7 @@ class TrainingRecorder:
         output.register_hook(batch.take_gradient)
 
     def _versions(self):
-        return tuple(p._version for p in self._params)
+        return [p._version for p in self._params]
 
     def _before_accumulate(self, index):
         def hook(grad):
@@ -266,7 +249,7 @@ class TrainingRecorder:
                 if param.grad is not None and not self._done and bool(param.grad.any()):
                     self._stale = True  # a gradient left over from before the last step
                 return None
-            if param.grad is None or self._fingerprint(param.grad) != saved:
+            if param.grad is None or _fingerprint(self.check, param.grad) != saved:
                 # Gradients reset without a step: the earlier backward passes were dropped.
                 self._done, self._saved = [], {}
             return None
@@ -275,25 +258,17 @@ class TrainingRecorder:
 
     def _accumulated(self, index):
         def hook(param):
-            self._saved[index] = self._fingerprint(param.grad)
-            finished = [b for b in self._open if b.output_gradient is not None]
-            self._open = [b for b in self._open if b.output_gradient is None]
-            self._done.extend(finished)
+            self._saved[index] = _fingerprint(self.check, param.grad)
+            if self._open:  # (after the pass's first parameter, nothing is left open)
+                finished = [b for b in self._open if b.output_gradient is not None]
+                self._open = [b for b in self._open if b.output_gradient is None]
+                self._done.extend(finished)
 
         return hook
 
-    def _fingerprint(self, grad):
-        """What identifies a gradient as the one a backward pass left: the tensor and
-        its version counter and, with ``check="every"``, its L1 norm (the AMP
-        scaler's in-place unscale does not bump the version counter; at the
-        first step the recomputation catches it)."""
-        if self.check == "every":
-            return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
-        return id(grad), grad._version
-
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
-        if self._structure() != self._identity:
+        if self._structure.changed():
             raise RecordingRefused(
                 f"Step {step}: the module's trainable parameters or the optimiser's parameters "
                 "changed since the recorder was created (a parameter added, replaced, frozen "
@@ -334,7 +309,7 @@ class TrainingRecorder:
             saved = self._saved.get(index)
             if saved is None and not bool(param.grad.any()):
                 continue  # a zero gradient set by hand: a parameter the loss does not reach
-            if saved != self._fingerprint(param.grad):
+            if saved != _fingerprint(self.check, param.grad):
                 raise RecordingRefused(
                     f"Step {step}: the gradient of {self._names[index]!r} changed between the "
                     "backward pass and optimizer.step() (gradient clipping, an AMP "
@@ -345,20 +320,9 @@ class TrainingRecorder:
     def _verify(self, step, batches, active):
         """The step's gradient recomputed from the recorded rows and output gradients."""
         params = [p for p, on in zip(self._params, active, strict=True) if on]
-        total = [torch.zeros_like(p) for p in params]
         self._own_forward = True
         try:
-            with torch.enable_grad():
-                for batch in batches:
-                    out = self.module(self.X[torch.as_tensor(batch.rows, device=self.X.device)])
-                    if self.link is not None:
-                        out = self.link(out)
-                    grads = torch.autograd.grad(
-                        out, params, grad_outputs=-batch.output_gradient, allow_unused=True
-                    )
-                    for t, g in zip(total, grads, strict=True):
-                        if g is not None:
-                            t += g
+            total = _recomputed_gradient(self.module, self.X, self.link, batches, params)
         finally:
             self._own_forward = False
         tolerance = 1e-9 if self._dtype == torch.float64 else 1e-4
@@ -386,15 +350,106 @@ class TrainingRecorder:
         self._open, self._done, self._saved, self._rows = [], [], {}, None
 
 
+class StructureWatch:
+    """Which parameters a module trains and an optimiser holds, checked at every step.
+
+    The structure is the identities of the module's parameters that require a
+    gradient (in ``module.parameters()`` order) and of the optimiser's. Walking
+    the module for it at every step costs more than the rest of the check, so
+    :meth:`changed` first compares a signature read without that walk: the
+    identities of each known submodule's parameters and children, the
+    parameters' ``requires_grad`` flags and the optimiser's parameters. Equal
+    signatures mean an equal structure (the known submodules and parameters are
+    held here, so their identities cannot be reused by new objects); a different
+    signature is settled by the walk (a new layer without parameters is no
+    change, and becomes known).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    """
+
+    def __init__(self, module, optimizer):
+        self.module, self.optimizer = module, optimizer
+        self._identity = self._structure()
+        self._learn()
+
+    def _structure(self):
+        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
+        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        return trained, held
+
+    def _learn(self):
+        self._submodules = list(self.module.modules())
+        self._parameters = list(self.module.parameters())
+        self._signature = self._read()
+
+    def _read(self):
+        return (
+            [id(p) for m in self._submodules for p in m._parameters.values()],
+            [id(c) for m in self._submodules for c in m._modules.values()],
+            [p.requires_grad for p in self._parameters],
+            [id(p) for g in self.optimizer.param_groups for p in g["params"]],
+        )
+
+    def changed(self):
+        """Whether a parameter was added, replaced, frozen or unfrozen (in the module
+        or the optimiser) since creation."""
+        if self._read() == self._signature:
+            return False
+        if self._structure() != self._identity:
+            return True
+        self._learn()
+        return False
+
+
+def _check_module(module, X):
+    """The estimators' module checks on a float64 eval copy of ``module`` (batch
+    coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
+    copy64 = copy.deepcopy(module).to(torch.float64).eval()
+    rows = X[: min(64, X.shape[0])].to(torch.float64)
+    with torch.no_grad():
+        out = copy64(rows[:1])
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise RecordingRefused(
+            "The module's output must be one tensor of shape (n_samples, n_outputs); got "
+            f"{_describe(out)}."
+        )
+    check_module(copy64, rows, out.shape[1], classifier=True)
+
+
+def _fingerprint(check, grad):
+    """What identifies a gradient as the one a backward pass left: the tensor and
+    its version counter and, with ``check="every"``, its L1 norm (the AMP
+    scaler's in-place unscale does not bump the version counter; at the first
+    step the recomputation catches it)."""
+    if check == "every":
+        return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))
+    return id(grad), grad._version
+
+
+def _recomputed_gradient(module, X, link, batches, params):
+    """A step's gradient with respect to ``params``, recomputed from its micro-batches'
+    recorded rows and output gradients: :math:`\\sum_b J_b^T (-e_b)` (one forward and
+    one backward pass per micro-batch)."""
+    total = [torch.zeros_like(p) for p in params]
+    with torch.enable_grad():
+        for batch in batches:
+            out = module(X[torch.as_tensor(batch.rows, device=X.device)])
+            if link is not None:
+                out = link(out)
+            grads = torch.autograd.grad(
+                out, params, grad_outputs=-batch.output_gradient, allow_unused=True
+            )
+            for t, g in zip(total, grads, strict=True):
+                if g is not None:
+                    t += g
+    return total
+
+
 def _describe(value):
     """A value's type, and its shape when it is a tensor."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def _fingerprint(grad):
-    """What identifies a gradient as the one a backward pass left: the tensor, its
-    version counter and its L1 norm (some in-place kernels, such as the AMP
-    scaler's unscale, do not bump the version counter). Cost: one reduction."""
-    return id(grad), grad._version, float(torch.linalg.vector_norm(grad, 1))

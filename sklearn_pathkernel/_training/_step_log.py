@@ -19,6 +19,9 @@ from ._optimizers import RecordingRefused, adam_scale
 from ._path import WeightPath, allocate_weights, storage_directory
 from ._updates import UpdateRecord
 
+#: The size of the blocks of rows that Adam's preconditioners are finished in.
+CHUNK_BYTES = 1 << 20
+
 
 def relative_difference(a, b):
     """``max |a - b| / max(max |b|, tiny)``."""
@@ -36,7 +39,7 @@ class MicroBatch:
         The batch the module was called on (a reference).
     rows : ndarray of int or None
         The training rows the user named (:meth:`TrainingRecorder.rows`).
-    versions : tuple of int
+    versions : list of int
         The parameters' version counters at the forward pass.
     output_gradient : torch.Tensor or None
         ``e = -dL/dout`` (n, K), set by the backward pass.
@@ -44,7 +47,7 @@ class MicroBatch:
 
     inputs: torch.Tensor
     rows: np.ndarray
-    versions: tuple
+    versions: list
     output_gradient: torch.Tensor = None
     explicit: bool = False
 
@@ -89,9 +92,13 @@ class MicroBatch:
                 f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
                 f"{self.output_gradient.shape[0]}."
             )
-        expected = X[torch.as_tensor(self.rows, device=X.device)]
+        # (one gather and one comparison, in torch: no copy of the rows on the host)
+        index = torch.from_numpy(self.rows)
+        expected = X.index_select(0, index if X.is_cpu else index.to(X.device))
         inputs = self.inputs
-        if inputs.shape != expected.shape or not torch.equal(inputs, expected.to(inputs)):
+        if expected.dtype != inputs.dtype or expected.device != inputs.device:
+            expected = expected.to(inputs)
+        if inputs.shape != expected.shape or not torch.equal(inputs, expected):
             raise RecordingRefused(
                 f"Step {step}: the batch's inputs are not the training rows X[rows] named "
                 "by recorder.rows (random augmentation, a transform in the data loader, or "
@@ -139,9 +146,8 @@ class GrowingRows:
             self._data = grown
         row = self._data[self.n_rows]
         flat = [part.detach().reshape(-1) for part in parts if isinstance(part, torch.Tensor)]
-        if len(flat) == len(parts) and all(
-            f.device == row.device and f.dtype == row.dtype for f in flat
-        ):
+        dtype = row.dtype  # (the rows are on the host)
+        if len(flat) == len(parts) and all(f.is_cpu and f.dtype == dtype for f in flat):
             torch.cat(flat, out=row)  # one operation for the whole row
         else:
             _write_parts(row, parts, numels)
@@ -203,7 +209,7 @@ class StepLog:
         self._weights.write(weights, self._numels)
         self._batches.append(rows)
         # (the recorder's own tensor, from the backward hook: no copy on the host)
-        self._gradients.append(output_gradient.to("cpu"))
+        self._gradients.append(output_gradient if output_gradient.is_cpu else output_gradient.cpu())
         scales = step_scales.scales
         self._rates.append(step_scales.rate)
         if step_scales.adam_terms is not None:
@@ -232,11 +238,17 @@ class StepLog:
         )  # (steps, params, 3)
         offset = 0
         for index, numel in enumerate(self._numels):
-            block = preconditioners[rows, offset : offset + numel]
+            columns = slice(offset, offset + numel)
             step_size, correction, eps = (
-                terms[:, index, k, None].to(block.dtype) for k in range(3)
+                terms[:, index, k, None].to(preconditioners.dtype) for k in range(3)
             )
-            adam_scale(block, step_size, correction, eps)
+            # in blocks of rows of about 1 MiB, each finished while in the cache (the
+            # same elementwise operations: the same numbers as in one pass)
+            chunk = max(1, CHUNK_BYTES // (numel * preconditioners.element_size()))
+            for start in range(0, rows.stop - rows.start, chunk):
+                part = slice(start, min(start + chunk, rows.stop - rows.start))
+                block = preconditioners[rows.start + part.start : rows.start + part.stop, columns]
+                adam_scale(block, step_size[part], correction[part], eps[part])
             offset += numel
         self._finished_rows = rows.stop
 

@@ -319,3 +319,72 @@ def test_classifier_fit_is_a_recorded_loop_with_a_link():
     mine, theirs = recording.decompose(X[:5]), est.decompose(X[:5].numpy())
     assert np.abs(mine.contributions - theirs.contributions).max() <= 1e-12
     assert np.abs(mine.output - theirs.output).max() <= 1e-14
+
+
+def test_adam_parameters_at_different_step_counts():
+    """Adam without a first moment (beta_1 = 0, so a parameter may be skipped): a
+    bias skipped at every other step lags in its own step count, and its P_s
+    follows its own count (the per-count terms are not shared across counts):
+    the replay lands on the recorded weights."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02, betas=(0.0, 0.99))
+    recorder = TrainingRecorder(model, optimizer, X)
+    for step in range(6):
+        rows = np.arange(8) + 3 * step
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        if step % 2:
+            model[0].bias.grad = None  # torch.optim skips it: its step count lags
+        optimizer.step()
+    counts = {float(optimizer.state[p]["step"]) for p in model.parameters()}
+    assert counts == {3.0, 6.0}
+    worst, largest = replay(recorder.finish())
+    assert largest > 1e-3 and worst <= 1e-14
+
+
+def test_preconditioners_finished_in_blocks_are_those_of_one_pass(monkeypatch):
+    """Adam's P_s is finished after the loop in blocks of rows (cache-sized): the
+    same numbers, bitwise, as in one pass over all rows."""
+    from sklearn_pathkernel._training import _step_log
+
+    X, y = data()
+    recordings = []
+    for chunk_bytes in (1, 1 << 30):  # one row per block; every row in one block
+        monkeypatch.setattr(_step_log, "CHUNK_BYTES", chunk_bytes)
+        model = mlp(torch.float32)
+        recordings.append(run(model, OPTIMIZERS["adamw"](model.parameters()), X.float(), y))
+    one_row, one_pass = (r.path_.update.preconditioners for r in recordings)
+    assert one_row.shape[0] == recordings[0].n_steps_ > 1
+    assert torch.equal(one_row, one_pass)
+
+
+def test_structure_watch_accepts_a_new_layer_without_parameters():
+    """The per-step structure check reads a signature first: a layer without
+    parameters added mid-run changes the signature but not the trained
+    parameters (recorded, exact); a parameter replaced in a layer is refused at
+    its step."""
+    from sklearn_pathkernel._training._optimizers import RecordingRefused
+
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X)
+    for step in range(4):
+        if step == 1:
+            model.append(nn.Identity())
+        if step == 3:
+            model[2].bias = nn.Parameter(model[2].bias.detach().clone())
+        rows = np.arange(6) + 4 * step
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        if step < 3:
+            optimizer.step()
+    with pytest.raises(RecordingRefused, match="Step 3: the module's trainable parameters"):
+        optimizer.step()
+    worst, largest = replay(recorder.finish())
+    assert largest > 1e-3 and worst <= 1e-14
