@@ -237,9 +237,7 @@ class NetworkProbe:
         result = self.per_row(_FactorsAt(self, outputs, cotangents), start, X, direction, t)
         return result.output, result.factors
 
-    def factors_with(
-        self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None
-    ):
+    def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None):
         """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
         X_start, outputs_start)`` from one forward and one backward pass.
 

@@ -126,7 +126,8 @@ class TestCopy:
         :class:`~.integration._link_weights.NodeWeights`."""
         per_piece = self.weighting.nodes_per_piece
         size = max(per_piece, self.planner.pass_rows() // per_piece * per_piece)  # whole pieces
-        parts = [nodes.take(slice(begin, begin + size)) for begin in range(0, nodes.rows.size, size)]
+        starts = range(0, nodes.rows.size, size)
+        parts = (nodes.take(slice(begin, begin + size)) for begin in starts)
         return [(part, self.weighting.weigh(probe, step, X, part)) for part in parts]
 
     def _share_pass(self, n_nodes, X_start, outputs):

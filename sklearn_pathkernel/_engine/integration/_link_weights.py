@@ -110,26 +110,20 @@ class JacobianWeights(NodeWeighting):
         n = self.nodes_per_piece
         if nodes.rows.size % n:
             raise ValueError(f"{nodes.rows.size} nodes are no whole number of pieces of {n}.")
+        like = {"dtype": step.start.dtype, "device": step.start.device}
         rows = nodes.rows[::n]
         width = nodes.weights.reshape(-1, n).sum(1)  # Gauss weights sum to the width
         start = nodes.t[::n] - width * gauss_on_unit(n)[0][0]
         points = start[:, None] + width[:, None] * interpolation_points(self.degree)
-        on_device = torch.as_tensor
-        device = step.start.device
-        if rows.size == 0:
-            K = probe.output(step.start, X[:1]).shape[1]
-            return NodeWeights(np.ones(0), step.start.new_zeros((0, K, K)))
-        row_index = on_device(np.repeat(rows, self.degree + 1), device=device)
         logits = probe.logits(
             step.start,
-            X[row_index],
+            X[torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"])],
             step.direction,
-            on_device(points.ravel(), dtype=step.start.dtype, device=device),
+            torch.as_tensor(points.ravel(), **like),
         )
-        logits = logits.reshape(rows.size, self.degree + 1, -1)
-        widths = on_device(width, dtype=logits.dtype, device=device)
-        matrices = self.piece_weights(logits, widths)
-        return NodeWeights(np.ones(nodes.rows.size), matrices.reshape(-1, *matrices.shape[2:]))
+        logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
+        matrices = self.piece_weights(logits, torch.as_tensor(width, **like))
+        return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
 
     def piece_weights(self, logits, widths):
         """``W_q`` (P, D, K, K) of ``P`` pieces from their logits at the
@@ -143,15 +137,14 @@ class JacobianWeights(NodeWeighting):
             pending = pending[change > ROUNDING * (1.0 + current.abs().flatten(1).amax(1))]
             if pending.numel() == 0:
                 break
-        return widths[:, None, None, None] * previous
+        return widths.to(previous.dtype)[:, None, None, None] * previous
 
     def _integrals(self, logits, order):
         """``int_0^1 L_q(u) J(z(u)) du`` with ``order`` Gauss-Legendre points."""
         coefficients, interpolation = _unit_integrals(self.degree, self.nodes_per_piece, order)
-        z = torch.einsum(
-            "mi,pik->pmk", torch.as_tensor(interpolation, dtype=logits.dtype), logits
-        )
-        return self.link.weighted_jacobians(torch.as_tensor(coefficients), z)
+        like = {"dtype": logits.dtype, "device": logits.device}
+        z = torch.einsum("mi,pik->pmk", torch.as_tensor(interpolation, **like), logits)
+        return self.link.weighted_jacobians(torch.as_tensor(coefficients, **like), z)
 
 
 @lru_cache

@@ -326,10 +326,12 @@ def test_fixed_rules_keep_their_nodes():
     assert (exact.nodes.per_piece, exact.nodes.test_test, exact.nodes.degree) == (1, 2, 2)
 
 
-def test_a_classifier_keeps_todays_nodes():
+def test_a_classifier_gets_the_logits_degree_in_nodes():
+    """``f`` (log-softmax) is no polynomial, its logits are: ``D`` nodes with
+    Jacobian weights (``test_link_weights.py``), 12 for the test x test Gram."""
     module = mlp(5, 8, 3)
     rng = np.random.RandomState(0)
     X, y = torch.tensor(rng.rand(20, 5)), torch.tensor(rng.randint(0, 3, 20))
     path = train_module(module, X, y, learning_rate=0.2, max_iter=2, random_state=0).path
     engine = PathKernelEngine(module, path, X)
-    assert engine.nodes == NodeCounts(4, 12, None)
+    assert engine.nodes == NodeCounts(2, 12, None)
