@@ -87,7 +87,12 @@ class PathKernelEngine:
         ``f`` is a polynomial in ``t`` of degree ``D`` on each piece (ReLU
         networks of linear and convolutional layers with the identity link,
         see :mod:`.integration._degree`), ``ceil(D / 2)`` nodes are exact and the
-        engine uses no more (``D`` for the test x test Gram, else ``3 n_nodes``).
+        engine uses no more (``D`` for the test x test Gram, else ``3 n_nodes``);
+        where the logits are such a polynomial and the link has a closed-form
+        Jacobian (the classifiers' log-softmax), ``D`` nodes per piece with
+        Jacobian-weighted cotangents are exact when ``D <= n_nodes``
+        (:mod:`.integration._link_weights`; the test x test Gram keeps
+        ``3 n_nodes``).
     tile_size : int, default=512
         Rows per forward pass, per side of a matrix product and per block of
         the test x test Gram (on a GPU, products take more: see

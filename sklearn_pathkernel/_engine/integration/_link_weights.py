@@ -20,8 +20,8 @@ smooth piece ``[a, b]`` the logits ``z(t)`` are a polynomial of degree ``D`` and
 with ``L_q`` the Lagrange basis on the nodes. ``W_q`` depends on ``z(t)`` alone: the
 logits at ``D + 1`` points of the piece (one forward pass, no backward) give
 ``z(t)`` everywhere on it, and the scalar integrals are taken with a Gauss-Legendre
-rule of ``M`` points, ``M`` raised (48, 64, 128, ... 1024) until two orders agree to
-``ROUNDING`` times the piece's width. The probe back-propagates, at each node, the
+rule of ``M`` points, ``M`` raised (48 and 64, then 128 and 256, then 512 and 1024) until
+two orders agree to ``ROUNDING``. The probe back-propagates, at each node, the
 ``K`` rows of ``W_q`` as cotangents at the logits: ``D`` nodes of ``K`` cotangents
 per piece, where the Gauss rule takes ``n_nodes`` (4) nodes of ``K``.
 
@@ -37,11 +37,12 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from scipy.linalg import block_diag
 
 from ._degree import NodeCounts
 
-#: The integrals' orders tried in turn; a piece's ``W_q`` is accepted when two
-#: successive orders agree to ``ROUNDING`` times its width (else the last one is
+#: The integrals' orders, tried in pairs; a piece's ``W_q`` is accepted when the
+#: two orders of a pair agree to ``ROUNDING`` (relative; else the last one is
 #: kept, and the certificate measures the rest).
 ORDERS = (48, 64, 128, 256, 512, 1024)
 ROUNDING = 64 * np.finfo(np.float64).eps
@@ -127,21 +128,30 @@ class JacobianWeights(NodeWeighting):
 
     def piece_weights(self, logits, widths):
         """``W_q`` (P, D, K, K) of ``P`` pieces from their logits at the
-        :func:`interpolation_points` (P, D + 1, K) and their widths (P,)."""
-        previous = self._integrals(logits, ORDERS[0])
+        :func:`interpolation_points` (P, D + 1, K) and their widths (P,).
+
+        Each pair of ``ORDERS`` is taken in one evaluation of the link's
+        Jacobians; a piece whose two results differ by more than ``ROUNDING``
+        (relative) goes on to the next pair.
+        """
+        result = None
         pending = torch.arange(logits.shape[0], device=logits.device)
-        for order in ORDERS[1:]:
-            current = self._integrals(logits[pending], order)
-            change = (current - previous[pending]).abs().flatten(1).amax(1)
-            previous[pending] = current
-            pending = pending[change > ROUNDING * (1.0 + current.abs().flatten(1).amax(1))]
+        for orders in zip(ORDERS[::2], ORDERS[1::2], strict=True):
+            coarse, fine = self._integrals(logits[pending], orders).chunk(2, dim=1)
+            if result is None:
+                result = fine
+            else:
+                result[pending] = fine
+            change = (fine - coarse).abs().flatten(1).amax(1)
+            pending = pending[change > ROUNDING * (1.0 + fine.abs().flatten(1).amax(1))]
             if pending.numel() == 0:
                 break
-        return widths.to(previous.dtype)[:, None, None, None] * previous
+        return widths.to(result.dtype)[:, None, None, None] * result
 
-    def _integrals(self, logits, order):
-        """``int_0^1 L_q(u) J(z(u)) du`` with ``order`` Gauss-Legendre points."""
-        coefficients, interpolation = _unit_integrals(self.degree, self.nodes_per_piece, order)
+    def _integrals(self, logits, orders):
+        """``int_0^1 L_q(u) J(z(u)) du`` with Gauss-Legendre rules of each of
+        ``orders`` points: (P, len(orders) D, K, K), the orders one after the other."""
+        coefficients, interpolation = _unit_integrals(self.degree, self.nodes_per_piece, orders)
         like = {"dtype": logits.dtype, "device": logits.device}
         z = torch.einsum("mi,pik->pmk", torch.as_tensor(interpolation, **like), logits)
         return self.link.weighted_jacobians(torch.as_tensor(coefficients, **like), z)
@@ -173,14 +183,20 @@ def lagrange_basis(points, at):
 
 
 @lru_cache
-def _unit_integrals(degree, n_nodes, order):
-    """On ``[0, 1]`` with ``order`` Gauss points ``u_m``, weights ``omega_m``:
-    ``omega_m L_q(u_m)`` (n_nodes, order), the Lagrange basis on the ``n_nodes``
-    Gauss nodes, and ``l_i(u_m)`` (order, degree + 1), the basis on the
-    :func:`interpolation_points` that gives ``z(u_m)`` from the logits."""
-    u, omega = gauss_on_unit(order)
-    coefficients = (omega[:, None] * lagrange_basis(gauss_on_unit(n_nodes)[0], u)).T
-    return coefficients, lagrange_basis(interpolation_points(degree), u)
+def _unit_integrals(degree, n_nodes, orders):
+    """On ``[0, 1]``, the Gauss-Legendre rules of ``orders`` points side by side
+    (points ``u_m``, weights ``omega_m``): ``omega_m L_q(u_m)`` (len(orders)
+    n_nodes, sum(orders)), block diagonal, with ``L_q`` the Lagrange basis on the
+    ``n_nodes`` Gauss nodes, and ``l_i(u_m)`` (sum(orders), degree + 1), the basis
+    on the :func:`interpolation_points` that gives ``z(u_m)`` from the logits."""
+    nodes = gauss_on_unit(n_nodes)[0]
+    blocks, interpolation = [], []
+    for order in orders:
+        u, omega = gauss_on_unit(order)
+        blocks.append((omega[:, None] * lagrange_basis(nodes, u)).T)
+        interpolation.append(lagrange_basis(interpolation_points(degree), u))
+    coefficients = block_diag(*blocks)
+    return coefficients, np.concatenate(interpolation)
 
 
 def node_weighting(link, degree, n_nodes, test_test_factor, per_layer):
