@@ -21,6 +21,7 @@ from sklearn_pathkernel._engine import _facade
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine._probe import NetworkProbe
 from sklearn_pathkernel._engine.integration._link_weights import (
+    ORDERS,
     GaussWeights,
     JacobianWeights,
     gauss_on_unit,
@@ -76,6 +77,22 @@ def test_piece_weights_integrate_the_jacobian_times_any_gradient(degree, scale):
     nodes = a + (b - a) * gauss_on_unit(weighting.nodes_per_piece)[0]
     ours = sum(W[q] @ g(t) for q, t in enumerate(nodes))
     assert np.abs(ours - expected).max() <= 1e-12 * np.abs(expected).max()
+
+
+def test_a_sharp_transition_takes_higher_orders():
+    """Two logits crossing with slope 300 in a piece of width 1: the first
+    orders disagree, the weights come from higher ones (against the closed form)."""
+    weighting = JacobianWeights(LogSoftmaxLink(), 1)
+    points = interpolation_points(1)
+    logits = torch.tensor([[[300.0 * (t - 0.45), 0.0] for t in points]], dtype=DTYPE)
+    coarse, fine = weighting._integrals(logits, ORDERS[:2]).chunk(2, dim=1)
+    assert (coarse - fine).abs().max() > 1e-6
+    W = weighting.piece_weights(logits, torch.ones(1, dtype=DTYPE))[0, 0].numpy()
+    # int_0^1 sigmoid(s (t - c)) dt = [log(1 + exp(s (t - c))) / s]_0^1, and J = I - 1 p^T
+    s, c = 300.0, 0.45
+    p0 = (np.logaddexp(0.0, s * (1 - c)) - np.logaddexp(0.0, -s * c)) / s
+    expected = np.eye(2) - np.outer(np.ones(2), [p0, 1.0 - p0])
+    assert np.abs(W - expected).max() <= 1e-13
 
 
 @pytest.mark.parametrize("link", [LogSoftmaxLink(), IdentityLink()])
