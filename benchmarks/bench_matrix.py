@@ -45,8 +45,9 @@ one gradient, per piece for the test x test Gram, and the path's degree in
 search, the node passes (forward and backward passes at the quadrature nodes and
 the batch's own rows), the link weights (the classifiers' Jacobian-weighted
 cotangents: a forward pass of the logits at ``D + 1`` points per piece and the
-scalar integrals, timed inside the node passes and taken out of them), the products (features against the batch's factors, the
-materialised features of momentum and Adam), everything else (the certificate's
+scalar integrals, timed inside the node passes and taken out of them), the
+products (features against the batch's factors, the materialised features of
+momentum and Adam), everything else (the certificate's
 directional derivatives, Adam's preconditioner, bookkeeping), from wall-clock
 timers around those functions (the outermost one counts).
 
