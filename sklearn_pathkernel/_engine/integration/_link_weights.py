@@ -20,9 +20,11 @@ smooth piece ``[a, b]`` the logits ``z(t)`` are a polynomial of degree ``D`` and
 with ``L_q`` the Lagrange basis on the nodes. ``W_q`` depends on ``z(t)`` alone: the
 logits at ``D + 1`` points of the piece (one forward pass, no backward) give
 ``z(t)`` everywhere on it, and the scalar integrals are taken with a Gauss-Legendre
-rule of ``M`` points, ``M`` raised (48 and 64, then 128 and 256, then 512 and 1024) until
-two orders agree to ``ROUNDING``. The probe back-propagates, at each node, the
-``K`` rows of ``W_q`` as cotangents at the logits: ``D`` nodes of ``K`` cotangents
+rule of ``M`` points, ``M`` raised (16 and 24, then 48 and 64, ... 512 and 1024) until
+two orders agree to ``ROUNDING`` (Gauss-Legendre converges geometrically on these
+analytic integrands: the finer of two agreeing orders is exact to rounding). The
+probe back-propagates, at each node, the ``K`` rows of ``W_q`` as cotangents at the
+logits: ``D`` nodes of ``K`` cotangents
 per piece, where the Gauss rule takes ``n_nodes`` (4) nodes of ``K``.
 
 Cost per step: one forward pass of ``(D + 1) / D`` times the nodes' rows, and
@@ -44,7 +46,7 @@ from ._degree import NodeCounts
 #: The integrals' orders, tried in pairs; a piece's ``W_q`` is accepted when the
 #: two orders of a pair agree to ``ROUNDING`` (relative; else the last one is
 #: kept, and the certificate measures the rest).
-ORDERS = (48, 64, 128, 256, 512, 1024)
+ORDERS = (16, 24, 48, 64, 128, 256, 512, 1024)
 ROUNDING = 64 * np.finfo(np.float64).eps
 
 
