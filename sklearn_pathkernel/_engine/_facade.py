@@ -34,7 +34,7 @@ steps) are independent tasks for joblib.
 
 import numpy as np
 
-from .._training._losses import CrossEntropy, identity
+from .._training._losses import CrossEntropy, IdentityLink
 from ._blocks import GramBlocks
 from ._decomposition import Decomposition
 from ._device import loadable_device, on_host
@@ -147,7 +147,7 @@ class PathKernelEngine:
         self._probes = ThreadProbes(self.module, self.path, self.X_train[:1], self.link)
         degrees = tuple(
             path_degree(self.module, self.path.param_names, self.X_train[:1], link).degree
-            for link in (self.link, identity)
+            for link in (self.link, IdentityLink())
         )
         self._weighting, self.nodes = self._rule.node_weighting(
             self.link, degrees, self.n_nodes, self._probes.current().jacobian is None

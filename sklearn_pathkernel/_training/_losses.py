@@ -51,25 +51,15 @@ def log_softmax(out):
     return F.log_softmax(out, dim=1)
 
 
-def identity(out):
-    """The regressors' link: ``f`` is the module's output."""
-    return out
-
-
-class Link:
+class Link(ABC):
     """The link ``f = link(z)`` from the logits ``z`` (n, K), as an object.
 
     A link known in closed form also gives its Jacobian ``J(z) = df/dz`` (K x K
     per row), weighted and summed over sample points
     (:meth:`weighted_jacobians`): the exact rule turns gradients of the logits at
     its nodes into gradients of ``f`` with it (``integration/_link_weights.py``).
-    This base class wraps any callable and knows no Jacobian
-    (``closed_form = False``): the engine then back-propagates ``f`` itself.
-
-    Parameters
-    ----------
-    function : callable
-        ``f`` from ``z``.
+    One that is not (``closed_form = False``, :class:`FunctionLink`) has the
+    engine back-propagate ``f`` itself.
     """
 
     #: Whether :meth:`weighted_jacobians` is available.
@@ -77,11 +67,9 @@ class Link:
     #: Whether ``f`` is affine in ``z`` (a constant Jacobian).
     affine = False
 
-    def __init__(self, function):
-        self.function = function
-
+    @abstractmethod
     def __call__(self, out):
-        return self.function(out)
+        """``f`` (n, K) from the module's output ``out`` (n, K)."""
 
     def weighted_jacobians(self, coefficients, z):
         """``sum_m coefficients[q, m] J(z[p, m])`` per row ``p`` and weight set ``q``.
@@ -100,14 +88,30 @@ class Link:
         raise NotImplementedError(f"{type(self).__name__} has no closed-form Jacobian.")
 
 
+class FunctionLink(Link):
+    """Any callable as a link, without a closed-form Jacobian.
+
+    Parameters
+    ----------
+    function : callable
+        ``f`` from ``z``.
+    """
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, out):
+        return self.function(out)
+
+
 class IdentityLink(Link):
     """``f = z``: ``J = I``. Cost of :meth:`weighted_jacobians`: P Q K^2."""
 
     closed_form = True
     affine = True
 
-    def __init__(self):
-        super().__init__(identity)
+    def __call__(self, out):
+        return out
 
     def weighted_jacobians(self, coefficients, z):
         eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
@@ -124,8 +128,8 @@ class LogSoftmaxLink(Link):
 
     closed_form = True
 
-    def __init__(self):
-        super().__init__(log_softmax)
+    def __call__(self, out):
+        return log_softmax(out)
 
     def weighted_jacobians(self, coefficients, z):
         coefficients = coefficients.to(z.dtype)
@@ -164,7 +168,7 @@ class Loss(ABC):
     def output_link(self):
         """The link as a :class:`Link` object (a loss whose link is known in
         closed form gives a subclass with its Jacobian)."""
-        return Link(self.link)
+        return FunctionLink(self.link)
 
     def batch_loss(self, f, targets, shares):
         """:math:`L = \\sum_i a_i\\, l(f_i, y_i)`, a scalar tensor; ``shares`` (n,) are the

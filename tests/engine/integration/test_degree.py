@@ -257,23 +257,27 @@ def _unknown_degree(*args):
     return PathDegree(None, "forced by the test")
 
 
-def trained_regressor(module, n_features, solver, batch_size=None):
-    rng = np.random.RandomState(0)
-    X = torch.tensor(rng.rand(24, n_features))
-    targets = torch.tensor(rng.randn(24, 2))
+def trained(module, X, targets, solver, batch_size=None, loss=None, learning_rate=0.2):
+    """``module`` trained 4 steps on ``(X, targets)`` (Adam: learning rate 0.05)."""
     module = module.to(DTYPE)
     path = train_module(
         module,
         X,
         targets,
-        loss=SquaredError(),
+        loss=loss,
         solver=SolverSettings(solver),
-        learning_rate=0.05 if solver == "adam" else 0.2,
+        learning_rate=0.05 if solver == "adam" else learning_rate,
         max_iter=4,
         batch_size=batch_size,
         random_state=0,
     ).path
     return module, path, X
+
+
+def trained_regressor(module, n_features, solver, batch_size=None):
+    rng = np.random.RandomState(0)
+    X = torch.tensor(rng.rand(24, n_features))
+    return trained(module, X, torch.tensor(rng.randn(24, 2)), solver, batch_size, SquaredError())
 
 
 CASES = {

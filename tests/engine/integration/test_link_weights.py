@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.integrate import quad_vec
-from test_degree import CNN, TwoConvCNN, _unknown_degree, mlp
+from test_degree import CNN, TwoConvCNN, _unknown_degree, mlp, trained
 from torch import nn
 
 from sklearn_pathkernel._engine import _facade
@@ -30,13 +30,12 @@ from sklearn_pathkernel._engine.integration._link_weights import (
 from sklearn_pathkernel._training._loop import train_module
 from sklearn_pathkernel._training._losses import (
     CrossEntropy,
+    FunctionLink,
     IdentityLink,
-    Link,
     LogSoftmaxLink,
     SquaredError,
     log_softmax,
 )
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
 
@@ -111,7 +110,7 @@ def test_weighted_jacobians_are_autograds(link):
 
 
 def test_a_callable_link_has_no_closed_form():
-    link = Link(log_softmax)
+    link = FunctionLink(log_softmax)
     assert not link.closed_form
     with pytest.raises(NotImplementedError, match="closed-form Jacobian"):
         link.weighted_jacobians(torch.ones(1, 1), torch.ones(1, 1, 2))
@@ -148,18 +147,7 @@ def trained_classifier(module, n_features, solver, batch_size=None, n_classes=3)
     rng = np.random.RandomState(0)
     X = torch.tensor(rng.rand(24, n_features))
     y = torch.tensor(rng.randint(0, n_classes, 24))
-    module = module.to(DTYPE)
-    path = train_module(
-        module,
-        X,
-        y,
-        solver=SolverSettings(solver),
-        learning_rate=0.05 if solver == "adam" else 0.5,
-        max_iter=4,
-        batch_size=batch_size,
-        random_state=0,
-    ).path
-    return module, path, X
+    return trained(module, X, y, solver, batch_size, learning_rate=0.5)
 
 
 CASES = {
