@@ -201,14 +201,14 @@ def _unit_integrals(degree, n_nodes, orders):
     return coefficients, np.concatenate(interpolation)
 
 
-def node_weighting(link, degree, n_nodes, test_test_factor, per_layer):
+def node_weighting(link, degrees, n_nodes, test_test_factor, per_layer):
     """The :class:`NodeWeighting` and :class:`NodeCounts` of the exact rule.
 
     Parameters
     ----------
     link : Link
-    degree : PathDegree pair (f_degree, z_degree)
-        ``f``'s and the logits' degrees in ``t`` (int or None).
+    degrees : tuple (f_degree, z_degree)
+        ``f``'s and the logits' degrees in ``t`` (int, or None: no polynomial).
     n_nodes : int
         The engine's nodes per piece where nothing is exact.
     test_test_factor : int
@@ -222,7 +222,7 @@ def node_weighting(link, degree, n_nodes, test_test_factor, per_layer):
     counts : NodeCounts
         ``per_piece`` the weighting's; ``test_test`` from ``f``'s degree.
     """
-    f_degree, z_degree = degree
+    f_degree, z_degree = degrees
     counts = NodeCounts.of(f_degree, n_nodes, test_test_factor)
     matrices = (
         per_layer
