@@ -43,8 +43,11 @@ commit's ``decompose`` and the node counts its engine chose (per piece for
 one gradient, per piece for the test x test Gram, and the path's degree in
 ``t``: ``-`` where ``f`` is no polynomial); and where its time goes (``--breakdown``): the kink
 search, the node passes (forward and backward passes at the quadrature nodes and
-the batch's own rows), the products (features against the batch's factors, the
-materialised features of momentum and Adam), everything else (the certificate's
+the batch's own rows), the link weights (the classifiers' Jacobian-weighted
+cotangents: a forward pass of the logits at ``D + 1`` points per piece and the
+scalar integrals, timed inside the node passes and taken out of them), the
+products (features against the batch's factors, the materialised features of
+momentum and Adam), everything else (the certificate's
 directional derivatives, Adam's preconditioner, bookkeeping), from wall-clock
 timers around those functions (the outermost one counts).
 
@@ -57,6 +60,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -81,7 +85,7 @@ NETWORKS = ("mlp", "cnn", "cnn2", "distance")
 SOLVERS = ("sgd", "momentum", "adam")
 BATCHES = ("full", "mini")
 TASKS = ("clf", "reg")
-PHASES = ("kink search", "node passes", "products", "rest")
+PHASES = ("kink search", "node passes", "link weights", "products", "rest")
 FULL = {"sizes": (1000,), "steps": 100, "batch_size": 100, "queries": 20, "gram_queries": 50}
 QUICK = {"sizes": (300,), "steps": 30, "batch_size": 100, "queries": 10, "gram_queries": 10}
 
@@ -160,6 +164,10 @@ def digits(n_train, n_queries):
 # -- where the time goes ------------------------------------------------------------------
 
 
+def _has_module(package, name):
+    return importlib.util.find_spec(f"{package.__name__}.{name}") is not None
+
+
 def _phase_targets(package):
     """(category, owner, attribute name) of the timed functions of ``package``."""
 
@@ -178,33 +186,46 @@ def _phase_targets(package):
         ("products", features.ScaledFeatures, "add_inner"),
         ("products", module("_decomposition").Decomposition, "_batch_inner"),
         ("products", module("_blocks").GramBlocks, "add_inner"),
+        # (inside the node passes: timed apart, see PhaseTimer.NESTED)
+        ("link weights", module("integration._link_weights").JacobianWeights, "weigh")
+        if _has_module(package, "_engine.integration._link_weights")
+        else None,
     ]
+    targets = [target for target in targets if target is not None]
     return [(c, owner, attr) for c, owner, attr in targets if hasattr(owner, attr)]
 
 
 class PhaseTimer:
-    """Wall-clock time per category of the timed functions (the outermost counts),
-    and the pieces and nodes the kink search and node passes handled."""
+    """Wall-clock time per category of the timed functions (the outermost counts,
+    but for the ``NESTED`` categories: timed wherever they run, and taken out of
+    the phase they run in), and the pieces and nodes the kink search and node
+    passes handled."""
+
+    NESTED = ("link weights",)
 
     def __init__(self):
         self.seconds = defaultdict(float)
         self.counts = defaultdict(int)
-        self._depth = 0
+        self._outer = []
 
     def wrap(self, category, fn):
         timer = self
 
         @functools.wraps(fn)
         def timed_fn(*args, **kwargs):
-            if timer._depth:
+            nested = category in timer.NESTED
+            if timer._outer and not nested:
                 return fn(*args, **kwargs)
-            timer._depth += 1
+            timer._outer.append(category)
             begin = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
             finally:
-                timer.seconds[category] += time.perf_counter() - begin
-                timer._depth -= 1
+                elapsed = time.perf_counter() - begin
+                timer._outer.pop()
+                timer.seconds[category] += elapsed
+                if nested and timer._outer:
+                    timer.seconds[timer._outer[0]] -= elapsed
             timer.count(fn.__name__, args, result)
             return result
 

@@ -34,7 +34,7 @@ steps) are independent tasks for joblib.
 
 import numpy as np
 
-from .._training._losses import CrossEntropy
+from .._training._losses import CrossEntropy, IdentityLink
 from ._blocks import GramBlocks
 from ._decomposition import Decomposition
 from ._device import loadable_device, on_host
@@ -87,7 +87,12 @@ class PathKernelEngine:
         ``f`` is a polynomial in ``t`` of degree ``D`` on each piece (ReLU
         networks of linear and convolutional layers with the identity link,
         see :mod:`.integration._degree`), ``ceil(D / 2)`` nodes are exact and the
-        engine uses no more (``D`` for the test x test Gram, else ``3 n_nodes``).
+        engine uses no more (``D`` for the test x test Gram, else ``3 n_nodes``);
+        where the logits are such a polynomial and the link has a closed-form
+        Jacobian (the classifiers' log-softmax), ``D`` nodes per piece with
+        Jacobian-weighted cotangents are exact when ``D <= n_nodes``
+        (:mod:`.integration._link_weights`; the test x test Gram keeps
+        ``3 n_nodes``).
     tile_size : int, default=512
         Rows per forward pass, per side of a matrix product and per block of
         the test x test Gram (on a GPU, products take more: see
@@ -123,7 +128,7 @@ class PathKernelEngine:
         self.path = path
         self.X_train = X_train
         self.loss = CrossEntropy() if loss is None else loss
-        self.link = self.loss.link
+        self.link = self.loss.output_link
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_nodes = n_nodes
@@ -139,9 +144,14 @@ class PathKernelEngine:
     def _build(self):
         """The parts that hold the device: the path's steps, the probes, the plans."""
         self._rule = Quadrature.of(self.quadrature).rule(self.n_points)
-        degree = path_degree(self.module, self.path.param_names, self.X_train[:1], self.link)
-        self.nodes = self._rule.node_counts(degree.degree, self.n_nodes)
         self._probes = ThreadProbes(self.module, self.path, self.X_train[:1], self.link)
+        degrees = tuple(
+            path_degree(self.module, self.path.param_names, self.X_train[:1], link).degree
+            for link in (self.link, IdentityLink())
+        )
+        self._weighting, self.nodes = self._rule.node_weighting(
+            self.link, degrees, self.n_nodes, self._probes.current().jacobian is None
+        )
         self._steps = PathSteps(self.path, self.device)
         self._scheduler = Scheduler(self.n_jobs, self.verbose, self.path.n_steps)
         self._planner = Planner(
@@ -166,6 +176,7 @@ class PathKernelEngine:
             certificate,
             self.nodes.per_piece,
             self.n_outputs,
+            self._weighting,
         )
         self._decomposition = Decomposition(
             self._probes,

@@ -189,12 +189,22 @@ class NetworkProbe:
             result = self.per_row(_Output(self), start, X, direction, t)
         return result.value, result.scale
 
-    def factors(self, start, X, outputs=None, *, direction=None, t=None):
+    def logits(self, start, X, direction=None, t=None):
+        """``module(X)`` (n, K), the logits before the link, without gradients
+        (weights as in ``_forward``)."""
+        with torch.no_grad():
+            return self.per_row(_Output(self), start, X, direction, t).logits
+
+    def factors(self, start, X, outputs=None, *, direction=None, t=None, cotangents=None):
         """Per-layer factors of the per-example gradients (see
         :meth:`output_and_factors`), one per layer rule."""
-        return self.output_and_factors(start, X, outputs, direction=direction, t=t)[1]
+        return self.output_and_factors(
+            start, X, outputs, direction=direction, t=t, cotangents=cotangents
+        )[1]
 
-    def output_and_factors(self, start, X, outputs=None, *, direction=None, t=None):
+    def output_and_factors(
+        self, start, X, outputs=None, *, direction=None, t=None, cotangents=None
+    ):
         """``f`` of the rows and the per-layer factors of their per-example gradients.
 
         Parameters
@@ -207,6 +217,10 @@ class NetworkProbe:
             gradient of ``sum_k outputs[i, k] f_k`` (both of shape (n, 1, ...)).
         direction, t : torch.Tensor or None
             Row ``i`` is evaluated at ``start + t_i direction`` (see ``_forward``).
+        cotangents : torch.Tensor of shape (n, K, K) or None
+            With ``outputs`` None: row ``i``'s ``k``-th gradient is that of
+            ``sum_j cotangents[i, k, j] z_j``, the logits ``z`` weighted instead
+            of ``f`` (see ``integration/_link_weights.py``). Needs per-layer rules.
 
         Returns
         -------
@@ -214,21 +228,24 @@ class NetworkProbe:
         factors : list of Factors, one per layer rule.
         """
         self._ensure_checked(X)
+        if self.jacobian is not None and cotangents is not None:
+            raise ValueError("Cotangents at the logits need per-layer rules, not the JacobianRule.")
         if self.jacobian is not None:
             # One vmap over the rows, each at its own weights: no pass per distinct t.
             output, factors = self.jacobian.evaluate(X, start, outputs, direction=direction, t=t)
             return output, [factors]
-        result = self.per_row(_FactorsAt(self, outputs), start, X, direction, t)
+        result = self.per_row(_FactorsAt(self, outputs, cotangents), start, X, direction, t)
         return result.output, result.factors
 
-    def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t):
+    def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None):
         """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
         X_start, outputs_start)`` from one forward and one backward pass.
 
         The rows of ``X_start`` sit at the step's start (``t = 0``). Every output
         is back-propagated for all rows (``outputs_start`` then keeps one per row),
         so one pass instead of two pays when ``X_start`` is small next to ``X`` or
-        needs every output anyway. Needs ``per_row_t``.
+        needs every output anyway. Needs ``per_row_t``. ``cotangents`` (one per
+        row of ``X``) as in :meth:`output_and_factors`.
 
         Returns
         -------
@@ -241,13 +258,15 @@ class NetworkProbe:
         X_all = torch.cat([X, X_start])
         t_all = torch.cat([t, t.new_zeros(X_start.shape[0])])
         _, (factors, start_factors) = self._factors(
-            start, X_all, None, direction, t_all, split=(n, outputs_start)
+            start, X_all, None, direction, t_all, split=(n, outputs_start), cotangents=cotangents
         )
         return factors, start_factors
 
-    def _factors(self, start, X, outputs, direction, t, split=None):
+    def _factors(self, start, X, outputs, direction, t, split=None, cotangents=None):
         # ``split=(n, picked)``: rows from n on get their own factors, with every
         # output or, per row, the output ``picked`` (see ``factors_with``).
+        # ``cotangents`` (n_c, K, K): the first n_c rows back-propagate these
+        # at the logits instead of every output of f (``output_and_factors``).
         # Rules of layers not linear in their weights (``output_at``) get the
         # step's start, its direction and t per row, also when all rows share one
         # t: every factor of a step then refers to the same weights.
@@ -279,18 +298,12 @@ class NetworkProbe:
             return output.clone()
 
         with torch.enable_grad():
-            output = self._forward(start, X, direction, t, hook=capture)
+            logits = self._forward(start, X, direction, t, hook=capture, logits=True)
+            output = self.link(logits)
         outs = [out for _, out in captured]
-        if outputs is None:
-            # Every output of every row from one forward pass: a batched backward
-            # pass, cotangent k back-propagating output k.
-            n_outputs = output.shape[1]
-            eye = torch.eye(n_outputs, dtype=output.dtype, device=output.device)
-            cotangent = eye[:, None, :].expand(n_outputs, *output.shape)
-        else:
-            cotangent = output_cotangent(outputs, output.shape[1], output.dtype)
+        roots, cotangent = _backward_roots(logits, output, outputs, cotangents)
         grads = torch.autograd.grad(
-            output, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
+            roots, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
         )
         point = RowWeights(self.params(start))
         row_weights = None
@@ -300,7 +313,7 @@ class NetworkProbe:
             parts = [(slice(0, split[0]), None), (slice(split[0], None), split[1])]
         factors = [[] for _ in parts]
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
-            delta = _layer_cotangents(out, grad, n_outputs if outputs is None else None)
+            delta = _layer_cotangents(out, grad, output.shape[1] if outputs is None else None)
             at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
             if at_own_t and row_weights is None:
                 row_steps = None if row_t is None else self.params(base_direction)
@@ -314,6 +327,28 @@ class NetworkProbe:
         if split is None:
             return output.detach(), factors[0]
         return output[: split[0]].detach(), factors
+
+
+def _backward_roots(logits, output, outputs, cotangents):
+    """What the backward pass differentiates, and its cotangents.
+
+    ``outputs`` None: every output of every row, batched (cotangent ``k``
+    back-propagating output ``k``), the first ``cotangents.shape[0]`` rows from
+    the logits with their ``cotangents`` (n_c, K, K) when given. Else one
+    cotangent per row on ``f`` (:func:`output_cotangent`).
+    """
+    if outputs is not None:
+        return [output], [output_cotangent(outputs, output.shape[1], output.dtype)]
+    n_outputs = output.shape[1]
+    eye = torch.eye(n_outputs, dtype=output.dtype, device=output.device)
+    if cotangents is None:
+        return [output], [eye[:, None, :].expand(n_outputs, *output.shape)]
+    n = cotangents.shape[0]
+    roots, grads = [logits[:n]], [cotangents.to(logits.dtype).transpose(0, 1)]
+    if n < output.shape[0]:
+        roots.append(output[n:])
+        grads.append(eye[:, None, :].expand(n_outputs, output.shape[0] - n, n_outputs))
+    return roots, grads
 
 
 def _layer_cotangents(out, grad, n_outputs):
@@ -387,33 +422,40 @@ def _forward_at(rule, weights):
 class _Output:
     """``per_row`` adapter for plain evaluations (the output ``f`` and the logit scale)."""
 
-    def __init__(self, probe, value=None, scale=None):
-        self.probe, self.value, self.scale = probe, value, scale
+    def __init__(self, probe, value=None, scale=None, logits=None):
+        self.probe, self.value, self.scale, self.logits = probe, value, scale, logits
 
     def __call__(self, start, X, direction, t, rows=None):
         logits = self.probe._forward(start, X, direction, t, logits=True)
-        return _Output(self.probe, self.probe.link(logits), logits.abs().amax(1))
+        return _Output(self.probe, self.probe.link(logits), logits.abs().amax(1), logits)
 
     def cat(self, parts):
         return _Output(
-            self.probe, torch.cat([p.value for p in parts]), torch.cat([p.scale for p in parts])
+            self.probe,
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("value", "scale", "logits")),
         )
 
     def take(self, rows):
-        return _Output(self.probe, self.value[rows], self.scale[rows])
+        return _Output(self.probe, self.value[rows], self.scale[rows], self.logits[rows])
 
 
 class _FactorsAt:
     """``per_row`` adapter for factor evaluations."""
 
-    def __init__(self, probe, outputs, output=None, factors=None):
-        self.probe, self.outputs = probe, outputs
+    def __init__(self, probe, outputs, cotangents=None, output=None, factors=None):
+        self.probe, self.outputs, self.cotangents = probe, outputs, cotangents
         self.output, self.factors = output, factors
 
     def __call__(self, start, X, direction, t, rows=None):
-        outputs = self.outputs if rows is None or self.outputs is None else self.outputs[rows]
-        output, factors = self.probe._factors(start, X, outputs, direction, t)
-        return _FactorsAt(self.probe, self.outputs, output, factors)
+        outputs, cotangents = (
+            (self.outputs, self.cotangents)
+            if rows is None
+            else tuple(None if v is None else v[rows] for v in (self.outputs, self.cotangents))
+        )
+        output, factors = self.probe._factors(
+            start, X, outputs, direction, t, cotangents=cotangents
+        )
+        return _FactorsAt(self.probe, self.outputs, self.cotangents, output, factors)
 
     def cat(self, parts):
         factors = [
@@ -421,10 +463,18 @@ class _FactorsAt:
             for i in range(len(parts[0].factors))
         ]
         return _FactorsAt(
-            self.probe, self.outputs, torch.cat([p.output for p in parts]), factors
+            self.probe,
+            self.outputs,
+            self.cotangents,
+            torch.cat([p.output for p in parts]),
+            factors,
         )
 
     def take(self, rows):
         return _FactorsAt(
-            self.probe, self.outputs, self.output[rows], [f.take(rows) for f in self.factors]
+            self.probe,
+            self.outputs,
+            self.cotangents,
+            self.output[rows],
+            [f.take(rows) for f in self.factors],
         )

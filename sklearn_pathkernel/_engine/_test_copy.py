@@ -10,13 +10,18 @@ for an adaptive rule, integrates the failing rows again.
 Cost, per step: one forward and backward pass per ``pass_rows`` nodes (a row has
 ``n_nodes`` per smooth piece for the exact rule, ``T`` for a fixed one), the kink
 search's forward passes (exact rule), and the certificate (two forward passes,
-free after the kink search).
+free after the kink search). With :class:`~.integration._link_weights.JacobianWeights`
+each node back-propagates ``K`` cotangent rows at the logits instead of every
+output of ``f``, and the nodes' logits at ``D + 1`` points per piece cost one
+forward pass more.
 """
 
+import copy
 from typing import NamedTuple
 
 from ._features import NodeChunk, StepFeatures
 from .integration._certificate import StepIntegral
+from .integration._link_weights import GaussWeights
 
 
 class IntegratedStep(NamedTuple):
@@ -51,14 +56,28 @@ class TestCopy:
     n_nodes : int
         Gauss-Legendre nodes per smooth piece (exact rule).
     n_outputs : int
+    weighting : NodeWeighting or None, default=None
+        How the nodes weight the backward pass
+        (:mod:`.integration._link_weights`); None: their Gauss weights.
     """
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, probes, steps, planner, rule, certificate, n_nodes, n_outputs):
+    def __init__(
+        self, probes, steps, planner, rule, certificate, n_nodes, n_outputs, weighting=None
+    ):
         self.probes, self.steps, self.planner = probes, steps, planner
         self.rule, self.certificate = rule, certificate
         self.n_nodes, self.n_outputs = n_nodes, n_outputs
+        self.weighting = GaussWeights(n_nodes) if weighting is None else weighting
+
+    def with_gauss_weights(self, n_nodes):
+        """This test copy with ``n_nodes`` Gauss-Legendre nodes per piece and
+        their scalar weights (what products of two gradients, node by node,
+        need)."""
+        other = copy.copy(self)
+        other.n_nodes, other.weighting = n_nodes, GaussWeights(n_nodes)
+        return other
 
     def features(self, chunks, n_rows, outputs_per_pair=1):
         """The :class:`StepFeatures` of evaluated node ``chunks`` of ``n_rows`` rows."""
@@ -68,10 +87,12 @@ class TestCopy:
         """Factors of every node, in passes: a list of :class:`NodeChunk`."""
         probe = self.probes.current()
         chunks = []
-        for part in self._parts(nodes):
+        for part, weights in self._parts(probe, step, X, nodes):
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
-            factors = probe.factors(step.start, X[rows], direction=step.direction, t=t)
-            chunks.append(NodeChunk(rows, self.steps.on_device(part.weights), factors))
+            factors = probe.factors(
+                step.start, X[rows], direction=step.direction, t=t, cotangents=weights.cotangents
+            )
+            chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         return chunks
 
     def evaluate_with(self, step, X, nodes, X_start, outputs):
@@ -86,22 +107,28 @@ class TestCopy:
         """
         probe = self.probes.current()
         chunks, start_factors = [], None
-        for part in self._parts(nodes):
+        for part, weights in self._parts(probe, step, X, nodes):
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
+            moved = {"direction": step.direction, "t": t, "cotangents": weights.cotangents}
             if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
                 factors, start_factors = probe.factors_with(
-                    step.start, X[rows], X_start, outputs, direction=step.direction, t=t
+                    step.start, X[rows], X_start, outputs, **moved
                 )
             else:
-                factors = probe.factors(step.start, X[rows], direction=step.direction, t=t)
-            chunks.append(NodeChunk(rows, self.steps.on_device(part.weights), factors))
+                factors = probe.factors(step.start, X[rows], **moved)
+            chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         if start_factors is None:
             start_factors = probe.factors(step.start, X_start, outputs)
         return chunks, start_factors
 
-    def _parts(self, nodes):
-        size = self.planner.pass_rows()
-        return [nodes.take(slice(begin, begin + size)) for begin in range(0, nodes.rows.size, size)]
+    def _parts(self, probe, step, X, nodes):
+        """The nodes in passes of the planner's size, each with its
+        :class:`~.integration._link_weights.NodeWeights`."""
+        per_piece = self.weighting.nodes_per_piece
+        size = max(per_piece, self.planner.pass_rows() // per_piece * per_piece)  # whole pieces
+        starts = range(0, nodes.rows.size, size)
+        parts = (nodes.take(slice(begin, begin + size)) for begin in starts)
+        return [(part, self.weighting.weigh(probe, step, X, part)) for part in parts]
 
     def _share_pass(self, n_nodes, X_start, outputs):
         """Whether rows at the step's start join the nodes' passes.
@@ -132,7 +159,9 @@ class TestCopy:
         index : int
         X : torch.Tensor of shape (n, ...)
         n_nodes : int, default=None
-            Nodes per smooth piece (the engine's ``n_nodes`` when None).
+            Nodes per smooth piece: None, the engine's nodes and weighting;
+            a number, that many Gauss-Legendre nodes with their scalar weights
+            (node by node products of two gradients need these).
         outputs_per_pair : int, default=1
             See :class:`StepFeatures`.
         with_rows : tuple (X_start, outputs) or None
@@ -147,8 +176,16 @@ class TestCopy:
             With an adaptive rule, rows above their tolerance (kinks that cancel
             between detection points) were integrated again.
         """
+        if n_nodes is not None:
+            return self.with_gauss_weights(n_nodes).integrate(
+                index,
+                X,
+                outputs_per_pair=outputs_per_pair,
+                with_rows=with_rows,
+                measure_error=measure_error,
+            )
         step = self.steps.step(index)
-        n_nodes = n_nodes or self.n_nodes
+        n_nodes = self.n_nodes
         n_rows = X.shape[0]
         row_nodes = self.rule.row_nodes(self.probes.current(), step, X, n_nodes)
         if with_rows is None:

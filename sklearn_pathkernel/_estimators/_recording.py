@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .._explain._mixin import ExplanationMixin
-from .._training._losses import Loss
+from .._training._losses import FunctionLink, Loss
 from .._training._replay import replay_in_float64
 from ._base import checked_against
 
@@ -57,6 +57,11 @@ class ModuleOutput:
 
     def __init__(self, link=None):
         self.link = identity if link is None else link
+
+    @property
+    def output_link(self):
+        """The link as an object, without a closed-form Jacobian (any callable)."""
+        return FunctionLink(self.link)
 
 
 class Recording(ExplanationMixin):

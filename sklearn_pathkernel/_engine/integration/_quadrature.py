@@ -16,13 +16,14 @@ plus, for ``EXACT``, the kink search (:mod:`._kinks`: forward passes only).
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
 from ._degree import NodeCounts
 from ._kinks import StepEnds, row_kinks
+from ._link_weights import GaussWeights, node_weighting
+from ._link_weights import gauss_on_unit as gauss_legendre
 
 #: The test x test integrand is a product of two gradients (twice the polynomial
 #: degree of one) and carries no certificate: it gets this many times the nodes
@@ -71,13 +72,6 @@ class RowNodes(NamedTuple):
     nodes: Nodes
     kinks: list | None
     ends: StepEnds | None
-
-
-@lru_cache
-def gauss_legendre(n_nodes):
-    """Gauss-Legendre nodes and weights on ``[0, 1]``: exact to degree ``2 n_nodes - 1``."""
-    nodes, weights = np.polynomial.legendre.leggauss(n_nodes)
-    return 0.5 * (nodes + 1.0), 0.5 * weights
 
 
 def pieces(rows, kinks):
@@ -139,6 +133,12 @@ class QuadratureRule(ABC):
         do not depend on it."""
         return NodeCounts.of(None, n_nodes, TEST_TEST_NODES)
 
+    def node_weighting(self, link, degrees, n_nodes, per_layer):
+        """The :class:`~._link_weights.NodeWeighting` of the nodes and the
+        :class:`NodeCounts`, given the link, ``(f_degree, logits_degree)`` and
+        whether the probe has per-layer rules: a fixed rule's own weights."""
+        return GaussWeights(n_nodes), self.node_counts(degrees[0], n_nodes)
+
     @abstractmethod
     def shared_nodes(self, probe, step, X, n_nodes):
         """One set of nodes valid for every row of ``X``: a :class:`SharedNodes`.
@@ -165,6 +165,13 @@ class KinkSplittingRule(QuadratureRule):
         integrated exactly by ``ceil(D / 2)`` nodes, and their products by ``D``
         (see :class:`NodeCounts`)."""
         return NodeCounts.of(degree, n_nodes, TEST_TEST_NODES)
+
+    def node_weighting(self, link, degrees, n_nodes, per_layer):
+        """Exact nodes on every piece: ``ceil(D / 2)`` with Gauss weights where
+        ``f`` has degree ``D``, the logits' degree with Jacobian weights where
+        ``f`` is a closed-form link of polynomial logits
+        (:func:`~._link_weights.node_weighting`), else ``n_nodes``."""
+        return node_weighting(link, degrees, n_nodes, TEST_TEST_NODES, per_layer)
 
     def row_nodes(self, probe, step, X, n_nodes):
         return self.refined_nodes(probe, step, X, np.arange(X.shape[0]), (0.0, 1.0), n_nodes)

@@ -257,23 +257,27 @@ def _unknown_degree(*args):
     return PathDegree(None, "forced by the test")
 
 
-def trained_regressor(module, n_features, solver, batch_size=None):
-    rng = np.random.RandomState(0)
-    X = torch.tensor(rng.rand(24, n_features))
-    targets = torch.tensor(rng.randn(24, 2))
+def trained(module, X, targets, solver, batch_size=None, loss=None, learning_rate=0.2):
+    """``module`` trained 4 steps on ``(X, targets)`` (Adam: learning rate 0.05)."""
     module = module.to(DTYPE)
     path = train_module(
         module,
         X,
         targets,
-        loss=SquaredError(),
+        loss=loss,
         solver=SolverSettings(solver),
-        learning_rate=0.05 if solver == "adam" else 0.2,
+        learning_rate=0.05 if solver == "adam" else learning_rate,
         max_iter=4,
         batch_size=batch_size,
         random_state=0,
     ).path
     return module, path, X
+
+
+def trained_regressor(module, n_features, solver, batch_size=None):
+    rng = np.random.RandomState(0)
+    X = torch.tensor(rng.rand(24, n_features))
+    return trained(module, X, torch.tensor(rng.randn(24, 2)), solver, batch_size, SquaredError())
 
 
 CASES = {
@@ -326,10 +330,12 @@ def test_fixed_rules_keep_their_nodes():
     assert (exact.nodes.per_piece, exact.nodes.test_test, exact.nodes.degree) == (1, 2, 2)
 
 
-def test_a_classifier_keeps_todays_nodes():
+def test_a_classifier_gets_the_logits_degree_in_nodes():
+    """``f`` (log-softmax) is no polynomial, its logits are: ``D`` nodes with
+    Jacobian weights (``test_link_weights.py``), 12 for the test x test Gram."""
     module = mlp(5, 8, 3)
     rng = np.random.RandomState(0)
     X, y = torch.tensor(rng.rand(20, 5)), torch.tensor(rng.randint(0, 3, 20))
     path = train_module(module, X, y, learning_rate=0.2, max_iter=2, random_state=0).path
     engine = PathKernelEngine(module, path, X)
-    assert engine.nodes == NodeCounts(4, 12, None)
+    assert engine.nodes == NodeCounts(2, 12, None)

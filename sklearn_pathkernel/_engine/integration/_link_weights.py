@@ -1,0 +1,237 @@
+"""How the quadrature's nodes weight the backward pass: scalars, or K x K matrices.
+
+The test copy ``phi_s = int_0^1 grad_w f(w_s(t)) dt`` is a sum over nodes. Today's
+rule (:class:`GaussWeights`) back-propagates every output of ``f`` at each node and
+weighs the gradients with scalar Gauss-Legendre weights: exact when ``grad f`` is a
+polynomial in ``t`` of degree at most ``2 n - 1`` on each smooth piece, only
+certified otherwise (the log-softmax of the classifiers).
+
+:class:`JacobianWeights` is exact for any link with a closed-form Jacobian. On a
+smooth piece ``[a, b]`` the logits ``z(t)`` are a polynomial of degree ``D`` and
+``grad_w z_j(t)`` one of degree ``D - 1`` (see :mod:`._degree`), while ``grad_w f_k
+= sum_j J_kj(z(t)) grad_w z_j(t)``. Interpolating ``grad_w z`` at ``D`` nodes
+``t_q`` is exact, so
+
+.. math::
+
+    \\int_a^b \\nabla_w f_k\\, dt = \\sum_q \\sum_j W_q[k, j]\\, \\nabla_w z_j(t_q),
+    \\qquad W_q = \\int_a^b L_q(t)\\, J(z(t))\\, dt,
+
+with ``L_q`` the Lagrange basis on the nodes. ``W_q`` depends on ``z(t)`` alone: the
+logits at ``D + 1`` points of the piece (one forward pass, no backward) give
+``z(t)`` everywhere on it, and the scalar integrals are taken with a Gauss-Legendre
+rule of ``M`` points, ``M`` raised (16 and 24, then 48 and 64, ... 512 and 1024) until
+two orders agree to ``ROUNDING`` (Gauss-Legendre converges geometrically on these
+analytic integrands: the finer of two agreeing orders is exact to rounding). The
+probe back-propagates, at each node, the ``K`` rows of ``W_q`` as cotangents at the
+logits: ``D`` nodes of ``K`` cotangents
+per piece, where the Gauss rule takes ``n_nodes`` (4) nodes of ``K``.
+
+Cost per step: one forward pass of ``(D + 1) / D`` times the nodes' rows, and
+``P M K (D + 1)`` numbers for ``P`` pieces (the log-softmax's Jacobian is ``I - 1
+p^T``: :meth:`~sklearn_pathkernel._training._losses.LogSoftmaxLink.weighted_jacobians`).
+"""
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from scipy.linalg import block_diag
+
+from ._degree import NodeCounts
+
+#: The integrals' orders, tried in pairs; a piece's ``W_q`` is accepted when the
+#: two orders of a pair agree to ``ROUNDING`` (relative; else the last one is
+#: kept, and the certificate measures the rest).
+ORDERS = (16, 24, 48, 64, 128, 256, 512, 1024)
+ROUNDING = 64 * np.finfo(np.float64).eps
+
+
+@dataclass(frozen=True)
+class NodeWeights:
+    """The weights of some nodes for the sums over them.
+
+    Attributes
+    ----------
+    weights : np.ndarray of shape (n,)
+        The scalar weight of each node's gradients.
+    cotangents : torch.Tensor of shape (n, K, K) or None
+        Per node, the cotangents at the logits whose gradients are the node's
+        ``K`` terms (row ``k`` for output ``k``); None: every output of ``f``
+        itself is back-propagated.
+    """
+
+    weights: np.ndarray
+    cotangents: torch.Tensor | None = None
+
+
+class NodeWeighting(ABC):
+    """How the nodes of a smooth piece are placed and weighted.
+
+    Attributes
+    ----------
+    nodes_per_piece : int
+    """
+
+    nodes_per_piece = 1
+
+    @abstractmethod
+    def weigh(self, probe, step, X, nodes):
+        """The :class:`NodeWeights` of ``nodes`` (a :class:`._quadrature.Nodes`, with
+        ``nodes_per_piece`` consecutive Gauss-Legendre nodes per piece)."""
+
+
+class GaussWeights(NodeWeighting):
+    """The nodes' own Gauss-Legendre (or fixed-rule) weights; ``f`` back-propagated."""
+
+    def __init__(self, nodes_per_piece):
+        self.nodes_per_piece = nodes_per_piece
+
+    def weigh(self, probe, step, X, nodes):
+        return NodeWeights(nodes.weights)
+
+
+class JacobianWeights(NodeWeighting):
+    """``W_q = int_a^b L_q(t) J(z(t)) dt`` at ``degree`` Gauss nodes per piece.
+
+    Parameters
+    ----------
+    link : Link
+        With a closed-form Jacobian (``link.closed_form``).
+    degree : int
+        ``D``, the logits' degree in ``t`` on a smooth piece: ``D`` nodes.
+    """
+
+    def __init__(self, link, degree):
+        self.link, self.degree = link, degree
+        self.nodes_per_piece = max(1, degree)
+
+    def weigh(self, probe, step, X, nodes):
+        n = self.nodes_per_piece
+        if nodes.rows.size % n:
+            raise ValueError(f"{nodes.rows.size} nodes are no whole number of pieces of {n}.")
+        like = {"dtype": step.start.dtype, "device": step.start.device}
+        rows = nodes.rows[::n]
+        width = nodes.weights.reshape(-1, n).sum(1)  # Gauss weights sum to the width
+        start = nodes.t[::n] - width * gauss_on_unit(n)[0][0]
+        points = start[:, None] + width[:, None] * interpolation_points(self.degree)
+        logits = probe.logits(
+            step.start,
+            X[torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"])],
+            step.direction,
+            torch.as_tensor(points.ravel(), **like),
+        )
+        logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
+        matrices = self.piece_weights(logits, torch.as_tensor(width, **like))
+        return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
+
+    def piece_weights(self, logits, widths):
+        """``W_q`` (P, D, K, K) of ``P`` pieces from their logits at the
+        :func:`interpolation_points` (P, D + 1, K) and their widths (P,).
+
+        Each pair of ``ORDERS`` is taken in one evaluation of the link's
+        Jacobians; a piece whose two results differ by more than ``ROUNDING``
+        (relative) goes on to the next pair.
+        """
+        result = None
+        pending = torch.arange(logits.shape[0], device=logits.device)
+        for orders in zip(ORDERS[::2], ORDERS[1::2], strict=True):
+            coarse, fine = self._integrals(logits[pending], orders).chunk(2, dim=1)
+            if result is None:
+                result = fine
+            else:
+                result[pending] = fine
+            change = (fine - coarse).abs().flatten(1).amax(1)
+            pending = pending[change > ROUNDING * (1.0 + fine.abs().flatten(1).amax(1))]
+            if pending.numel() == 0:
+                break
+        return widths.to(result.dtype)[:, None, None, None] * result
+
+    def _integrals(self, logits, orders):
+        """``int_0^1 L_q(u) J(z(u)) du`` with Gauss-Legendre rules of each of
+        ``orders`` points: (P, len(orders) D, K, K), the orders one after the other."""
+        coefficients, interpolation = _unit_integrals(self.degree, self.nodes_per_piece, orders)
+        like = {"dtype": logits.dtype, "device": logits.device}
+        z = torch.einsum("mi,pik->pmk", torch.as_tensor(interpolation, **like), logits)
+        return self.link.weighted_jacobians(torch.as_tensor(coefficients, **like), z)
+
+
+@lru_cache
+def gauss_on_unit(n):
+    """Gauss-Legendre nodes and weights on ``[0, 1]``: exact to degree ``2 n - 1``."""
+    nodes, weights = np.polynomial.legendre.leggauss(n)
+    return 0.5 * (nodes + 1.0), 0.5 * weights
+
+
+@lru_cache
+def interpolation_points(degree):
+    """``degree + 1`` Chebyshev points inside ``[0, 1]`` (none at the piece's ends,
+    which a kink search knows only to its tolerance)."""
+    j = np.arange(degree + 1)
+    return 0.5 * (1.0 - np.cos((2 * j + 1) * math.pi / (2 * (degree + 1))))
+
+
+def lagrange_basis(points, at):
+    """``L_i(at_m)`` (len(at), len(points)): the Lagrange basis on ``points``."""
+    basis = np.ones((len(at), len(points)))
+    for i, p_i in enumerate(points):
+        for j, p_j in enumerate(points):
+            if i != j:
+                basis[:, i] *= (at - p_j) / (p_i - p_j)
+    return basis
+
+
+@lru_cache
+def _unit_integrals(degree, n_nodes, orders):
+    """On ``[0, 1]``, the Gauss-Legendre rules of ``orders`` points side by side
+    (points ``u_m``, weights ``omega_m``): ``omega_m L_q(u_m)`` (len(orders)
+    n_nodes, sum(orders)), block diagonal, with ``L_q`` the Lagrange basis on the
+    ``n_nodes`` Gauss nodes, and ``l_i(u_m)`` (sum(orders), degree + 1), the basis
+    on the :func:`interpolation_points` that gives ``z(u_m)`` from the logits."""
+    nodes = gauss_on_unit(n_nodes)[0]
+    blocks, interpolation = [], []
+    for order in orders:
+        u, omega = gauss_on_unit(order)
+        blocks.append((omega[:, None] * lagrange_basis(nodes, u)).T)
+        interpolation.append(lagrange_basis(interpolation_points(degree), u))
+    coefficients = block_diag(*blocks)
+    return coefficients, np.concatenate(interpolation)
+
+
+def node_weighting(link, degrees, n_nodes, test_test_factor, per_layer):
+    """The :class:`NodeWeighting` and :class:`NodeCounts` of the exact rule.
+
+    Parameters
+    ----------
+    link : Link
+    degrees : tuple (f_degree, z_degree)
+        ``f``'s and the logits' degrees in ``t`` (int, or None: no polynomial).
+    n_nodes : int
+        The engine's nodes per piece where nothing is exact.
+    test_test_factor : int
+    per_layer : bool
+        Whether the probe has per-layer rules (the per-node cotangent matrices
+        need them; the whole-network Jacobian rule back-propagates ``f``).
+
+    Returns
+    -------
+    weighting : NodeWeighting
+    counts : NodeCounts
+        ``per_piece`` the weighting's; ``test_test`` from ``f``'s degree.
+    """
+    f_degree, z_degree = degrees
+    counts = NodeCounts.of(f_degree, n_nodes, test_test_factor)
+    matrices = (
+        per_layer
+        and link.closed_form
+        and not link.affine
+        and z_degree is not None
+        and max(1, z_degree) <= n_nodes
+    )
+    if not matrices:
+        return GaussWeights(counts.per_piece), counts
+    weighting = JacobianWeights(link, z_degree)
+    return weighting, NodeCounts(weighting.nodes_per_piece, counts.test_test, f_degree)
