@@ -14,6 +14,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(tempfile.gettempdir(), "sklearn_pathkernel_baselines")
@@ -49,3 +52,28 @@ def import_commit(rev):
     if CACHE not in sys.path:
         sys.path.insert(0, CACHE)
     return importlib.import_module(name)
+
+
+def timed(fn):
+    """``(seconds, result)`` of one call of ``fn``."""
+    begin = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - begin, result
+
+
+def side_by_side(tasks, repeats):
+    """``tasks``: {name: callable} (one per package); the fastest time of each and its
+    last result, the calls alternated (forward, then backward) so drift hits both."""
+    names = list(tasks)
+    times = {name: [] for name in names}
+    results = {}
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            elapsed, results[name] = timed(tasks[name])
+            times[name].append(elapsed)
+    return {name: min(t) for name, t in times.items()}, results
+
+
+def relative_difference(a, b):
+    """``max |a - b| / max |a|``."""
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-300))

@@ -75,7 +75,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _baseline import import_commit  # noqa: E402
+from _baseline import import_commit, relative_difference, side_by_side, timed  # noqa: E402
 
 import sklearn_pathkernel  # noqa: E402
 
@@ -252,28 +252,6 @@ class PhaseTimer:
 
 
 # -- the cells ----------------------------------------------------------------------------
-
-
-def timed(fn):
-    begin = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - begin, result
-
-
-def side_by_side(tasks, repeats):
-    """``tasks``: {name: callable}; the fastest time of each, and its last result."""
-    names = list(tasks)
-    times = {name: [] for name in names}
-    results = {}
-    for repeat in range(repeats):
-        for name in names if repeat % 2 == 0 else names[::-1]:
-            elapsed, results[name] = timed(tasks[name])
-            times[name].append(elapsed)
-    return {name: min(t) for name, t in times.items()}, results
-
-
-def relative_difference(a, b):
-    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-300))
 
 
 def fresh(clf):

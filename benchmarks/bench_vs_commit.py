@@ -55,15 +55,13 @@ import argparse
 import functools
 import os
 import sys
-import time
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _baseline import import_commit  # noqa: E402
+from _baseline import import_commit, relative_difference, side_by_side, timed  # noqa: E402
 from bench_engine import scale_data  # noqa: E402
 
 import sklearn_pathkernel  # noqa: E402
@@ -84,28 +82,6 @@ DISTANCE_SETTINGS = {
     "adam": ("solver='adam'", {"solver": "adam"}),
 }
 DISTANCE_QUICK = {"n_train": 200}
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def side_by_side(tasks, repeats):
-    """``tasks``: {name: callable} per package; the fastest time of each, and results."""
-    names = list(tasks)
-    times = {name: [] for name in names}
-    results = {}
-    for repeat in range(repeats):
-        for name in names if repeat % 2 == 0 else names[::-1]:
-            elapsed, results[name] = timed(tasks[name])
-            times[name].append(elapsed)
-    return {name: min(t) for name, t in times.items()}, results
-
-
-def relative_difference(a, b):
-    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-300))
 
 
 def fitted(package, make, X, y):
