@@ -101,7 +101,7 @@ def fitted(problem, sizes):
 
 def truncated(path, n_steps):
     """The first ``n_steps`` steps of a path."""
-    from sklearn_pathkernel._training._path import WeightPath
+    from sklearn_pathkernel._path import WeightPath
 
     return WeightPath(
         path.weights[: n_steps + 1],

@@ -130,7 +130,7 @@ def make_classifier(arch, steps):
 
 def truncated(path, n_steps):
     """The first ``n_steps`` steps of a path (the naive engine's share)."""
-    from sklearn_pathkernel._training._path import WeightPath
+    from sklearn_pathkernel._path import WeightPath
 
     return WeightPath(
         path.weights[: n_steps + 1],

@@ -29,20 +29,18 @@ RecordingRefused
     The error a recorder raises for a step it cannot represent exactly.
 """
 
-from ._estimators._classifier import ExactPathKernelClassifier
-from ._estimators._distance_classifier import DistanceKernelClassifier
-from ._estimators._distance_regressor import DistanceKernelRegressor
-from ._estimators._kernel import ExactPathKernel
-from ._estimators._recording import Recording
-from ._estimators._regressor import ExactPathKernelRegressor
-from ._estimators._transformer import PathKernelTransformer
-from ._explain._explanation import Explanation
-from ._explain._over_time import TimeAttribution
-from ._explain._self_influence import SelfInfluence
-from ._nn._distance import DistanceLayer
-from ._nn._distance_conv import DistanceConv2d
-from ._training._optimizers import RecordingRefused
-from ._training._recorder import TrainingRecorder
+from ._estimators import (
+    DistanceKernelClassifier,
+    DistanceKernelRegressor,
+    ExactPathKernel,
+    ExactPathKernelClassifier,
+    ExactPathKernelRegressor,
+    PathKernelTransformer,
+    Recording,
+)
+from ._explain import Explanation, SelfInfluence, TimeAttribution
+from ._nn import DistanceConv2d, DistanceLayer
+from ._training import RecordingRefused, TrainingRecorder
 
 __all__ = [
     "DistanceConv2d",

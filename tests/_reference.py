@@ -24,7 +24,7 @@ from sklearn.utils import Bunch
 from torch.func import functional_call, jacrev, vmap
 
 from sklearn_pathkernel._engine.integration._quadrature import Quadrature
-from sklearn_pathkernel._training._losses import log_softmax
+from sklearn_pathkernel._path import log_softmax
 
 QUADRATURES = ("riemann", "dpk", "midpoint", "gauss")
 

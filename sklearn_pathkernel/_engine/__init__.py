@@ -1,1 +1,20 @@
-"""_engine"""
+"""The kernel engine: exact decompositions and Gram blocks of a recorded path.
+
+It reads the path (``sklearn_pathkernel._path``) and the network, and answers
+with the network's output as a sum over its training points, certified against
+the network itself (:class:`PathKernelEngine`); ``integration/`` splits each
+step at its kinks and integrates the pieces, ``rules/`` gives each layer's
+per-example gradient products.
+"""
+
+from ._device import CPU, as_tensor, loadable_device, on_host, resolve_device
+from ._facade import PathKernelEngine
+
+__all__ = [
+    "CPU",
+    "PathKernelEngine",
+    "as_tensor",
+    "loadable_device",
+    "on_host",
+    "resolve_device",
+]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
-from .._training._blockwise import layout_by_rules, weighted
+from .._path import layout_by_rules, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
 

@@ -24,6 +24,7 @@ device; :func:`loadable_device` moves them back when the device exists.
 import copy
 import warnings
 
+import numpy as np
 import torch
 
 SUPPORTED = ("cpu", "cuda")
@@ -109,3 +110,8 @@ def loadable_device(device, what):
             stacklevel=3,
         )
         return CPU
+
+
+def as_tensor(X, device):
+    """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
+    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=torch.float64, device=device)

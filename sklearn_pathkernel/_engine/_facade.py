@@ -34,7 +34,7 @@ steps) are independent tasks for joblib.
 
 import numpy as np
 
-from .._training._losses import CrossEntropy, IdentityLink
+from .._path import CERTIFICATE_TOLERANCE, IdentityLink, LogSoftmaxLink
 from ._blocks import GramBlocks
 from ._decomposition import Decomposition
 from ._device import loadable_device, on_host
@@ -71,12 +71,14 @@ class PathKernelEngine:
         stays where it is (host memory or disk) and each step's weights are
         moved to the device when they are evaluated. Inputs of the public
         methods are moved to the device; results are numpy arrays.
-    loss : Loss, default=None
-        The training loss (``CrossEntropy()`` when None). Its ``link`` gives ``f``
-        from the module's output (the log-softmax of the classifiers, the identity
-        of the regressors); its ``certificate_tolerance`` is what the certificate
-        holds each step to. What each training point contributes comes from the
-        path's output gradients, for any loss.
+    link : Link, default=None
+        Gives ``f`` from the module's output (:class:`LogSoftmaxLink`, the
+        classifiers' log-softmax, when None; :class:`IdentityLink` for the
+        regressors; any callable as a :class:`FunctionLink`). What each training
+        point contributes comes from the path's output gradients, for any loss.
+    certificate_tolerance : float, default=CERTIFICATE_TOLERANCE
+        What the certificate holds each step's quadrature error to, in units of
+        ``f`` (1e-11; a training loss says its own).
     quadrature : {"exact", "riemann", "dpk", "midpoint", "gauss"}, default="exact"
         Integration of the test-copy features along each step (see
         :class:`~sklearn_pathkernel._engine.integration._quadrature.Quadrature`).
@@ -116,7 +118,8 @@ class PathKernelEngine:
         path,
         X_train,
         *,
-        loss=None,
+        link=None,
+        certificate_tolerance=CERTIFICATE_TOLERANCE,
         quadrature="exact",
         n_points=100,
         n_nodes=4,
@@ -127,8 +130,8 @@ class PathKernelEngine:
         self.module = module
         self.path = path
         self.X_train = X_train
-        self.loss = CrossEntropy() if loss is None else loss
-        self.link = self.loss.output_link
+        self.link = LogSoftmaxLink() if link is None else link
+        self.certificate_tolerance = certificate_tolerance
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_nodes = n_nodes
@@ -167,7 +170,7 @@ class PathKernelEngine:
 
     def _build_computations(self):
         """The parts that compute: the test copy, the decomposition, the Grams."""
-        certificate = Certificate(self._probes, self._steps, self.loss.certificate_tolerance)
+        certificate = Certificate(self._probes, self._steps, self.certificate_tolerance)
         self._test_copy = TestCopy(
             self._probes,
             self._steps,

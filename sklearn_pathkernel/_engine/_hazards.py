@@ -11,7 +11,7 @@ instead. :func:`per_layer_hazards` finds these, statically and by one forward pa
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._nested import nested_tensors
+from .._path import nested_tensors
 
 
 def _name(prefix, module):

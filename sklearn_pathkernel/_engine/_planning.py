@@ -10,9 +10,10 @@ is arithmetic on sizes.
 """
 
 import math
-import os
 
 from sklearn.utils import gen_even_slices
+
+from .._path import available_memory
 
 #: What one block task may hold in its output; larger requests are tiled further.
 BLOCK_BUDGET_BYTES = 256 * 2**20
@@ -29,21 +30,6 @@ GPU_BLOCK_ROWS = 4096
 #: What one step-major Gram task may hold on the host (its output block and one
 #: step's factors): at most this, and at most a quarter of the available memory.
 HOST_WORKING_BYTES = 2**30
-
-
-def available_memory():
-    """Bytes of memory available to this process (MemAvailable on Linux)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return float("inf")
 
 
 def check_fits(nbytes, request, remedy):

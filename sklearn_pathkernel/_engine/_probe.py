@@ -26,7 +26,7 @@ import logging
 import torch
 from torch.func import functional_call
 
-from .._training._losses import log_softmax, output_cotangent
+from .._path import log_softmax, output_cotangent
 from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._jacobian import JacobianRule

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._training._blockwise import layout_by_rules, on_layers
+from .._path import layout_by_rules, on_layers
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20

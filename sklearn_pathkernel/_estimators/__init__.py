@@ -1,1 +1,19 @@
-"""_estimators"""
+"""The scikit-learn estimators: thin shells that train, record and ask the engine."""
+
+from ._classifier import ExactPathKernelClassifier
+from ._distance_classifier import DistanceKernelClassifier
+from ._distance_regressor import DistanceKernelRegressor
+from ._kernel import ExactPathKernel
+from ._recording import Recording
+from ._regressor import ExactPathKernelRegressor
+from ._transformer import PathKernelTransformer
+
+__all__ = [
+    "DistanceKernelClassifier",
+    "DistanceKernelRegressor",
+    "ExactPathKernel",
+    "ExactPathKernelClassifier",
+    "ExactPathKernelRegressor",
+    "PathKernelTransformer",
+    "Recording",
+]

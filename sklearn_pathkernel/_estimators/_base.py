@@ -19,13 +19,23 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
-from .._engine._device import CPU, loadable_device, on_host, resolve_device
-from .._explain._estimator_context import estimator_context
-from .._explain._mixin import ExplanationMixin
-from .._training._loop import train_module
-from .._training._losses import CrossEntropy, SquaredError
-from .._training._module_checks import check_module
-from .._training._updates import SolverSettings, solver_constraints
+from .._engine import (
+    CPU,
+    PathKernelEngine,
+    as_tensor,
+    loadable_device,
+    on_host,
+    resolve_device,
+)
+from .._explain import ExplanationMixin, estimator_context
+from .._training import (
+    CrossEntropy,
+    SolverSettings,
+    SquaredError,
+    check_module,
+    solver_constraints,
+    train_module,
+)
 
 DTYPE = torch.float64
 # Attributes validate_data(reset=True) sets on the estimator.
@@ -48,11 +58,6 @@ def checked_against(parts, output, **extra):
         quadrature_error=parts.quadrature_error,
         **extra,
     )
-
-
-def as_tensor(X, device):
-    """A float64 torch copy of a validated array on ``device`` (never a view of user memory)."""
-    return torch.tensor(np.asarray(X, dtype=np.float64), dtype=DTYPE, device=device)
 
 
 @dataclass
@@ -236,13 +241,12 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         ):
             cache = None  # set_params after fit: the kernel follows the new settings
         if cache is None:
-            from .._engine._facade import PathKernelEngine
-
             cache = PathKernelEngine(
                 self.module_,
                 self.path_,
                 self._fit_X,
-                loss=self._loss,
+                link=self._loss.output_link,
+                certificate_tolerance=self._loss.certificate_tolerance,
                 quadrature=self.quadrature,
                 n_points=self.n_points,
                 n_jobs=self.n_jobs,

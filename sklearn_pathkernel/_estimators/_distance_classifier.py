@@ -2,7 +2,7 @@
 
 from sklearn.utils._param_validation import StrOptions
 
-from .._nn._builders import HEADS
+from .._nn import HEADS
 from ._base import BasePathClassifier
 from ._docstrings import (
     FITTED_ATTRIBUTES,

@@ -12,7 +12,7 @@ import inspect
 import re
 import textwrap
 
-from .._training._updates import UPDATE_RULES, solver_hyperparameters, solvers_taking
+from .._training import UPDATE_RULES, solver_hyperparameters, solvers_taking
 
 _NAME_INDENT, _TEXT_INDENT = " " * 4, " " * 8
 _PLACEHOLDER = re.compile(r"\{[a-z_]+\}")

@@ -6,14 +6,16 @@ from numbers import Integral, Real
 from sklearn.utils._param_validation import Interval, StrOptions
 from torch import nn
 
-from .._nn._builders import (
+from .._nn import (
     ACTIVATIONS,
+    INITS,
+    KERNELS,
+    TRANSFORMS,
     ConvSpec,
     make_distance_conv_network,
     make_distance_network,
     make_mlp,
 )
-from .._nn._distance import INITS, KERNELS, TRANSFORMS
 
 
 class MLPNetworkMixin:

@@ -31,9 +31,10 @@ import copy
 import numpy as np
 import torch
 
-from .._explain._mixin import ExplanationMixin
-from .._training._losses import FunctionLink, Loss
-from .._training._replay import replay_in_float64
+from .._engine import PathKernelEngine
+from .._explain import ExplanationMixin, recording_context
+from .._path import FunctionLink
+from .._training import Loss, replay_in_float64
 from ._base import checked_against
 
 DTYPE = torch.float64
@@ -141,8 +142,6 @@ class Recording(ExplanationMixin):
     def _explanation_context(self):
         """The recording as an explanation's context (see
         :func:`~.._explain._recording_context.recording_context`)."""
-        from .._explain._recording_context import recording_context
-
         return recording_context(self)
 
     def __getstate__(self):
@@ -155,8 +154,6 @@ class Recording(ExplanationMixin):
     def _engine(self):
         """The float64 engine of the recorded path (built once)."""
         if self._engine_cache is None:
-            from .._engine._facade import PathKernelEngine
-
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
             path = self.path_
             if path.weights.dtype != DTYPE:
@@ -171,7 +168,7 @@ class Recording(ExplanationMixin):
                 module,
                 path,
                 self.X_train_.to(DTYPE),
-                loss=ModuleOutput(self.link),
+                link=ModuleOutput(self.link).output_link,
                 quadrature=self.quadrature,
                 n_jobs=self.n_jobs,
             )
@@ -237,7 +234,7 @@ class Recording(ExplanationMixin):
 
     def save(self, directory):
         """Write the recording to ``directory`` (see :func:`~.._training._io.save_recording`)."""
-        from .._training._io import save_recording
+        from .._training import save_recording
 
         save_recording(self, directory)
 
@@ -247,6 +244,6 @@ class Recording(ExplanationMixin):
         :func:`~.._training._io.load_recording`): needs the module (its structure; its
         weights are set from the recording), the training inputs and, if the
         recorder had one, its ``link``."""
-        from .._training._io import load_recording
+        from .._training import load_recording
 
         return load_recording(directory, module, X, link=link)

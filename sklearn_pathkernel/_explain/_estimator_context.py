@@ -3,14 +3,13 @@
 import numpy as np
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from .._engine import as_tensor
 from ._context import ExplanationContext
 
 
 def estimator_context(estimator):
     """The context of a fitted ``BasePathEstimator``: its engine, its training
     targets (labels or values), its classes and its outputs' names."""
-    from .._estimators._base import as_tensor
-
     check_is_fitted(estimator)
     engine = estimator._engine()
     codes = estimator._fit_targets

@@ -1,1 +1,40 @@
-"""_training"""
+"""Training: the loop, the recorder that writes the path, losses and update rules.
+
+It trains a module with ``torch.optim`` (the estimators' loop, :func:`train_module`),
+or watches a user's own loop (:class:`TrainingRecorder`), and writes what happened
+as a recorded path (``sklearn_pathkernel._path``), refusing with
+:class:`RecordingRefused` any step it cannot represent exactly.
+"""
+
+from ._io import load_recording, save_recording
+from ._loop import train_module
+from ._losses import CrossEntropy, Loss, SquaredError
+from ._module_checks import check_module
+from ._optimizers import RecordingRefused
+from ._recorder import TrainingRecorder
+from ._replay import replay_in_float64
+from ._updates import (
+    UPDATE_RULES,
+    SolverSettings,
+    solver_constraints,
+    solver_hyperparameters,
+    solvers_taking,
+)
+
+__all__ = [
+    "UPDATE_RULES",
+    "CrossEntropy",
+    "Loss",
+    "RecordingRefused",
+    "SolverSettings",
+    "SquaredError",
+    "TrainingRecorder",
+    "check_module",
+    "load_recording",
+    "replay_in_float64",
+    "save_recording",
+    "solver_constraints",
+    "solver_hyperparameters",
+    "solvers_taking",
+    "train_module",
+]

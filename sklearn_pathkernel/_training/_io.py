@@ -27,10 +27,8 @@ import zipfile
 import numpy as np
 import torch
 
-from ._blockwise import from_plain, steps_to_plain, to_plain
+from .._path import UpdateRecord, WeightPath, from_plain, steps_to_plain, to_plain
 from ._optimizers import RecordingRefused
-from ._path import WeightPath
-from ._updates import UpdateRecord
 
 FORMAT = "sklearn_pathkernel.recording"
 FORMAT_VERSION = 1
@@ -185,7 +183,7 @@ def load_recording(directory, module, X, link=None):
         A missing, truncated or corrupted recording, another format version,
         another module (parameter names, shapes or dtypes) or other data.
     """
-    from .._estimators._recording import Recording
+    from .._estimators import Recording
 
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
+from .._path import WeightPath
 from ._losses import CrossEntropy
-from ._path import WeightPath
 from ._recorder import TrainingRecorder
 from ._updates import SolverSettings
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._nested import nested_tensors
+from .._path import nested_tensors
 
 # Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
 N_CHECK_ROWS = 4

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._blockwise import block_values, blockwise
+from .._path import block_values, blockwise
 
 
 class RecordingRefused(ValueError):

@@ -43,9 +43,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from .._path import flatten_parameters
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, reader_for
-from ._path import flatten_parameters
 from ._step_log import MicroBatch, StepLog, relative_difference
 
 CHECKS = ("first", "every", "none")
@@ -184,7 +184,7 @@ class TrainingRecorder:
 
     def finish(self):
         """Detach the hooks and return the :class:`~.._estimators._recording.Recording`."""
-        from .._estimators._recording import Recording
+        from .._estimators import Recording
 
         self.close()
         return Recording(

@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from torch.func import functional_call
 
-from ._path import allocate_weights
+from .._path import allocate_weights
 
 DTYPE = torch.float64
 

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._blockwise import per_step
+from .._path import UpdateRecord, WeightPath, allocate_weights, per_step, storage_directory
 from ._optimizers import RecordingRefused, adam_scale
-from ._path import WeightPath, allocate_weights, storage_directory
-from ._updates import UpdateRecord
 
 #: The size of the blocks of rows that Adam's preconditioners are finished in.
 CHUNK_BYTES = 1 << 20

@@ -139,7 +139,7 @@ def test_contributions_match_the_brute_force_reference(data, name):
     ).path
     link = SquaredError().link
     queries = X_t[:4] + 0.3
-    mine = PathKernelEngine(module, path, X_t, loss=SquaredError()).decompose(queries)
+    mine = PathKernelEngine(module, path, X_t, link=SquaredError().output_link).decompose(queries)
     theirs = NaivePathKernelEngine(
         module, path, X_t, link=link, quadrature="gauss", n_points=24
     ).decompose(queries)

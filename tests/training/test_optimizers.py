@@ -19,14 +19,9 @@ from torch.func import functional_call
 
 from sklearn_pathkernel import DistanceKernelClassifier, ExactPathKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._path import UpdateRecord
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._updates import (
-    AdamUpdate,
-    AdamWUpdate,
-    SGDUpdate,
-    SolverSettings,
-    UpdateRecord,
-)
+from sklearn_pathkernel._training._updates import AdamUpdate, AdamWUpdate, SGDUpdate, SolverSettings
 
 DTYPE = torch.float64
 SUM_TOL = 1e-9

@@ -23,7 +23,7 @@ from test_recorder import data, mlp, replay
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._estimators._recording import ModuleOutput, Recording
-from sklearn_pathkernel._training._blockwise import Blockwise
+from sklearn_pathkernel._path import Blockwise
 
 
 def three_groups(model, first, second, biases):
@@ -222,7 +222,7 @@ def test_contributions_match_the_brute_force_reference(name):
     recording, X = tiny_recording(name)
     module = copy.deepcopy(recording.module_).eval()
     path = recording.path_
-    fast = PathKernelEngine(module, path, X, loss=ModuleOutput(), quadrature="gauss", n_points=24)
+    fast = PathKernelEngine(module, path, X, link=ModuleOutput().output_link, quadrature="gauss", n_points=24)
     reference = NaivePathKernelEngine(
         module, path, X, link=lambda out: out, quadrature="gauss", n_points=24
     )

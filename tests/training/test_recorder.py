@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from sklearn_pathkernel import ExactPathKernelRegressor, TrainingRecorder
-from sklearn_pathkernel._training._losses import log_softmax
+from sklearn_pathkernel._path import log_softmax
 
 OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.2),

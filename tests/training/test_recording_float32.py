@@ -79,7 +79,7 @@ def test_float64_run_is_unchanged():
         copy.deepcopy(recording.module_).eval(),
         recording.path_,
         recording.X_train_,
-        loss=ModuleOutput(recording.link),
+        link=ModuleOutput(recording.link).output_link,
     )
     queries = X[:4] - 0.1
     parts, expected = recording.decompose(queries), before.decompose(queries)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..._nested import nested_tensors
+from ..._path import nested_tensors
 
 #: Degree of a tensor the analysis met no rule for: not a polynomial in ``t``.
 NOT_POLYNOMIAL = None

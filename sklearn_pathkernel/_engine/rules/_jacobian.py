@@ -20,7 +20,7 @@ import logging
 import torch
 from torch.func import functional_call, grad, jacrev, vmap
 
-from ..._training._losses import log_softmax, output_cotangent
+from ..._path import log_softmax, output_cotangent
 from .._planning import BLOCK_BUDGET_BYTES, check_fits, rows_per_tile
 from ._gradients import Gradients, MaterialisedRule
 from ._protocol import RowEvaluation, RowWeights

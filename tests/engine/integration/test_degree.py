@@ -19,8 +19,9 @@ from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine.integration._degree import NodeCounts, PathDegree, path_degree
 from sklearn_pathkernel._engine.integration._quadrature import TEST_TEST_NODES
 from sklearn_pathkernel._nn._builders import make_distance_network
+from sklearn_pathkernel._path import log_softmax
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._losses import SquaredError, log_softmax
+from sklearn_pathkernel._training._losses import SquaredError
 from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
@@ -299,11 +300,11 @@ def test_reduced_nodes_give_the_same_kernel(case, monkeypatch):
     module, path, X = trained_regressor(make(), n_features, solver, batch_size)
     Q = torch.tensor(np.random.RandomState(1).rand(5, n_features) * 1.5)
     loss = SquaredError()
-    reduced = PathKernelEngine(module, path, X, loss=loss)
+    reduced = PathKernelEngine(module, path, X, link=loss.output_link)
     assert reduced.nodes.per_piece == per_piece
     assert reduced.nodes.test_test == reduced.nodes.degree < TEST_TEST_NODES * 4
     monkeypatch.setattr(_facade, "path_degree", _unknown_degree)
-    full = PathKernelEngine(module, path, X, loss=loss)
+    full = PathKernelEngine(module, path, X, link=loss.output_link)
     assert (full.nodes.per_piece, full.nodes.test_test) == (4, 12)
 
     ours, theirs = reduced.decompose(Q), full.decompose(Q)
@@ -324,9 +325,9 @@ def test_reduced_nodes_give_the_same_kernel(case, monkeypatch):
 def test_fixed_rules_keep_their_nodes():
     module, path, X = trained_regressor(mlp(5, 8, 2), 5, "sgd")
     for quadrature in ("riemann", "dpk", "midpoint", "gauss"):
-        engine = PathKernelEngine(module, path, X, loss=SquaredError(), quadrature=quadrature)
+        engine = PathKernelEngine(module, path, X, link=SquaredError().output_link, quadrature=quadrature)
         assert (engine.nodes.per_piece, engine.nodes.test_test) == (4, 12)
-    exact = PathKernelEngine(module, path, X, loss=SquaredError())
+    exact = PathKernelEngine(module, path, X, link=SquaredError().output_link)
     assert (exact.nodes.per_piece, exact.nodes.test_test, exact.nodes.degree) == (1, 2, 2)
 
 

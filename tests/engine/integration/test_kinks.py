@@ -13,7 +13,7 @@ from torch import nn
 from sklearn_pathkernel._engine._probe import NetworkProbe
 from sklearn_pathkernel._engine.integration import _kinks
 from sklearn_pathkernel._engine.integration._kinks import KinkSearch, row_kinks
-from sklearn_pathkernel._training._path import WeightPath
+from sklearn_pathkernel._path import WeightPath
 
 DTYPE = torch.float64
 

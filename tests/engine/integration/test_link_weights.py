@@ -27,15 +27,9 @@ from sklearn_pathkernel._engine.integration._link_weights import (
     gauss_on_unit,
     interpolation_points,
 )
+from sklearn_pathkernel._path import FunctionLink, IdentityLink, LogSoftmaxLink, log_softmax
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._losses import (
-    CrossEntropy,
-    FunctionLink,
-    IdentityLink,
-    LogSoftmaxLink,
-    SquaredError,
-    log_softmax,
-)
+from sklearn_pathkernel._training._losses import CrossEntropy, SquaredError
 
 DTYPE = torch.float64
 

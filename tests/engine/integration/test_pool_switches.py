@@ -12,7 +12,7 @@ from sklearn_pathkernel._engine._probe import NetworkProbe
 from sklearn_pathkernel._engine.integration import _kinks
 from sklearn_pathkernel._engine.integration._kinks import row_kinks
 from sklearn_pathkernel._engine.integration._pool_switches import pool_windows
-from sklearn_pathkernel._training._path import WeightPath
+from sklearn_pathkernel._path import WeightPath
 
 DTYPE = torch.float64
 

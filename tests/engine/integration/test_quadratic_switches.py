@@ -16,7 +16,7 @@ from sklearn_pathkernel._engine.rules._contract import contract
 from sklearn_pathkernel._engine.rules._distance import DistanceRule
 from sklearn_pathkernel._engine.rules._protocol import RowWeights
 from sklearn_pathkernel._nn._distance import DistanceLayer, Transform
-from sklearn_pathkernel._training._path import WeightPath
+from sklearn_pathkernel._path import WeightPath
 
 
 def _states(values):

@@ -49,8 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...._nn._distance import COSINE_EPS, SIMILARITIES, kernel_values
-from ...._nn._distance_conv import DistanceConv2d
+from ...._nn import COSINE_EPS, SIMILARITIES, DistanceConv2d, kernel_values
 from .._gradients import Gradients, MaterialisedRule
 from .._protocol import RowEvaluation
 from .._registry import register_rule

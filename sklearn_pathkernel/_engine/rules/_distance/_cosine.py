@@ -10,7 +10,7 @@ bounded by ``|delta| / |mu|`` and cancel only to their own size.
 
 import torch
 
-from ...._nn._distance import COSINE_EPS
+from ...._nn import COSINE_EPS
 from ..._modes import OutputMode
 from .._contract import weighted
 from ._factors import CosineFactors

@@ -2,7 +2,7 @@
 
 import torch
 
-from ...._nn._distance import DistanceLayer
+from ...._nn import DistanceLayer
 from ..._modes import OutputMode
 from .._contract import contract
 from .._protocol import PerRowWeights

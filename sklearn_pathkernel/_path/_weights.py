@@ -3,7 +3,7 @@
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
 as one contiguous float64 array, for every step the batch it used and each batch
 point's output gradient ``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's
-update in its linear form (:class:`~sklearn_pathkernel._training._updates.UpdateRecord`).
+update in its linear form (:class:`~._update_record.UpdateRecord`).
 The gradient of step ``s``'s loss is
 
     G_s = - sum_{i in B_s} sum_k e_{s,i,k} grad_w f_k(x_i; w_s)
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .._engine._planning import available_memory
-from ._updates import UpdateRecord
+from ._memory import available_memory
+from ._update_record import UpdateRecord
 
 PATH_STORAGES = ("memory", "disk")
 

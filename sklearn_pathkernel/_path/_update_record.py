@@ -1,0 +1,216 @@
+"""The per-step linear form of a recorded run's updates, and its accumulations.
+
+Every supported optimiser is, once the run's own preconditioner is taken as given,
+
+.. math::
+
+    g_s &= G_s + \\lambda_c w_s, \\qquad b_s = \\beta b_{s-1} + \\gamma g_s
+    \\quad (b_{-1} = 0), \\\\
+    w_{s+1} - w_s &= -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s,
+
+with :math:`G_s` the gradient of step :math:`s`'s batch loss at :math:`w_s`,
+:math:`\\lambda_c` coupled weight decay (an L2 term in the gradient), :math:`b_s` the
+momentum buffer, :math:`P_s` an elementwise preconditioner (ones for SGD), and
+:math:`d_s` decoupled weight decay. :class:`UpdateRecord` holds the coefficients of
+a run (read from the optimiser by the training side, see
+``sklearn_pathkernel._training``); :class:`BackwardAccumulation` and
+:class:`ForwardAccumulation` sum the form over the steps for the engine.
+
+With several parameter groups the coefficients are per parameter
+(:class:`~._blockwise.Blockwise`) and the form holds elementwise.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._blockwise import Blockwise, on_layers
+
+
+@dataclass
+class UpdateRecord:
+    """The linear form of a recorded run's updates (see the module docstring).
+
+    Attributes
+    ----------
+    buffer_decay : float or Blockwise
+        :math:`\\beta`, the momentum buffer's decay (0 without a buffer).
+    gradient_scale : float or Blockwise
+        :math:`\\gamma`, the weight of a new gradient in the buffer.
+    coupled_decay : float or Blockwise
+        :math:`\\lambda_c`, weight decay added to every gradient.
+    gradient_rates, direct_rates, decoupled_decays : ndarray of shape (n_steps,)
+        :math:`\\alpha_s`, :math:`\\zeta_s` and :math:`d_s`: float64, or, where
+        parameter groups differ, an object array whose steps are numbers or
+        :class:`~._blockwise.Blockwise` (see :func:`~._blockwise.per_step`).
+    preconditioners : torch.Tensor of shape (n_steps, n_weights) or None
+        :math:`P_s` on the host (RAM or a memory-mapped file, like the weights);
+        None for ones.
+    """
+
+    buffer_decay: float = 0.0
+    gradient_scale: float = 1.0
+    coupled_decay: float = 0.0
+    gradient_rates: np.ndarray = None
+    direct_rates: np.ndarray = None
+    decoupled_decays: np.ndarray = None
+    preconditioners: torch.Tensor = None
+
+    @property
+    def per_step(self):
+        """Whether each step moves along its own gradient only, unpreconditioned:
+        then step ``s``'s training gradients meet ``step_scale(s) * phi_s`` alone."""
+        return (
+            self.buffer_decay == 0
+            and self.preconditioners is None
+            and not isinstance(self.gradient_scale, Blockwise)
+            and self.gradient_rates.dtype != object
+            and self.direct_rates.dtype != object
+        )
+
+    def step_scale(self, step):
+        """:math:`\\gamma \\alpha_s + \\zeta_s`: with no buffer, the factor of
+        :math:`-P_s \\odot g_s` in step ``step``'s update."""
+        return self.gradient_scale * self.gradient_rates[step] + self.direct_rates[step]
+
+    def decay_rate(self, step):
+        """The factor of ``<phi_s, w_s>`` in the decay term of a step that moves along
+        its own gradient only (:attr:`per_step`): :math:`d_s - \\lambda_c
+        \\,\\mathrm{step\\_scale}(s)`."""
+        return self.decoupled_decays[step] - self.coupled_decay * self.step_scale(step)
+
+    def mixing(self, step, earlier):
+        """:math:`c_{s,r}`, the weight of step ``earlier``'s gradient in step ``step``'s
+        update, :math:`w_{s+1} - w_s = -P_s \\odot \\sum_{r \\le s} c_{s,r} g_r + d_s w_s`,
+        in closed form from the buffer :math:`b_s = \\sum_{r \\le s} \\gamma
+        \\beta^{s-r} g_r` (no recursion; :class:`BackwardAccumulation` sums the same
+        weights backward)."""
+        c = self.gradient_scale * self.gradient_rates[step] * self.buffer_decay ** (step - earlier)
+        return c + (self.direct_rates[step] if earlier == step else 0.0)
+
+    def backward(self, layout=None):
+        """A fresh :class:`BackwardAccumulation` of this record's steps; ``layout``
+        lays a :class:`~._blockwise.Blockwise` coefficient out as per-layer tensors
+        (needed only where parameter groups differ, see :func:`~._blockwise.on_layers`)."""
+        return BackwardAccumulation(self, layout)
+
+    def forward(self):
+        """A fresh :class:`ForwardAccumulation` of this record's steps."""
+        return ForwardAccumulation(self)
+
+    def truncated(self, n_steps):
+        """The record of the first ``n_steps`` steps (early stopping)."""
+        return UpdateRecord(
+            self.buffer_decay,
+            self.gradient_scale,
+            self.coupled_decay,
+            self.gradient_rates[:n_steps],
+            self.direct_rates[:n_steps],
+            self.decoupled_decays[:n_steps],
+            None if self.preconditioners is None else self.preconditioners[:n_steps],
+        )
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if isinstance(state["preconditioners"], torch.Tensor):
+            # A memory-mapped record pickles its values, like WeightPath.
+            state["preconditioners"] = state["preconditioners"].clone()
+        return state
+
+
+class BackwardAccumulation:
+    """The test side of every step's training gradients, accumulated backward.
+
+    With :math:`u_s = P_s \\odot \\phi_s` (a query's test features scaled by the
+    step's preconditioner), step :math:`r`'s training gradients meet
+
+    .. math::
+
+        \\psi_r = \\sum_{s \\ge r} c_{s,r} u_s = \\gamma B_r + \\zeta_r u_r, \\qquad
+        B_r = \\alpha_r u_r + \\beta B_{r+1},
+
+    (:meth:`UpdateRecord.mixing` gives :math:`c_{s,r}` in closed form). Feed the
+    steps last to first: :meth:`psi` takes :math:`u_r` as a list of per-layer
+    tensors and returns :math:`\\psi_r` in the same layout. With parameter groups
+    that differ, the coefficients are per parameter (elementwise, laid out per
+    layer by ``layout``), the same as the forward update's. Cost: two
+    multiply-adds per number of ``u``; memory: one buffer of ``u``'s size.
+    """
+
+    def __init__(self, record, layout=None):
+        self.record, self.layout = record, layout
+        self._buffer = None
+        self._next_step = None
+        self._constants = None
+
+    def _layers(self, coefficient, n_layers):
+        return on_layers(coefficient, self.layout, n_layers)
+
+    def psi(self, step, u):
+        """:math:`\\psi_{step}` from :math:`u_{step}`; steps must come in decreasing order."""
+        record = self.record
+        if self._next_step is not None and step != self._next_step - 1:
+            raise ValueError(
+                f"Steps must be fed last to first: got {step} after {self._next_step}."
+            )
+        self._next_step = step
+        n = len(u)
+        if self._constants is None:
+            self._constants = [
+                self._layers(c, n) for c in (record.buffer_decay, record.gradient_scale)
+            ]
+        betas, gammas = self._constants
+        alphas = self._layers(record.gradient_rates[step], n)
+        zetas = self._layers(record.direct_rates[step], n)
+        if self._buffer is None:
+            self._buffer = [alpha * layer for alpha, layer in zip(alphas, u, strict=True)]
+        else:
+            self._buffer = [
+                alpha * layer + beta * old
+                for alpha, layer, beta, old in zip(alphas, u, betas, self._buffer, strict=True)
+            ]
+        return [
+            gamma * b + zeta * layer
+            for gamma, b, zeta, layer in zip(gammas, self._buffer, zetas, u, strict=True)
+        ]
+
+
+class ForwardAccumulation:
+    """The weights' moves of the recorded linear form, step by step from the first:
+    given :math:`w_s` and :math:`G_s`,
+
+    .. math::
+
+        g_s = G_s + \\lambda_c w_s, \\quad b_s = \\beta b_{s-1} + \\gamma g_s, \\quad
+        w_{s+1} - w_s = -P_s \\odot (\\alpha_s b_s + \\zeta_s g_s) + d_s w_s,
+
+    elementwise with per-parameter coefficients where parameter groups differ.
+    Used to replay a recorded run at another precision (the run's rates and
+    preconditioners as recorded, the gradients recomputed). Cost: a few
+    multiply-adds per weight; memory: one buffer of the weights' size.
+    """
+
+    def __init__(self, record):
+        self.record = record
+        self._buffer = None
+        self._next_step = 0
+
+    def move(self, step, weights, gradient):
+        """:math:`w_{s+1} - w_s` of step ``step`` from :math:`w_s` (``weights``) and
+        :math:`G_s` (``gradient``), flat tensors; steps must come in order."""
+        record = self.record
+        if step != self._next_step:
+            raise ValueError(
+                f"Steps must be fed first to last: got {step}, expected {self._next_step}."
+            )
+        self._next_step = step + 1
+        g = gradient + record.coupled_decay * weights if record.coupled_decay else gradient
+        if self._buffer is None:
+            self._buffer = record.gradient_scale * g
+        else:
+            self._buffer = record.buffer_decay * self._buffer + record.gradient_scale * g
+        direction = record.gradient_rates[step] * self._buffer + record.direct_rates[step] * g
+        if record.preconditioners is not None:
+            direction = record.preconditioners[step].to(direction) * direction
+        return record.decoupled_decays[step] * weights - direction
