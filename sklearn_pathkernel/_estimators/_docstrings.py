@@ -2,7 +2,7 @@
 
 An estimator's docstring holds ``{name}`` placeholders that :func:`fill_doc` replaces
 by fragments: a text, or a callable of the class that returns one (the solver
-parameters, whose list comes from the registered update rules and whose defaults
+parameters, whose list comes from the registered optimiser rules and whose defaults
 come from the estimator's signature). A placeholder without a fragment, a fragment
 without a placeholder, or a note on a parameter that does not exist is an error at
 import, never a silently unchanged text.
@@ -12,7 +12,7 @@ import inspect
 import re
 import textwrap
 
-from .._training import UPDATE_RULES, solver_hyperparameters, solvers_taking
+from .._training import SOLVERS, solver_hyperparameters, solvers_taking
 
 _NAME_INDENT, _TEXT_INDENT = " " * 4, " " * 8
 _PLACEHOLDER = re.compile(r"\{[a-z_]+\}")
@@ -85,8 +85,8 @@ def solver_parameters(notes=None):
 
     def fragment(cls):
         defaults = _defaults(cls, ["solver", *hyperparameters])
-        options = ", ".join(f'``"{name}"`` ({rule.summary})' for name, rule in UPDATE_RULES.items())
-        kind = "{" + ", ".join(f'"{name}"' for name in UPDATE_RULES) + "}"
+        options = ", ".join(f'``"{name}"`` ({rule.summary})' for name, rule in SOLVERS.items())
+        kind = "{" + ", ".join(f'"{name}"' for name in SOLVERS) + "}"
         entries = [
             _entry(
                 "solver",
@@ -95,7 +95,7 @@ def solver_parameters(notes=None):
                 _SOLVER_TEXT.format(options=options) + " " + notes.get("solver", ""),
             )
         ]
-        decoupled = [name for name, rule in UPDATE_RULES.items() if rule.decoupled_decay]
+        decoupled = [name for name, rule in SOLVERS.items() if rule.decoupled_decay]
         for name, hyperparameter in hyperparameters.items():
             takers = solvers_taking(name)
             text = hyperparameter.description.format(

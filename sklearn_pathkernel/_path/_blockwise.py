@@ -2,7 +2,7 @@
 
 A ``torch.optim`` optimiser with several parameter groups applies each group's
 momentum, betas, Nesterov flag and weight decay to its own parameters. In the
-linear form of :mod:`._updates` every such scalar coefficient (:math:`\\beta,
+linear form of :mod:`._update_record` every such scalar coefficient (:math:`\\beta,
 \\gamma, \\lambda_c, \\alpha_s, \\zeta_s, d_s`) then becomes a vector over the flat
 weight vector that is constant on each parameter's slice (a *block*): the form
 stays linear and elementwise, coordinate by coordinate,

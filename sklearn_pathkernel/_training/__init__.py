@@ -1,4 +1,4 @@
-"""Training: the loop, the recorder that writes the path, losses and update rules.
+"""Training: the loop, the recorder that writes the path, losses and optimiser rules.
 
 It trains a module with ``torch.optim`` (the estimators' loop, :func:`train_module`),
 or watches a user's own loop (:class:`TrainingRecorder`), and writes what happened
@@ -10,11 +10,10 @@ from ._io import load_recording, save_recording
 from ._loop import train_module
 from ._losses import CrossEntropy, Loss, SquaredError
 from ._module_checks import check_module
-from ._optimizers import RecordingRefused
+from ._optimizers import SOLVERS, RecordingRefused
 from ._recorder import TrainingRecorder
 from ._replay import replay_in_float64
-from ._updates import (
-    UPDATE_RULES,
+from ._solvers import (
     SolverSettings,
     solver_constraints,
     solver_hyperparameters,
@@ -22,7 +21,7 @@ from ._updates import (
 )
 
 __all__ = [
-    "UPDATE_RULES",
+    "SOLVERS",
     "CrossEntropy",
     "Loss",
     "RecordingRefused",

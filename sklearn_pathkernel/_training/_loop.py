@@ -2,8 +2,8 @@
 
 The loss is a sample-weighted mean over each batch of a per-sample loss of the
 output ``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax,
-or squared error). Every step is taken by a torch.optim optimiser (an update rule of
-``_updates``: plain SGD, momentum, Nesterov, Adam, AdamW, weight decay) and recorded
+or squared error). Every step is taken by a torch.optim optimiser (an optimiser rule of
+``_optimizers``: plain SGD, momentum, Nesterov, Adam, AdamW, weight decay) and recorded
 by the same :class:`~sklearn_pathkernel._training._recorder.TrainingRecorder` that
 records a user's own loop: the weights of every step, each step's batch and output
 gradients ``-dL_s/df(x_i)``, and the update's linear form read from the optimiser
@@ -24,7 +24,7 @@ from sklearn.utils import check_random_state
 from .._path import WeightPath
 from ._losses import CrossEntropy
 from ._recorder import TrainingRecorder
-from ._updates import SolverSettings
+from ._solvers import SolverSettings
 
 
 @dataclass
@@ -136,9 +136,8 @@ def train_module(
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
-    rule = (solver or SolverSettings()).update_rule()
     loss_fn = loss or CrossEntropy()
-    optimizer = rule.optimizer(params, learning_rate_at(learning_rate, 0))
+    optimizer = (solver or SolverSettings()).optimizer(params, learning_rate_at(learning_rate, 0))
     module.eval()
 
     full_batch = np.arange(n_samples)

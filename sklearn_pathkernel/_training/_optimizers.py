@@ -1,10 +1,10 @@
-"""Reading a user's own ``torch.optim`` optimiser into the linear form of ``_updates``.
+"""The optimiser rules: a ``torch.optim`` optimiser read into the linear form of its updates.
 
 The recorder (:mod:`._recorder`) does not build the optimiser: it reads, at every
 step, the hyperparameters the optimiser actually used (its ``param_groups``, so
 any learning-rate scheduler, warm-up or manual change is represented) and, after
 the step, its state (Adam's second moments and per-parameter step counts). Each
-supported optimiser is written in the form of :class:`~._updates.UpdateRecord`,
+supported optimiser is written in the form of :class:`~sklearn_pathkernel._path.UpdateRecord`,
 
 .. math::
 
@@ -27,7 +27,7 @@ differs between parameters into the per-coordinate scale :math:`P_s` (relative t
   :math:`d_s = -\\eta_s \\lambda`.
 
 With several parameter groups, every coefficient is per parameter, its group's
-(a :class:`~._blockwise.Blockwise`: momentum, Nesterov flag, betas, coupled and
+(a :class:`~sklearn_pathkernel._path.Blockwise`: momentum, Nesterov flag, betas, coupled and
 decoupled weight decay may differ between groups), and the form holds
 elementwise; with one group (or groups that agree) they are plain numbers.
 
@@ -42,8 +42,13 @@ run (only learning rates, and so decoupled decays, and Adam's ``eps`` and
 ``beta_2`` may change), dampening, ``maximize``, and a skipped parameter whose
 momentum buffer torch.optim would hold still while the linear form decays it.
 
-A new optimiser is one :class:`OptimizerReader` subclass registered in
-:data:`OPTIMIZER_READERS` under its ``torch.optim`` class.
+Each optimiser is described once, by its :class:`OptimizerRule`: the rule reads
+a ``torch.optim`` instance of its class into the linear form (for the estimators'
+runs and a user's own loop alike, both recorded by the same recorder) and, as an
+estimator solver, builds that instance from the estimator's hyperparameters
+(:meth:`OptimizerRule.build`). A new optimiser is one :class:`OptimizerRule`
+subclass, registered with :func:`register_optimizer` (under a solver name too
+if the estimators should offer it).
 """
 
 from abc import ABC, abstractmethod
@@ -52,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .._path import block_values, blockwise
+from ._hyperparameters import BETA_1, BETA_2, EPSILON, MOMENTUM, NESTEROVS_MOMENTUM, WEIGHT_DECAY
 
 
 class RecordingRefused(ValueError):
@@ -133,8 +139,13 @@ def _number(value):
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
-class OptimizerReader(ABC):
-    """Reads one optimiser's steps into the linear form.
+class OptimizerRule(ABC):
+    """One ``torch.optim`` optimiser: how its steps read into the linear form, and
+    how an estimator builds it.
+
+    An instance reads the steps of one optimiser (:meth:`before_step`,
+    :meth:`after_step`); the class builds one for an estimator (:meth:`build`)
+    from its declared :attr:`hyperparameters`.
 
     Parameters
     ----------
@@ -145,6 +156,35 @@ class OptimizerReader(ABC):
     names : list of str
         Their names in the module (for the messages).
     """
+
+    #: The ``torch.optim`` class the rule reads and builds (exactly: a subclass
+    #: may change the step, so it is refused, not assumed).
+    optimizer_class = None
+    #: The rule's own estimator hyperparameters (every rule also takes
+    #: :data:`~._hyperparameters.WEIGHT_DECAY`).
+    hyperparameters = ()
+    #: What the solver is, for the ``solver`` parameter's doc.
+    summary = ""
+    #: Whether weight decay is decoupled (:math:`d_s`) rather than an L2 term
+    #: (:math:`\\lambda_c`), for the parameter docs.
+    decoupled_decay = False
+
+    @classmethod
+    def all_hyperparameters(cls):
+        """The rule's hyperparameters, weight decay last."""
+        return (*cls.hyperparameters, WEIGHT_DECAY)
+
+    @classmethod
+    def build(cls, params, learning_rate, values):
+        """The optimiser an estimator trains ``params`` with, at ``learning_rate``,
+        from ``values`` (``{name: value}`` of :meth:`all_hyperparameters`)."""
+        return cls.optimizer_class(params, lr=learning_rate, **cls.optimizer_arguments(values))
+
+    @classmethod
+    @abstractmethod
+    def optimizer_arguments(cls, values):
+        """The ``optimizer_class`` keyword arguments of the estimator's hyperparameter
+        ``values`` (``{name: value}``), learning rate aside."""
 
     def __init__(self, optimizer, params, names):
         self.optimizer, self.params, self.names = optimizer, params, names
@@ -172,7 +212,7 @@ class OptimizerReader(ABC):
     def per_parameter(self, value):
         """``value(group)`` (a number) of each recorded parameter's group, as a
         coefficient of the linear form: a number when every parameter's is the same,
-        else a :class:`~._blockwise.Blockwise`."""
+        else a :class:`~sklearn_pathkernel._path.Blockwise`."""
         groups = self.optimizer.param_groups
         by_group = {k: float(value(groups[k])) for k in self._used}
         if len(by_group) == 1:  # (the same number blockwise() would give, sooner)
@@ -255,8 +295,43 @@ class OptimizerReader(ABC):
         """The step's :class:`StepScales`, from the state after the step."""
 
 
-class SGDReader(OptimizerReader):
+#: The rules, by the exact ``torch.optim`` class they read.
+OPTIMIZER_RULES = {}
+#: The rules the estimators offer, by their ``solver`` name.
+SOLVERS = {}
+
+
+def register_optimizer(solver=None):
+    """Class decorator: register an :class:`OptimizerRule` for its
+    ``optimizer_class`` (recorded loops) and, with ``solver``, as that estimator
+    solver. The one registration a new optimiser needs."""
+
+    def register(rule):
+        OPTIMIZER_RULES[rule.optimizer_class] = rule
+        if solver is not None:
+            SOLVERS[solver] = rule
+        return rule
+
+    return register
+
+
+@register_optimizer("sgd")
+class SGDRule(OptimizerRule):
     """``torch.optim.SGD``: momentum (dampening 0), Nesterov, L2 weight decay."""
+
+    optimizer_class = torch.optim.SGD
+    hyperparameters = (MOMENTUM, NESTEROVS_MOMENTUM)
+    summary = "gradient descent, with optional ``momentum``"
+
+    @classmethod
+    def optimizer_arguments(cls, values):
+        momentum = float(values["momentum"])
+        return {
+            "momentum": momentum,
+            # torch (like MLPClassifier) applies Nesterov only with momentum.
+            "nesterov": bool(values["nesterovs_momentum"]) and momentum > 0,
+            "weight_decay": float(values["weight_decay"]),
+        }
 
     def check_options(self, step):
         for group in self.groups():
@@ -301,10 +376,24 @@ class SGDReader(OptimizerReader):
         return StepScales(scales, 0.0, rate=rate)
 
 
-class AdamReader(OptimizerReader):
-    """``torch.optim.Adam`` and ``AdamW`` (also with ``amsgrad``), exactly as torch
-    computes the step: ``denom = sqrt(v) / sqrt(1 - beta_2^t) + eps``, step size
-    ``lr / (1 - beta_1^t)``, with ``t`` the parameter's own step count."""
+@register_optimizer("adam")
+class AdamRule(OptimizerRule):
+    """``torch.optim.Adam`` (also with ``amsgrad`` or ``decoupled_weight_decay`` when
+    read from a user's loop), exactly as torch computes the step: ``denom = sqrt(v) /
+    sqrt(1 - beta_2^t) + eps``, step size ``lr / (1 - beta_1^t)``, with ``t`` the
+    parameter's own step count."""
+
+    optimizer_class = torch.optim.Adam
+    hyperparameters = (BETA_1, BETA_2, EPSILON)
+    summary = "Adam"
+
+    @classmethod
+    def optimizer_arguments(cls, values):
+        return {
+            "betas": (float(values["beta_1"]), float(values["beta_2"])),
+            "eps": float(values["epsilon"]),
+            "weight_decay": float(values["weight_decay"]),
+        }
 
     def _decoupled(self, group):
         return bool(group.get("decoupled_weight_decay", False)) or isinstance(
@@ -381,22 +470,22 @@ class AdamReader(OptimizerReader):
         return StepScales(seconds, self._decoupled_decay, terms, rate)
 
 
-#: The supported optimisers, by their exact ``torch.optim`` class (a subclass may
-#: change the step, so it is refused, not assumed).
-OPTIMIZER_READERS = {
-    torch.optim.SGD: SGDReader,
-    torch.optim.Adam: AdamReader,
-    torch.optim.AdamW: AdamReader,
-}
+@register_optimizer("adamw")
+class AdamWRule(AdamRule):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay ``w <- (1 - eta lambda) w``."""
+
+    optimizer_class = torch.optim.AdamW
+    summary = "Adam with decoupled weight decay"
+    decoupled_decay = True
 
 
-def reader_for(optimizer, params, names):
-    """The :class:`OptimizerReader` of ``optimizer``, or a refusal naming it."""
-    reader = OPTIMIZER_READERS.get(type(optimizer))
-    if reader is None:
-        supported = ", ".join(f"torch.optim.{c.__name__}" for c in OPTIMIZER_READERS)
+def rule_for(optimizer, params, names):
+    """The :class:`OptimizerRule` reading ``optimizer``, or a refusal naming it."""
+    rule = OPTIMIZER_RULES.get(type(optimizer))
+    if rule is None:
+        supported = ", ".join(f"torch.optim.{c.__name__}" for c in OPTIMIZER_RULES)
         raise RecordingRefused(
             f"The optimiser {type(optimizer).__name__} cannot be recorded exactly; "
             f"supported: {supported}."
         )
-    return reader(optimizer, params, names)
+    return rule(optimizer, params, names)

@@ -45,7 +45,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from .._path import flatten_parameters
 from ._module_checks import check_module
-from ._optimizers import RecordingRefused, reader_for
+from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference
 
 CHECKS = ("first", "every", "none")
@@ -120,7 +120,7 @@ class TrainingRecorder:
             raise RecordingRefused("The module has no parameter that requires a gradient.")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._reader = reader_for(optimizer, self._params, self._names)
+        self._reader = rule_for(optimizer, self._params, self._names)
         _check_module(module, X)
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype

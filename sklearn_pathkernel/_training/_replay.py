@@ -1,7 +1,7 @@
 """A recorded run replayed in float64, from its first weights.
 
 A float32 optimiser rounds its own updates: its moves are the recorded linear
-form (:class:`~._updates.UpdateRecord`) only up to float32 rounding, so the path
+form (:class:`~sklearn_pathkernel._path.UpdateRecord`) only up to float32 rounding, so the path
 kernel of its recorded weights misses the network's output by about ``1e-6``.
 :func:`replay_in_float64` rebuilds the path in float64 from the recorded
 :math:`w_0`, with the run's recorded rows, output gradients :math:`e_{s,i}`,
@@ -13,7 +13,7 @@ moments), each step's gradient
     G_s = -\\sum_{i \\in B_s} J_i(w_s)^\\top e_{s,i}
 
 recomputed in float64 at the replayed weights :math:`w_s`
-(:class:`~._updates.ForwardAccumulation` turns it into the move). The replayed
+(:class:`~sklearn_pathkernel._path.ForwardAccumulation` turns it into the move). The replayed
 path satisfies the linear form to float64 rounding, so its kernel decomposition
 is exact (to ``1e-9`` or better) against the float64 network at the replayed
 final weights; how far the float32 model is from that network is the

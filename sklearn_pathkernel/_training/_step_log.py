@@ -5,8 +5,8 @@ inputs (a reference), the training rows the user named, and the output gradient
 its backward pass produced. A :class:`StepLog` holds, per optimiser step, the
 weights after it, the rows and output gradients of its (possibly several)
 micro-batches and its per-coordinate scale; :meth:`StepLog.path` turns them into
-the :class:`~._path.WeightPath` and :class:`~._updates.UpdateRecord` the engine
-reads.
+the :class:`~sklearn_pathkernel._path.WeightPath` and
+:class:`~sklearn_pathkernel._path.UpdateRecord` the engine reads.
 """
 
 from dataclasses import dataclass

@@ -28,9 +28,9 @@ from sklearn_pathkernel import (
     PathKernelTransformer,
 )
 from sklearn_pathkernel._engine._facade import PathKernelEngine
+from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
 from sklearn_pathkernel._training._losses import SquaredError
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
 SUM_TOL = 1e-9

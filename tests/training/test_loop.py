@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
 from sklearn_pathkernel._training._losses import SquaredError
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
 

@@ -222,7 +222,9 @@ def test_contributions_match_the_brute_force_reference(name):
     recording, X = tiny_recording(name)
     module = copy.deepcopy(recording.module_).eval()
     path = recording.path_
-    fast = PathKernelEngine(module, path, X, link=ModuleOutput().output_link, quadrature="gauss", n_points=24)
+    fast = PathKernelEngine(
+        module, path, X, link=ModuleOutput().output_link, quadrature="gauss", n_points=24
+    )
     reference = NaivePathKernelEngine(
         module, path, X, link=lambda out: out, quadrature="gauss", n_points=24
     )

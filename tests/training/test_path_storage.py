@@ -11,8 +11,8 @@ from sklearn.base import clone
 from sklearn.datasets import make_blobs
 
 from sklearn_pathkernel import ExactPathKernelClassifier
-from sklearn_pathkernel._path import allocate_weights
 from sklearn_pathkernel._path import _weights as path_module
+from sklearn_pathkernel._path import allocate_weights
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from sklearn_pathkernel._engine.integration._degree import NodeCounts, PathDegre
 from sklearn_pathkernel._engine.integration._quadrature import TEST_TEST_NODES
 from sklearn_pathkernel._nn._builders import make_distance_network
 from sklearn_pathkernel._path import log_softmax
+from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
 from sklearn_pathkernel._training._losses import SquaredError
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
 
@@ -325,7 +325,9 @@ def test_reduced_nodes_give_the_same_kernel(case, monkeypatch):
 def test_fixed_rules_keep_their_nodes():
     module, path, X = trained_regressor(mlp(5, 8, 2), 5, "sgd")
     for quadrature in ("riemann", "dpk", "midpoint", "gauss"):
-        engine = PathKernelEngine(module, path, X, link=SquaredError().output_link, quadrature=quadrature)
+        engine = PathKernelEngine(
+            module, path, X, link=SquaredError().output_link, quadrature=quadrature
+        )
         assert (engine.nodes.per_piece, engine.nodes.test_test) == (4, 12)
     exact = PathKernelEngine(module, path, X, link=SquaredError().output_link)
     assert (exact.nodes.per_piece, exact.nodes.test_test, exact.nodes.degree) == (1, 2, 2)

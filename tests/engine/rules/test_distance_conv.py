@@ -20,8 +20,8 @@ from sklearn_pathkernel._engine.rules import make_rule
 from sklearn_pathkernel._engine.rules._distance import DistanceConv2dRule
 from sklearn_pathkernel._engine.rules._protocol import RowWeights
 from sklearn_pathkernel._nn._distance import KERNELS
+from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DT = torch.float64
 GEOMETRIES = {

@@ -18,8 +18,8 @@ from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine._probe import NetworkProbe
 from sklearn_pathkernel._engine.rules._jacobian import JacobianRule
 from sklearn_pathkernel._path import WeightPath
+from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._updates import SolverSettings
 
 DTYPE = torch.float64
 N_FEATURES, N_CLASSES = 8, 3

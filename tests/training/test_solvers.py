@@ -1,6 +1,6 @@
-"""The update-rule registry: settings, constraints and parameter docs follow from the
-rules' declared hyperparameters, and a new optimiser with a new hyperparameter is one
-class plus its registration (and, for scikit-learn, the estimator's signature)."""
+"""The solver registry: settings, constraints and parameter docs follow from the
+optimiser rules' declared hyperparameters, and a new solver with a new hyperparameter
+is one class plus its registration (and, for scikit-learn, the estimator's signature)."""
 
 import ast
 import inspect
@@ -22,15 +22,15 @@ from sklearn_pathkernel import (
 )
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._estimators._docstrings import fill_doc, solver_parameters
-from sklearn_pathkernel._training._loop import train_module
-from sklearn_pathkernel._training._updates import (
-    UPDATE_RULES,
-    AdamUpdate,
-    Hyperparameter,
+from sklearn_pathkernel._training import (
+    SOLVERS,
     SolverSettings,
     solver_constraints,
     solver_hyperparameters,
 )
+from sklearn_pathkernel._training._hyperparameters import Hyperparameter
+from sklearn_pathkernel._training._loop import train_module
+from sklearn_pathkernel._training._optimizers import AdamRule
 
 ESTIMATORS = [
     ExactPathKernelClassifier,
@@ -74,14 +74,20 @@ def test_docstring_states_every_default(estimator):
 def test_settings_take_defaults_and_refuse_unknown_names():
     settings = SolverSettings("adam", beta_1=0.5)
     assert settings.values["beta_1"] == 0.5 and settings.values["epsilon"] == 1e-8
-    rule = settings.update_rule()
-    assert (rule.beta_1, rule.beta_2, rule.epsilon) == (0.5, 0.999, 1e-8)
-    sgd = SolverSettings("sgd", momentum=0.7, nesterovs_momentum=True).update_rule()
-    assert sgd.momentum == 0.7 and sgd.nesterov
+    params = [nn.Parameter(torch.ones(2))]
+    adam = settings.optimizer(params, 0.1).defaults
+    assert (adam["betas"], adam["eps"], adam["lr"]) == ((0.5, 0.999), 1e-8, 0.1)
+    sgd = SolverSettings("sgd", momentum=0.7, nesterovs_momentum=True).optimizer(params, 0.1)
+    assert type(sgd) is torch.optim.SGD
+    assert sgd.defaults["momentum"] == 0.7 and sgd.defaults["nesterov"]
+    # torch (like MLPClassifier) applies Nesterov only with momentum
+    assert not SolverSettings("sgd", nesterovs_momentum=True).optimizer(params, 0.1).defaults[
+        "nesterov"
+    ]
     with pytest.raises(TypeError, match="Unknown solver hyperparameters.*'betas'"):
         SolverSettings("adam", betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="Unknown solver 'lbfgs'"):
-        SolverSettings("lbfgs").update_rule()
+        SolverSettings("lbfgs").optimizer(params, 0.1)
 
 
 def test_fill_doc_fails_loudly():
@@ -111,49 +117,31 @@ AMSGRAD = Hyperparameter(
 )
 
 
-class AMSGradUpdate(AdamUpdate):
-    """``torch.optim.Adam(amsgrad=...)`` (a rule defined here, as a user would)."""
+class AMSGradRule(AdamRule):
+    """``torch.optim.Adam(amsgrad=...)`` as an estimator solver (a rule defined here,
+    as a user would: the reading of the steps is Adam's, which covers ``amsgrad``)."""
 
-    hyperparameters = (*AdamUpdate.hyperparameters, AMSGRAD)
+    hyperparameters = (*AdamRule.hyperparameters, AMSGRAD)
     summary = "Adam, optionally AMSGrad"
 
-    def __init__(self, *, amsgrad=False, **kwargs):
-        super().__init__(**kwargs)
-        self.amsgrad = bool(amsgrad)
-
-    def optimizer(self, params, learning_rate):
-        return torch.optim.Adam(
-            params,
-            lr=learning_rate,
-            betas=(self.beta_1, self.beta_2),
-            eps=self.epsilon,
-            weight_decay=self.weight_decay,
-            amsgrad=self.amsgrad,
-        )
-
-    def preconditioner(self, optimizer, params, step):
-        key = "max_exp_avg_sq" if self.amsgrad else "exp_avg_sq"
-        correction = (1.0 - self.beta_2 ** (step + 1)) ** 0.5
-        return torch.cat(
-            [
-                (optimizer.state[p][key].sqrt() / correction + self.epsilon)
-                .reciprocal()
-                .reshape(-1)
-                for p in params
-            ]
-        )
+    @classmethod
+    def optimizer_arguments(cls, values):
+        return {**super().optimizer_arguments(values), "amsgrad": bool(values["amsgrad"])}
 
 
 @pytest.fixture
 def amsgrad(monkeypatch):
-    monkeypatch.setitem(UPDATE_RULES, "ams", AMSGradUpdate)  # the one registration
+    # the one registration (register_optimizer("ams") would also make it the reader
+    # of torch.optim.Adam, which AdamRule already is)
+    monkeypatch.setitem(SOLVERS, "ams", AMSGradRule)
 
 
 def test_a_new_rule_reaches_settings_constraints_and_docs(amsgrad):
     assert solver_hyperparameters()["amsgrad"] is AMSGRAD
     assert "ams" in str(solver_constraints()["solver"][0])
     assert solver_constraints()["amsgrad"] == ["boolean"]
-    assert SolverSettings("ams", amsgrad=True).update_rule().amsgrad
+    optimizer = SolverSettings("ams", amsgrad=True).optimizer([nn.Parameter(torch.ones(2))], 0.1)
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["amsgrad"]
 
     class WithoutTheParameter(ExactPathKernelClassifier):
         """{training_parameters}"""
