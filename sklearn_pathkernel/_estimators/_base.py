@@ -29,9 +29,9 @@ from .._engine import (
 )
 from .._explain import ExplanationMixin, estimator_context
 from .._training import (
-    CrossEntropy,
+    CLASSIFICATION_LOSSES,
+    REGRESSION_LOSSES,
     SolverSettings,
-    SquaredError,
     check_module,
     solver_constraints,
     train_module,
@@ -82,12 +82,13 @@ class Targets:
 class BasePathEstimator(ExplanationMixin, BaseEstimator):
     """Base class: a torch module trained by gradient descent, path recorded.
 
-    Subclasses set the loss (``_loss``), validate the targets (:meth:`_targets`),
-    implement :meth:`_build_module` and list their own parameters.
+    Subclasses name their loss registry (``_losses``), validate the targets
+    (:meth:`_targets`), implement :meth:`_build_module` and list their own
+    parameters, ``loss`` among them.
     """
 
-    #: The training loss (a ``_losses.Loss``); its link gives the function ``f``.
-    _loss = None
+    #: The losses the ``loss`` parameter names (a registry of ``_training``).
+    _losses = None
     #: ``validate_data`` settings for ``y``.
     _target_validation = {}
 
@@ -107,6 +108,15 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         "random_state": ["random_state"],
         "verbose": ["verbose"],
     }
+
+    @property
+    def _loss(self):
+        """The training loss (a ``Loss``; its link gives the function ``f``): the one
+        the estimator was fitted with, else the ``loss`` parameter's. A
+        ``set_params(loss=...)`` after fit takes effect at the next fit, so the
+        kernel always describes the network that was trained."""
+        fitted = self.__dict__.get("_fitted_loss")
+        return fitted if fitted is not None else self._losses[self.loss]()
 
     @abstractmethod
     def _targets(self, y):
@@ -179,12 +189,13 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         # a copy: the targets may be the user's read-only array (a memmap)
         y_t = torch.tensor(targets.values, device=device)
         # Refused with the reason, or left in eval mode (the mode it is trained in).
-        check_module(module, X_t, targets.n_outputs, classifier=self._loss.classifies)
+        loss = self._losses[self.loss]()
+        check_module(module, X_t, targets.n_outputs, classifier=loss.classifies)
         result = train_module(
             module,
             X_t,
             y_t,
-            loss=self._loss,
+            loss=loss,
             sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
             solver=SolverSettings.of(self),
             learning_rate=self.learning_rate,
@@ -203,6 +214,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         # Assign only once training succeeded: a failed fit leaves self as it was.
         self.__dict__.update(targets.attributes)
         self.device_ = device
+        self._fitted_loss = loss
         self.module_ = module
         self.n_iter_ = result.n_iter
         self.n_steps_ = result.n_steps
@@ -347,7 +359,11 @@ class BasePathClassifier(ClassifierMixin, BasePathEstimator):
     """Base of the classifiers: a :class:`~.._training._losses.ClassificationLoss`
     (the cross-entropy of ``f = log_softmax(module(x))``) on class codes."""
 
-    _loss = CrossEntropy()
+    _losses = CLASSIFICATION_LOSSES
+    _parameter_constraints = {
+        **BasePathEstimator._parameter_constraints,
+        "loss": [StrOptions(CLASSIFICATION_LOSSES.keys())],
+    }
 
     def _targets(self, y):
         check_classification_targets(y)
@@ -430,7 +446,11 @@ class BasePathRegressor(RegressorMixin, BasePathEstimator):
     (no link) over the outputs, averaged over each batch with the sample weights.
     """
 
-    _loss = SquaredError()
+    _losses = REGRESSION_LOSSES
+    _parameter_constraints = {
+        **BasePathEstimator._parameter_constraints,
+        "loss": [StrOptions(REGRESSION_LOSSES.keys())],
+    }
     _target_validation = {"multi_output": True, "y_numeric": True}
 
     def _targets(self, y):

@@ -82,6 +82,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         learning_rate=0.1,
         max_iter=200,
         batch_size=None,
+        loss="log_loss",
         solver="sgd",
         momentum=0.0,
         nesterovs_momentum=False,
@@ -106,6 +107,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size
+        self.loss = loss
         self.solver = solver
         self.momentum = momentum
         self.nesterovs_momentum = nesterovs_momentum

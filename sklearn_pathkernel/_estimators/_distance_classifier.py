@@ -139,6 +139,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         learning_rate=0.02,
         max_iter=500,
         batch_size=None,
+        loss="log_loss",
         solver="adam",
         momentum=0.0,
         nesterovs_momentum=False,
@@ -168,6 +169,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size
+        self.loss = loss
         self.solver = solver
         self.momentum = momentum
         self.nesterovs_momentum = nesterovs_momentum

@@ -112,6 +112,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         learning_rate=0.01,
         max_iter=300,
         batch_size=None,
+        loss="squared_error",
         solver="adam",
         momentum=0.0,
         nesterovs_momentum=False,
@@ -140,6 +141,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size
+        self.loss = loss
         self.solver = solver
         self.momentum = momentum
         self.nesterovs_momentum = nesterovs_momentum

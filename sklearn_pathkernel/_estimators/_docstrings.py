@@ -120,13 +120,35 @@ _LOOP_PARAMETERS = """shuffle : bool, default=True
         See ``tol``."""
 
 
+def loss_parameter(cls):
+    """The fragment documenting ``loss``: the losses of ``cls``'s registry
+    (``cls._losses``), its default from ``cls``'s signature."""
+    default = inspect.signature(cls).parameters["loss"].default
+    options = ", ".join(f'``"{name}"`` ({loss.summary})' for name, loss in cls._losses.items())
+    kind = "{" + ", ".join(f'"{name}"' for name in cls._losses) + "}"
+    text = (
+        f"The training loss: {options}. It chooses the function ``f`` the kernel "
+        "reproduces (its link) and each training row's output gradient."
+    )
+    return _entry("loss", kind, default, text)
+
+
 def training_parameters(notes=None):
-    """The solver parameters (:func:`solver_parameters`), then ``shuffle``, ``tol`` and
-    ``n_iter_no_change``: a fragment ``fragment(cls) -> str``."""
+    """``loss`` (:func:`loss_parameter`), the solver parameters
+    (:func:`solver_parameters`), then ``shuffle``, ``tol`` and ``n_iter_no_change``:
+    a fragment ``fragment(cls) -> str``."""
     solver = solver_parameters(notes)
 
     def fragment(cls):
-        return solver(cls) + "\n" + _NAME_INDENT + _LOOP_PARAMETERS
+        return (
+            loss_parameter(cls)
+            + "\n"
+            + _NAME_INDENT
+            + solver(cls)
+            + "\n"
+            + _NAME_INDENT
+            + _LOOP_PARAMETERS
+        )
 
     return fragment
 

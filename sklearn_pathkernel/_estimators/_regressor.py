@@ -91,6 +91,7 @@ class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
         learning_rate=0.001,
         max_iter=200,
         batch_size=200,
+        loss="squared_error",
         solver="adam",
         momentum=0.0,
         nesterovs_momentum=False,
@@ -115,6 +116,7 @@ class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
         self.learning_rate = learning_rate
         self.max_iter = max_iter
         self.batch_size = batch_size
+        self.loss = loss
         self.solver = solver
         self.momentum = momentum
         self.nesterovs_momentum = nesterovs_momentum

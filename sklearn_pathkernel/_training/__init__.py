@@ -8,7 +8,14 @@ as a recorded path (``sklearn_pathkernel._path``), refusing with
 
 from ._io import load_recording, save_recording
 from ._loop import train_module
-from ._losses import CrossEntropy, Loss, SquaredError
+from ._losses import (
+    CLASSIFICATION_LOSSES,
+    REGRESSION_LOSSES,
+    CrossEntropy,
+    Loss,
+    SquaredError,
+    register_loss,
+)
 from ._module_checks import check_module
 from ._optimizers import SOLVERS, RecordingRefused
 from ._recorder import TrainingRecorder
@@ -21,6 +28,8 @@ from ._solvers import (
 )
 
 __all__ = [
+    "CLASSIFICATION_LOSSES",
+    "REGRESSION_LOSSES",
     "SOLVERS",
     "CrossEntropy",
     "Loss",
@@ -29,6 +38,7 @@ __all__ = [
     "SquaredError",
     "TrainingRecorder",
     "check_module",
+    "register_loss",
     "load_recording",
     "replay_in_float64",
     "save_recording",

@@ -24,8 +24,9 @@ A loss also says what its targets are (:class:`ClassificationLoss`: class codes;
 predictions (:meth:`ClassificationLoss.log_proba`, :meth:`RegressionLoss.prediction`).
 
 A new loss is one subclass of :class:`ClassificationLoss` or :class:`RegressionLoss`
-(a link and a per-sample value; the output gradient follows by autograd), set as
-the ``_loss`` of the estimator base that trains on it.
+(a link and a per-sample value; the output gradient follows by autograd), registered
+with :func:`register_loss` under the name the estimators' ``loss`` parameter takes
+(scikit-learn's name where it has one: ``"log_loss"``, ``"squared_error"``).
 """
 
 from abc import ABC, abstractmethod
@@ -33,6 +34,26 @@ from abc import ABC, abstractmethod
 import torch
 
 from .._path import CERTIFICATE_TOLERANCE, FunctionLink, IdentityLink, LogSoftmaxLink, log_softmax
+
+#: The classifiers' losses, by the name their ``loss`` parameter takes.
+CLASSIFICATION_LOSSES = {}
+#: The regressors' losses, by the name their ``loss`` parameter takes.
+REGRESSION_LOSSES = {}
+
+
+def register_loss(name):
+    """Class decorator: register a :class:`ClassificationLoss` or
+    :class:`RegressionLoss` subclass as the estimators' ``loss=name``. The one
+    registration a new loss needs; the estimators' ``loss`` constraint follows."""
+
+    def register(loss):
+        registry = CLASSIFICATION_LOSSES if loss.classifies else REGRESSION_LOSSES
+        if name in registry:
+            raise ValueError(f"A loss named {name!r} is registered already: {registry[name]}.")
+        registry[name] = loss
+        return loss
+
+    return register
 
 
 class Loss(ABC):
@@ -48,6 +69,8 @@ class Loss(ABC):
     #: Whether the targets are class codes and the module's outputs one score per
     #: class (the module checks' wording: "logits" of "classes", or "predictions").
     classifies = False
+    #: What the loss is, for the estimators' ``loss`` parameter doc.
+    summary = ""
 
     @abstractmethod
     def link(self, out):
@@ -100,12 +123,15 @@ class RegressionLoss(Loss):
         return f
 
 
+@register_loss("log_loss")
 class CrossEntropy(ClassificationLoss):
     """Cross-entropy of the log-softmax: ``f = log_softmax(out)``, ``l = -f_y``.
 
     Output gradient :math:`e_i = a_i\\, \\mathrm{onehot}(y_i)`; ``f`` is the
     log-probabilities themselves.
     """
+
+    summary = "the mean cross-entropy of ``f = log_softmax(module(x))``"
 
     #: The link with its Jacobian.
     output_link = LogSoftmaxLink()
@@ -120,12 +146,15 @@ class CrossEntropy(ClassificationLoss):
         return f
 
 
+@register_loss("squared_error")
 class SquaredError(RegressionLoss):
     """Half the mean squared error over the outputs (``MLPRegressor``'s loss),
     ``l = |f - y|^2 / (2K)`` with ``f = out``.
 
     Output gradient :math:`e_i = a_i (y_i - f_i) / K`, the scaled residual.
     """
+
+    summary = "half the mean squared error of ``f = module(x)``, as ``MLPRegressor``"
 
     #: The link with its Jacobian.
     output_link = IdentityLink()

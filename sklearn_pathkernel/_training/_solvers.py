@@ -39,7 +39,8 @@ def solvers_taking(name):
 def solver_constraints():
     """The estimators' ``_parameter_constraints`` of ``solver`` and every hyperparameter."""
     return {
-        "solver": [StrOptions(set(SOLVERS))],
+        # the registry's live view: a solver registered later is accepted too
+        "solver": [StrOptions(SOLVERS.keys())],
         **{name: list(h.constraints) for name, h in solver_hyperparameters().items()},
     }
 

@@ -7,14 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import make_blobs, make_regression
+from sklearn.utils._param_validation import InvalidParameterError
 
 from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
-from sklearn_pathkernel._training._losses import (
-    ClassificationLoss,
+from sklearn_pathkernel._training import (
+    CLASSIFICATION_LOSSES,
+    REGRESSION_LOSSES,
     CrossEntropy,
-    RegressionLoss,
     SquaredError,
+    register_loss,
 )
+from sklearn_pathkernel._training._losses import ClassificationLoss, RegressionLoss
 
 DTYPE = torch.float64
 N, K = 7, 3
@@ -148,22 +151,46 @@ def test_the_loss_says_what_its_targets_are():
     assert CrossEntropy.certificate_tolerance == 1e-11
 
 
-# -- a new loss is one class ---------------------------------------------------------
+# -- a new loss is one class and one registration ------------------------------------
 
 
-class LogCoshRegressor(ExactPathKernelRegressor):
-    _loss = LogCosh()
+@pytest.fixture
+def toy_losses():
+    """Registers the toy losses as the recipe says, and takes them back after."""
+    saved = dict(CLASSIFICATION_LOSSES), dict(REGRESSION_LOSSES)
+    register_loss("log_cosh")(LogCosh)  # the one registration of each
+    register_loss("logit_log_loss")(LogitCrossEntropy)
+    yield
+    for registry, before in zip((CLASSIFICATION_LOSSES, REGRESSION_LOSSES), saved, strict=True):
+        registry.clear()
+        registry.update(before)
 
 
-class LogitClassifier(ExactPathKernelClassifier):
-    _loss = LogitCrossEntropy()
+def test_the_loss_parameter_names_the_registered_losses():
+    assert ExactPathKernelClassifier().loss == "log_loss"
+    assert ExactPathKernelRegressor().loss == "squared_error"
+    X, y = make_blobs(n_samples=12, n_features=2, centers=2, random_state=0)
+    with pytest.raises(InvalidParameterError, match=r"'loss' parameter.*\{'log_loss'\}"):
+        ExactPathKernelClassifier(loss="squared_error", max_iter=1).fit(X, y)
+    with pytest.raises(ValueError, match="'log_loss' is registered already"):
+        register_loss("log_loss")(LogitCrossEntropy)
+    doc = " ".join(ExactPathKernelRegressor.__doc__.split())
+    assert 'loss : {"squared_error"}, default="squared_error"' in doc
 
 
-def test_a_new_regression_loss_trains_and_decomposes_exactly():
+def test_the_kernel_describes_the_fitted_loss_until_the_next_fit(toy_losses):
+    X, y = make_regression(n_samples=20, n_features=3, random_state=0)
+    reg = ExactPathKernelRegressor(hidden_layer_sizes=(4,), max_iter=2, random_state=0).fit(X, y)
+    reg.set_params(loss="log_cosh")
+    assert isinstance(reg._loss, SquaredError)  # what the path was trained with
+    assert isinstance(reg.fit(X, y)._loss, LogCosh)
+
+
+def test_a_new_regression_loss_trains_and_decomposes_exactly(toy_losses):
     X, y = make_regression(n_samples=30, n_features=3, noise=0.1, random_state=0)
     y = y / y.std()
     params = dict(hidden_layer_sizes=(8,), max_iter=6, batch_size=10, random_state=0)
-    reg = LogCoshRegressor(activation="tanh", **params).fit(X, y)
+    reg = ExactPathKernelRegressor(loss="log_cosh", activation="tanh", **params).fit(X, y)
     squared = ExactPathKernelRegressor(activation="tanh", **params).fit(X, y)
     assert not torch.equal(reg.path_.weights, squared.path_.weights)  # another loss
     # The recorded output gradients are the toy loss's, e = a tanh(y - f) (K = 1);
@@ -182,9 +209,11 @@ def test_a_new_regression_loss_trains_and_decomposes_exactly():
     assert parts.residual.max() < 1e-9
 
 
-def test_a_new_classification_loss_owns_the_prediction_transform():
+def test_a_new_classification_loss_owns_the_prediction_transform(toy_losses):
     X, y = make_blobs(n_samples=24, n_features=3, centers=3, random_state=0)
-    clf = LogitClassifier(hidden_layer_sizes=(6,), max_iter=5, random_state=0).fit(X, y)
+    clf = ExactPathKernelClassifier(
+        loss="logit_log_loss", hidden_layer_sizes=(6,), max_iter=5, random_state=0
+    ).fit(X, y)
     queries = X[:4] + 0.1
     parts = clf.decompose(queries)
     with torch.no_grad():
