@@ -46,9 +46,17 @@ from torch.nn.modules.dropout import _DropoutNd
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, reader_for
 from ._path import flatten_parameters
-from ._step_log import MicroBatch, StepLog, relative_difference
+from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
+from ._weight_watch import (
+    ConstantWatch,
+    WeightWatch,
+    largest_difference,
+    matching_steps,
+    same_bits,
+)
 
 CHECKS = ("first", "every", "none")
+MISMATCH = ("refuse", "record")
 
 
 class TrainingRecorder:
@@ -89,12 +97,24 @@ class TrainingRecorder:
     storage : "memory", "disk" or path-like, default="memory"
         Where the weights and scales live (see
         :func:`~._path.allocate_weights`); on disk needs ``max_steps``.
+    on_mismatch : {"refuse", "record"}, default="refuse"
+        What :meth:`finish` (and every query of the recording, while it holds
+        the user's module) does when the network the user holds is not the
+        recorded one: its trained parameters differ from the recorded final
+        weights, or a constant (frozen parameter, buffer) changed since the
+        recorder was created. ``"refuse"`` raises :class:`RecordingRefused`
+        naming the tensor and the size of the difference; ``"record"`` keeps
+        the kernel of the recorded network and says, in every result, that the
+        user's model is another (``model_difference`` of ``decompose``, a
+        warning from every other query). Weights changed *between* steps are
+        always refused, at the step.
 
     Notes
     -----
     Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
-    more numbers) and of the output gradients (``|B_s| K``) to the host, plus
-    the step's row indices; the inputs are not copied.
+    more numbers) and of the output gradients (``|B_s| K``) to the host, the
+    step's row indices, and one bitwise comparison of the weights with the
+    previous step's result; the inputs are not copied.
     """
 
     def __init__(
@@ -108,9 +128,13 @@ class TrainingRecorder:
         max_steps=None,
         link=None,
         storage="memory",
+        on_mismatch="refuse",
     ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
+        if on_mismatch not in MISMATCH:
+            raise ValueError(f"on_mismatch must be one of {MISMATCH}, got {on_mismatch!r}.")
+        self.on_mismatch = on_mismatch
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
         self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
@@ -144,6 +168,9 @@ class TrainingRecorder:
             self._handles.append(param.register_hook(self._before_accumulate(index)))
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
         self._structure = StructureWatch(module, optimizer)
+        self._weights = WeightWatch(self._params)
+        self._weights.after_step()
+        self._constants = ConstantWatch(module, set(self._names))
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
@@ -157,18 +184,17 @@ class TrainingRecorder:
         Parameters
         ----------
         indices : array-like or torch.Tensor of int, shape (batch_size,)
-            An int64 numpy array is kept as it is (not copied): steps that name
-            the same array share it.
+            Copied (``|B|`` integers), so that an index array changed in place
+            later (a permutation shuffled every epoch) does not change the
+            recorded rows; steps that name the same array share one copy
+            (full-batch training stores its rows once).
         output : torch.Tensor or None, default=None
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.is_cpu:
             indices = indices.numpy()  # (a DataLoader's indices: the same array, sooner)
-        if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
-            rows = indices
-        else:
-            rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
+        rows = self._copied_rows(indices)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
             raise IndexError(
                 f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
@@ -182,19 +208,110 @@ class TrainingRecorder:
         else:
             self._rows = rows
 
-    def finish(self):
-        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`."""
+    def _copied_rows(self, indices):
+        """The indices as a new int64 array (the previous step's copy when equal)."""
+        rows = np.array(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
+        previous = self._last_rows
+        if previous is not None and previous.shape == rows.shape and np.array_equal(previous, rows):
+            return previous
+        self._last_rows = rows
+        return rows
+
+    _last_rows = None
+
+    def finish(self, at_step=None):
+        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`.
+
+        The network the user holds must be the recorded one: its trained
+        parameters bitwise the weights after the last step (or after step
+        ``at_step``) and its constants (frozen parameters, buffers) as they were
+        when the recorder was created; otherwise see ``on_mismatch``.
+
+        Parameters
+        ----------
+        at_step : int or None, default=None
+            Early stopping that restored earlier weights: the recording of the
+            first ``at_step`` steps, whose network is the weights after them
+            (those the module must hold). None: all recorded steps.
+
+        Raises
+        ------
+        RecordingRefused
+            If the module's weights or constants are not the recorded network's
+            (with ``on_mismatch="refuse"``), naming the tensor, the size of the
+            difference and, when the weights are those of another recorded
+            step, that step.
+        """
         from .._estimators._recording import Recording
 
+        n_steps = self.n_steps
+        if at_step is None:
+            at_step = n_steps
+        elif isinstance(at_step, bool) or not isinstance(at_step, int | np.integer):
+            raise TypeError(f"at_step must be an integer or None; got {at_step!r}.")
+        if not 0 <= at_step <= n_steps:
+            raise ValueError(f"at_step must be an integer in [0, {n_steps}]; got {at_step}.")
+        at_step = int(at_step)
+        mismatch, difference = self._mismatch(at_step)
+        if mismatch is not None and self.on_mismatch == "refuse":
+            raise RecordingRefused(mismatch)
         self.close()
+        path = self.path()
+        if at_step < n_steps:
+            path = truncated_path(path, at_step)
+        module = copy.deepcopy(self.module)
+        final = path.unflatten(path.weights[-1])
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name in final:  # (the recorded network: equal unless on_mismatch="record")
+                    param.copy_(final[name].reshape(param.shape))
         return Recording(
-            copy.deepcopy(self.module),
-            self.path(),
+            module,
+            path,
             self.X,
             dtype=self._dtype,
             link=self.link,
             targets=self.y,
+            live_module=self.module,
+            on_mismatch=self.on_mismatch,
+            mismatch=mismatch,
+            model_difference=difference,
         )
+
+    def _mismatch(self, at_step):
+        """A message saying how the module differs from the network after ``at_step``
+        recorded steps, and the largest difference (None and 0.0 when it does not)."""
+        weights = self._log.weights()
+        expected, current = weights[at_step], self._weights.flat()
+        if not same_bits(current, expected):
+            names = dict(zip(self._names, self._params, strict=True))
+            name, difference = largest_difference(
+                names, {n: v for n, v in zip(self._names, _split(expected, self._params))}
+            )
+            steps = matching_steps(weights, current)
+            hint = (
+                f" They equal the recorded weights at step {steps[-1]} (after {steps[-1]} "
+                f"optimiser steps): for early stopping that restored them, call "
+                f"recorder.finish(at_step={steps[-1]})."
+                if steps
+                else " Changing the weights outside optimizer.step() (an average written "
+                "back, an edit after the last step, restored weights) makes the model "
+                "another network than the recorded one."
+            )
+            return (
+                f"The module's parameter {name!r} differs from the recorded network at step "
+                f"{at_step} (after {at_step} optimiser steps) by up to {difference:.4g}: the "
+                f"kernel would not be the model's.{hint}"
+            ), difference
+        changed = self._constants.difference(self.module)
+        if changed is not None:
+            name, difference = changed
+            return (
+                f"The module's constant {name!r} (a frozen parameter or buffer) changed since "
+                f"the recorder was created (by up to {difference:.4g}): the recorded network "
+                "holds it constant, so the kernel would not be the model's."
+            ), difference
+        return None, 0.0
 
     def close(self):
         """Detach the hooks (the recorded path stays readable with :meth:`path`)."""
@@ -285,6 +402,8 @@ class TrainingRecorder:
         versions = self._versions()
         for batch in batches:
             batch.check(step, self.X, versions)
+        if not self._weights.unchanged(self._log.last_weights()):
+            self._refuse_changed_weights(step)
         # a parameter the backward pass reached whose gradient was removed by hand
         removed = [not on and index in self._saved for index, on in enumerate(active)]
         self._reader.before_step(step, active, removed)
@@ -347,7 +466,35 @@ class TrainingRecorder:
         scales = self._reader.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)
+        self._weights.after_step()
         self._open, self._done, self._saved, self._rows = [], [], {}, None
+
+    def _refuse_changed_weights(self, step):
+        """Step ``step``'s weights are not those step ``step - 1`` left: name the
+        parameter, the size of the change and, if they are another recorded
+        step's weights (restored), that step."""
+        weights = self._log.weights()
+        current = self._weights.flat()
+        names = dict(zip(self._names, self._params, strict=True))
+        name, difference = largest_difference(
+            names, dict(zip(self._names, _split(weights[step], self._params), strict=True))
+        )
+        steps = matching_steps(weights[:step], current)
+        restored = (
+            f" They equal the recorded weights at step {steps[-1]} (restored): a run "
+            "that goes back to earlier weights is two runs; record each with its own "
+            "recorder, or stop there and call recorder.finish(at_step=...)."
+            if steps
+            else ""
+        )
+        when = f"after step {step - 1}'s optimizer.step()" if step else "after the recorder was created"
+        raise RecordingRefused(
+            f"Step {step}: the weights of {name!r} changed {when} and before this step "
+            f"(by up to {difference:.4g}): an edit outside the optimiser (through .data, "
+            "under no_grad, an average written back, load_state_dict) makes the path "
+            f"another than the recorded one.{restored} Put weight changes in the "
+            "optimiser (e.g. its weight_decay)."
+        )
 
 
 class StructureWatch:
@@ -402,6 +549,12 @@ class StructureWatch:
             return True
         self._learn()
         return False
+
+
+def _split(flat, params):
+    """A flat weight vector as one view per parameter."""
+    parts = torch.split(flat, [p.numel() for p in params])
+    return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
 
 def _check_module(module, X):

@@ -101,3 +101,85 @@ def _float64_copy(module, device):
     for param in copy64.parameters():
         param.requires_grad_(False)
     return copy64
+
+
+#: The rounding allowance per step, in units of the training dtype's unit roundoff
+#: (see :func:`replay_bound`).
+ROUNDING_STEPS = 64
+
+
+def replay_bound(path):
+    """How far, per parameter, the float64 replay of a run may end from the run's own
+    final weights by rounding alone.
+
+    Each float32 step rounds the move it adds (``|fl(w + m) - (w + m)| <= u |w_{s+1}|``,
+    ``u`` the unit roundoff) and computes the move itself from a rounded gradient and
+    rounded optimiser arithmetic: a relative error of a few ``u`` of the move. With
+    a step size in the stable range the error of one step is not amplified by the
+    later ones (``|I - P_s H_s| <= 1``), so the errors add up:
+
+    .. math::
+
+        \\max_j |\\hat w_{S,j} - w_{S,j}| \\le c\\,u \\sum_{s<S}
+        \\left(\\max_j |w_{s+1,j}| + \\max_j |w_{s+1,j} - w_{s,j}|\\right),
+
+    per parameter tensor, with ``c = ROUNDING_STEPS`` (64: the roundings of a step's
+    gradient, moments and update, with a margin). A representation error (a setting
+    read wrong, weights changed outside the steps) moves the replay by a fraction of
+    the moves themselves, ``1 / (c u)`` (about 2.6e5 in float32) times more.
+
+    Parameters
+    ----------
+    path : WeightPath
+        The recorded path, in its training dtype.
+
+    Returns
+    -------
+    dict of str to float
+        Per parameter name, the bound (0 for a float64 path: its kernel is of the
+        recorded weights themselves).
+    """
+    if path.weights.dtype == DTYPE:
+        return dict.fromkeys(path.param_names, 0.0)
+    u = torch.finfo(path.weights.dtype).eps / 2
+    bounds, offset = {}, 0
+    for name, shape in zip(path.param_names, path.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        columns = path.weights[:, offset : offset + numel].to(DTYPE)
+        sizes = columns[1:].abs().amax(dim=1) + columns.diff(dim=0).abs().amax(dim=1)
+        bounds[name] = ROUNDING_STEPS * u * float(sizes.sum())
+        offset += numel
+    return bounds
+
+
+def replay_differences(recorded, replayed):
+    """Per parameter, ``max_j |replayed w_S - recorded w_S|``."""
+    differences, offset = {}, 0
+    final = replayed.weights[-1]
+    own = recorded.weights[-1].to(DTYPE)
+    for name, shape in zip(recorded.param_names, recorded.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        part = slice(offset, offset + numel)
+        differences[name] = float((final[part] - own[part]).abs().max()) if numel else 0.0
+        offset += numel
+    return differences
+
+
+def check_replay(recorded, replayed):
+    """Refuse a float64 replay that ends beyond the run's rounding (:func:`replay_bound`)
+    from the recorded final weights: the recorded linear form is not what the
+    optimiser did."""
+    from ._optimizers import RecordingRefused
+
+    if recorded.weights.dtype == DTYPE:
+        return
+    bounds = replay_bound(recorded)
+    for name, difference in replay_differences(recorded, replayed).items():
+        if not difference <= bounds[name]:
+            raise RecordingRefused(
+                f"The float64 replay of the {recorded.weights.dtype} run ends {difference:.3g} "
+                f"from the recorded final weights of {name!r}, beyond the run's rounding bound "
+                f"{bounds[name]:.3g}: the recorded steps are not what the optimiser did (a "
+                "setting the recorder does not represent, or weights changed outside the "
+                "steps)."
+            )

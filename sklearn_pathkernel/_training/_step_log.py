@@ -9,7 +9,7 @@ the :class:`~._path.WeightPath` and :class:`~._updates.UpdateRecord` the engine
 reads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -107,6 +107,19 @@ class MicroBatch:
             )
 
 
+def truncated_path(path, n_steps):
+    """The :class:`~._path.WeightPath` of the first ``n_steps`` steps of ``path`` (early
+    stopping: the later steps do not move ``w_0 .. w_{n_steps}``)."""
+    return replace(
+        path,
+        weights=path.weights[: n_steps + 1],
+        batches=path.batches[:n_steps],
+        output_gradients=path.output_gradients[:n_steps],
+        learning_rates=path.learning_rates[:n_steps],
+        update=path.update.truncated(n_steps),
+    )
+
+
 def _write_parts(row, parts, numels):
     """Write ``parts`` (numbers, or tensors on any device and dtype) into ``row``."""
     offset = 0
@@ -157,6 +170,10 @@ class GrowingRows:
         """The rows written, as a view (to write into)."""
         return self._data[: self.n_rows]
 
+    def last(self):
+        """The last row written (a view)."""
+        return self._data[self.n_rows - 1]
+
     def view(self):
         """The rows written: a view on disk, a copy in memory when rows are unused
         (early stopping), so that the unused capacity is released."""
@@ -200,6 +217,14 @@ class StepLog:
     @property
     def n_steps(self):
         return len(self._batches)
+
+    def weights(self):
+        """The weights recorded so far, ``w_0 .. w_s`` (a view)."""
+        return self._weights.rows()
+
+    def last_weights(self):
+        """The last recorded weights (a view of their row)."""
+        return self._weights.last()
 
     def append(self, weights, rows, output_gradient, step_scales, learning_rate):
         """Record one step: the parameters after it, its rows and output gradients, its
