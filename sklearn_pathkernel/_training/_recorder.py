@@ -286,7 +286,7 @@ class TrainingRecorder:
         if not same_bits(current, expected):
             names = dict(zip(self._names, self._params, strict=True))
             name, difference = largest_difference(
-                names, {n: v for n, v in zip(self._names, _split(expected, self._params))}
+                names, dict(zip(self._names, _split(expected, self._params), strict=True))
             )
             steps = matching_steps(weights, current)
             hint = (
@@ -487,7 +487,11 @@ class TrainingRecorder:
             if steps
             else ""
         )
-        when = f"after step {step - 1}'s optimizer.step()" if step else "after the recorder was created"
+        when = (
+            f"after step {step - 1}'s optimizer.step()"
+            if step
+            else "after the recorder was created"
+        )
         raise RecordingRefused(
             f"Step {step}: the weights of {name!r} changed {when} and before this step "
             f"(by up to {difference:.4g}): an edit outside the optimiser (through .data, "

@@ -88,7 +88,9 @@ def assert_exact_for(recording, model, X):
 def test_state_dict_restored_before_finish_is_refused(dtype):
     model, recorder, X, kept = adam_run(dtype, keep=3)
     model.load_state_dict(kept)
-    with pytest.raises(RecordingRefused, match=r"'0.weight' differs .* by up to .*finish\(at_step=3\)"):
+    with pytest.raises(
+        RecordingRefused, match=r"'0.weight' differs .* by up to .*finish\(at_step=3\)"
+    ):
         recorder.finish()
 
 
@@ -110,7 +112,9 @@ def test_at_step_out_of_range_and_mismatched():
     model, recorder, X, _ = adam_run(torch.float64)
     with pytest.raises(ValueError, match=r"at_step must be an integer in \[0, 10\]; got 11"):
         recorder.finish(at_step=11)
-    with pytest.raises(RecordingRefused, match="at step 4 .* equal the recorded weights at step 10"):
+    with pytest.raises(
+        RecordingRefused, match="at step 4 .* equal the recorded weights at step 10"
+    ):
         recorder.finish(at_step=4)  # the model holds the final weights, not step 4's
 
 
@@ -220,7 +224,9 @@ def test_data_edit_after_a_step_is_refused_at_the_next_step(dtype):
             for p in model.parameters():
                 p.data.mul_(0.99)  # (.data: no version counter moves)
 
-    with pytest.raises(RecordingRefused, match=r"Step 5: the weights of '0.weight' changed after step 4's"):
+    with pytest.raises(
+        RecordingRefused, match=r"Step 5: the weights of '0.weight' changed after step 4's"
+    ):
         adam_run(dtype, after_step=shrink)
 
 
@@ -231,7 +237,9 @@ def test_no_grad_edit_after_a_step_is_refused_at_the_next_step(dtype):
             with torch.no_grad():
                 model[2].weight[0, 0] += 1e-6
 
-    with pytest.raises(RecordingRefused, match=r"Step 3: the weights of '2.weight' changed after step 2's"):
+    with pytest.raises(
+        RecordingRefused, match=r"Step 3: the weights of '2.weight' changed after step 2's"
+    ):
         adam_run(dtype, after_step=edit)
 
 
@@ -244,7 +252,9 @@ def test_state_dict_restored_mid_run_is_refused_at_the_step():
         if step == 5:
             model.load_state_dict(kept)
 
-    with pytest.raises(RecordingRefused, match=r"Step 6: .*equal the recorded weights at step 2 \(restored\)"):
+    with pytest.raises(
+        RecordingRefused, match=r"Step 6: .*equal the recorded weights at step 2 \(restored\)"
+    ):
         adam_run(torch.float64, after_step=restore)
 
 
