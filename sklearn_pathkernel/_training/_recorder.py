@@ -19,11 +19,14 @@ What each hook records (no extra forward or backward pass):
   the training rows at the step) and, through a tensor hook on the output, the
   output gradient ``e_{s,i} = -dL/dout_i`` exactly as the user's own loss and
   reduction produced it (class weights, mean or sum included);
-- parameter hooks: which gradients each backward pass produced, so that a
-  gradient changed afterwards (clipping, ``GradScaler.unscale_``, a manual edit)
-  is refused, gradients reset without a step (a skipped step) drop the batches
-  of that step, and several backward passes before one step (gradient
-  accumulation) concatenate their rows and output gradients;
+- at the start and at the end of each backward pass through the output (the
+  output's gradient hook, and a callback queued from it to the end of the pass:
+  two calls per pass, whatever the number of parameters): which gradients the
+  pass produced, so that a gradient changed afterwards (clipping,
+  ``GradScaler.unscale_``, a manual edit) is refused, gradients reset without a
+  step (a skipped step) drop the batches of that step, and several backward
+  passes before one step (gradient accumulation) concatenate their rows and
+  output gradients;
 - step hooks on the optimiser: the hyperparameters it used (its
   ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
   Adam's preconditioner.
@@ -164,9 +167,7 @@ class TrainingRecorder:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
-        for index, param in enumerate(self._params):
-            self._handles.append(param.register_hook(self._before_accumulate(index)))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
+        self._in_backward, self._before, self._leftover = False, None, {}
         self._structure = StructureWatch(module, optimizer)
         self._weights = WeightWatch(self._params)
         self._weights.after_step()
@@ -192,8 +193,6 @@ class TrainingRecorder:
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
-        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.is_cpu:
-            indices = indices.numpy()  # (a DataLoader's indices: the same array, sooner)
         rows = self._copied_rows(indices)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
             raise IndexError(
@@ -209,15 +208,20 @@ class TrainingRecorder:
             self._rows = rows
 
     def _copied_rows(self, indices):
-        """The indices as a new int64 array (the previous step's copy when equal)."""
-        rows = np.array(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
-        previous = self._last_rows
-        if previous is not None and previous.shape == rows.shape and np.array_equal(previous, rows):
+        """The indices as a new int64 array; the same object named again with the
+        same values (full-batch training) shares the previous copy."""
+        previous, source = self._last_rows
+        if isinstance(indices, torch.Tensor):
+            values = indices.detach().cpu().numpy()
+        else:
+            values = np.asarray(indices)
+        if indices is source and np.array_equal(previous, values):
             return previous
-        self._last_rows = rows
+        rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
+        self._last_rows = rows, indices
         return rows
 
-    _last_rows = None
+    _last_rows = (None, None)
 
     def finish(self, at_step=None):
         """Detach the hooks and return the :class:`~.._estimators._recording.Recording`.
@@ -350,7 +354,8 @@ class TrainingRecorder:
                     "(batch statistics or randomness): one row's output is not a deterministic "
                     "function of that row. Put it in eval mode (module.eval()) for training."
                 )
-        batch = MicroBatch(args[0], self._rows, self._versions())
+        self._in_backward = False  # (a pass that raised never reached its end)
+        batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -358,30 +363,42 @@ class TrainingRecorder:
     def _versions(self):
         return [p._version for p in self._params]
 
-    def _before_accumulate(self, index):
-        def hook(grad):
-            param = self._params[index]
-            saved = self._saved.get(index)
-            if saved is None:
-                if param.grad is not None and not self._done and bool(param.grad.any()):
-                    self._stale = True  # a gradient left over from before the last step
-                return None
-            if param.grad is None or _fingerprint(self.check, param.grad) != saved:
-                # Gradients reset without a step: the earlier backward passes were dropped.
-                self._done, self._saved = [], {}
-            return None
+    def _fingerprints(self):
+        """Per parameter: what identifies its gradient now (None without one)."""
+        check = self.check
+        return [None if p.grad is None else _fingerprint(check, p.grad) for p in self._params]
 
-        return hook
+    def _backward_started(self):
+        """The first gradient hook of a backward pass through the output, before any
+        parameter's gradient of the pass is accumulated: notice gradients left over
+        from the last step (not reset) and gradients reset without a step (the
+        step's earlier passes are dropped), and queue :meth:`_backward_finished`
+        to the end of the pass."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        before = self._fingerprints()
+        saved, leftover = self._saved, self._leftover
+        for index, now in enumerate(before):
+            if index in saved:
+                if now != saved[index]:  # reset (zero_grad) without a step
+                    self._done, self._saved = [], {}
+                    break
+            elif now is not None and now == leftover.get(index):
+                self._stale = True  # a gradient left over from before the last step
+        self._before = before
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
-    def _accumulated(self, index):
-        def hook(param):
-            self._saved[index] = _fingerprint(self.check, param.grad)
-            if self._open:  # (after the pass's first parameter, nothing is left open)
-                finished = [b for b in self._open if b.output_gradient is not None]
-                self._open = [b for b in self._open if b.output_gradient is None]
-                self._done.extend(finished)
-
-        return hook
+    def _backward_finished(self):
+        """The end of a backward pass: the gradients it produced (those whose
+        identity or version changed) are the step's, and its batches are done."""
+        self._in_backward = False
+        for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
+            if now is not None and now != before:
+                self._saved[index] = now
+        finished = [b for b in self._open if b.output_gradient is not None]
+        self._open = [b for b in self._open if b.output_gradient is None]
+        self._done.extend(finished)
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -462,11 +479,12 @@ class TrainingRecorder:
     def _after_step(self, optimizer, args, kwargs):
         step = self.n_steps
         rows, gradient, active = self._pending
-        weights = self._params
+        weights = self._weights.flat_views()
         scales = self._reader.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._reader.groups())
         self._log.append(weights, rows, gradient, scales, lr)
         self._weights.after_step()
+        self._leftover = self._saved
         self._open, self._done, self._saved, self._rows = [], [], {}, None
 
     def _refuse_changed_weights(self, step):

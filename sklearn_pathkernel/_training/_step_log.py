@@ -50,6 +50,7 @@ class MicroBatch:
     versions: list
     output_gradient: torch.Tensor = None
     explicit: bool = False
+    started: object = None  # called first by each gradient hook (the recorder's)
 
     def take_from(self, output):
         """Record the gradient of ``output`` (``link(module(x))``) instead of the
@@ -61,11 +62,13 @@ class MicroBatch:
         """Tensor hook on the module's output: keep ``-dL/dout`` (several uses of the
         output arrive summed, as one gradient), unless :meth:`take_from` named
         another output."""
+        self.started()
         if not self.explicit:
             self._add(grad)
 
     def take_explicit(self, grad):
         """Tensor hook on the output named by :meth:`take_from`."""
+        self.started()
         self._add(grad)
 
     def _add(self, grad):
@@ -158,7 +161,11 @@ class GrowingRows:
             grown[: self.n_rows] = self._data
             self._data = grown
         row = self._data[self.n_rows]
-        flat = [part.detach().reshape(-1) for part in parts if isinstance(part, torch.Tensor)]
+        flat = [
+            part if part.ndim == 1 and not part.requires_grad else part.detach().reshape(-1)
+            for part in parts
+            if isinstance(part, torch.Tensor)
+        ]
         dtype = row.dtype  # (the rows are on the host)
         if len(flat) == len(parts) and all(f.is_cpu and f.dtype == dtype for f in flat):
             torch.cat(flat, out=row)  # one operation for the whole row

@@ -67,9 +67,21 @@ class WeightWatch:
         self._scratch = torch.empty(numel, dtype=first.dtype, device=first.device)
         self._on_host = first.device.type == "cpu"
         self._reference = None if self._on_host else torch.empty_like(self._scratch)
+        self._views, self._pointers = None, None
+
+    def flat_views(self):
+        """One flat view per parameter, without autograd (kept between steps while
+        the parameters keep their memory: ``p.data = t`` gives new views)."""
+        pointers = [p.data_ptr() for p in self.params]
+        if pointers != self._pointers:
+            if not all(p.is_contiguous() for p in self.params):  # (copies: not kept)
+                return [p.detach().reshape(-1) for p in self.params]
+            self._views = [p.detach().view(-1) for p in self.params]
+            self._pointers = pointers
+        return self._views
 
     def _flat(self):
-        torch.cat([p.detach().reshape(-1) for p in self.params], out=self._scratch)
+        torch.cat(self.flat_views(), out=self._scratch)
         return self._scratch
 
     def after_step(self):
