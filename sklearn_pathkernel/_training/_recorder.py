@@ -421,6 +421,16 @@ class TrainingRecorder:
             batch.check(step, self.X, versions)
         if not self._weights.unchanged(self._log.last_weights()):
             self._refuse_changed_weights(step)
+        if self._constants.touched():
+            changed = self._constants.difference(self.module)
+            if changed is not None:
+                name, difference = changed
+                raise RecordingRefused(
+                    f"Step {step}: the module's constant {name!r} (a frozen parameter or "
+                    f"buffer) changed during the run (by up to {difference:.4g}; e.g. a "
+                    "BatchNorm's running statistics updated by a forward pass in training "
+                    "mode): the recorded network holds it constant."
+                )
         # a parameter the backward pass reached whose gradient was removed by hand
         removed = [not on and index in self._saved for index, on in enumerate(active)]
         self._reader.before_step(step, active, removed)

@@ -113,10 +113,22 @@ class ConstantWatch:
     """
 
     def __init__(self, module, trained):
-        self._initial = {
-            name: value.detach().clone() for name, value in constants(module, trained).items()
-        }
+        current = constants(module, trained)
+        self._initial = {name: value.detach().clone() for name, value in current.items()}
         self._trained = trained
+        self._tensors = list(current.values())
+        self._versions = [t._version for t in self._tensors]
+
+    def touched(self):
+        """Whether a constant was changed in place since the last call (its version
+        counter moved: a running statistic updated, an edit under ``no_grad``);
+        cheap, for every step. Edits through ``.data`` are seen by
+        :meth:`difference` only."""
+        versions = [t._version for t in self._tensors]
+        if versions == self._versions:
+            return False
+        self._versions = versions
+        return True
 
     def difference(self, module):
         """``(name, max |difference|)`` of the first constant that changed, or None."""

@@ -286,3 +286,28 @@ def test_in_place_shuffle_of_the_row_indices(kind):
     for recorded, used in zip(recording.path_.batches, seen, strict=True):
         np.testing.assert_array_equal(recorded, used)
     assert_exact_for(recording, model, X)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_running_statistics_updated_during_the_run_are_refused_at_the_step(dtype):
+    """A BatchNorm (eval mode while training) whose running statistics a forward
+    pass in training mode updates, under no_grad (an evaluation in the wrong mode)."""
+    X, y = data(dtype=dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    model = model.to(dtype).eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X)
+    rows = np.arange(len(X))
+    with pytest.raises(RecordingRefused, match=r"Step 2: .*constant '1.running_mean'"):
+        for step in range(4):
+            if step == 2:
+                model.train()
+                with torch.no_grad():
+                    model(X)
+                model.eval()
+            optimizer.zero_grad()
+            out = model(X)
+            recorder.rows(rows)
+            F.cross_entropy(out, y).backward()
+            optimizer.step()
