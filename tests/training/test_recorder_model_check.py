@@ -95,13 +95,14 @@ def test_state_dict_restored_before_finish_is_refused(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_early_stopping_at_a_step(dtype):
+@pytest.mark.parametrize("at_step", [0, 3, 10])
+def test_early_stopping_at_a_step(dtype, at_step):
     """Restored best weights: the kernel of the network at that step, exact against
     the restored model itself."""
-    model, recorder, X, kept = adam_run(dtype, keep=3)
+    model, recorder, X, kept = adam_run(dtype, keep=at_step)
     model.load_state_dict(kept)
-    recording = recorder.finish(at_step=3)
-    assert recording.n_steps_ == 3
+    recording = recorder.finish(at_step=at_step)
+    assert recording.n_steps_ == at_step
     assert_exact_for(recording, model, X)
     final = recording.final_state_dict()
     for name, value in model.state_dict().items():
