@@ -168,6 +168,7 @@ class TrainingRecorder:
             optimizer.register_step_post_hook(self._after_step),
         ]
         self._in_backward, self._before, self._leftover = False, None, {}
+        self._last_rows = (None, None)  # (the last rows' copy, and what it was made from)
         self._structure = StructureWatch(module, optimizer)
         self._weights = WeightWatch(self._params)
         self._weights.after_step()
@@ -220,8 +221,6 @@ class TrainingRecorder:
         rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
         self._last_rows = rows, indices
         return rows
-
-    _last_rows = (None, None)
 
     def finish(self, at_step=None):
         """Detach the hooks and return the :class:`~.._estimators._recording.Recording`.
