@@ -187,7 +187,10 @@ def check_replay(recorded, replayed):
             raise RecordingRefused(
                 f"The float64 replay of the {recorded.weights.dtype} run ends {difference:.3g} "
                 f"from the recorded final weights of {name!r}, beyond the run's rounding bound "
-                f"{bounds[name]:.3g}: the recorded steps are not what the optimiser did (a "
-                "setting the recorder does not represent, or weights changed outside the "
-                "steps)."
+                f"{bounds[name]:.3g}: the replay is another network than the float32 model, "
+                "so no certificate of it would be about the model. Either the run's rounding "
+                "grew along it (Adam's preconditioner amplifies it where second moments are "
+                "near zero, e.g. ReLU units dead in one run and not in the other: train in "
+                "float64), or the recorded steps are not what the optimiser did (a setting "
+                "the recorder does not represent)."
             )

@@ -202,3 +202,40 @@ def test_replay_beyond_the_bound_is_refused():
     recording._live_module = None
     with pytest.raises(RecordingRefused, match=r"beyond the run's rounding bound"):
         recording.decompose(X[:2])
+
+
+@pytest.mark.slow
+def test_adam_relu_run_whose_replay_drifts_is_refused():
+    """An honest float32 Adam run on a ReLU MLP (digits, 360 steps) whose float64
+    replay drifts far from the float32 weights (rounding amplified by Adam's large
+    preconditioners): refused, rather than a kernel of another network."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    X = torch.tensor(digits.data[:600] / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target[:600])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 10),
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    recorder = TrainingRecorder(model, optimizer, X)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        order = torch.randperm(600, generator=generator)
+        for start in range(0, 600, 50):
+            rows = order[start : start + 50]
+            optimizer.zero_grad()
+            out = model(X[rows])
+            recorder.rows(rows)
+            torch.nn.functional.cross_entropy(out, y[rows]).backward()
+            optimizer.step()
+    recording = recorder.finish()
+    with pytest.raises(
+        RecordingRefused, match="beyond the run's rounding bound .* train in float64"
+    ):
+        recording.decompose(X[:2])
