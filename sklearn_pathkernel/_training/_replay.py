@@ -128,11 +128,12 @@ def replay_bound(path):
     preconditioner is large (second moments near zero, e.g. a ReLU unit dead in
     one run and not in the other): there a rounding difference grows. Measured on
     honest float32 runs (digits, batches of 50): SGD with momentum reached
-    ``0.1 u``, the AdamW CNN of the user guide ``1.4 u``, an Adam MLP 64-64-10
-    ``31 u`` of the sum; so ``c = ROUNDING_STEPS = 1024``, a margin of 30 over
-    the worst. A representation error (a setting read wrong, weights changed
-    outside the steps) moves the replay by a fraction of the moves themselves,
-    ``1 / (c u)`` (about 1.6e4 in float32) times more than allowed. A run whose
+    ``0.1 u``, the AdamW CNN of the user guide ``1.4 u``, an Adam MLP 64-64-64-10
+    with ReLU ``31 u`` of the sum; so ``c = ROUNDING_STEPS = 1024``, a margin of
+    30 over the worst. A representation error (a setting read wrong, weights
+    changed outside the steps) moves the replay by a fraction of the moves
+    themselves, caught once that fraction exceeds ``c u`` (about 6e-5 in
+    float32). A run whose
     replay leaves the bound (the same Adam MLP at 30 epochs ended 0.37 apart) is
     refused: its float64 replay is another network than the float32 model.
 
