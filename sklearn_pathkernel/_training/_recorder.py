@@ -264,10 +264,12 @@ class TrainingRecorder:
             path = truncated_path(path, at_step)
         module = copy.deepcopy(self.module)
         final = path.unflatten(path.weights[-1])
+        # the recorded network (equal to the user's unless on_mismatch="record")
         with torch.no_grad():
             for name, param in module.named_parameters():
-                if name in final:  # (the recorded network: equal unless on_mismatch="record")
+                if name in final:
                     param.copy_(final[name].reshape(param.shape))
+        self._constants.restore(module)
         return Recording(
             module,
             path,

@@ -153,6 +153,15 @@ class ConstantWatch:
         self._versions = versions
         return True
 
+    def restore(self, module):
+        """Put the constants' values of the recorder's creation into ``module`` (a copy
+        of the user's module: the recorded network)."""
+        current = constants(module, self._trained)
+        with torch.no_grad():
+            for name, value in self._initial.items():
+                if name in current:
+                    current[name].copy_(value)
+
     def difference(self, module):
         """``(name, max |difference|)`` of the first constant that changed, or None."""
         current = constants(module, self._trained)

@@ -312,3 +312,37 @@ def test_running_statistics_updated_during_the_run_are_refused_at_the_step(dtype
             recorder.rows(rows)
             F.cross_entropy(out, y).backward()
             optimizer.step()
+
+
+def with_buffer(dtype):
+    model = mlp(dtype)
+    model.register_buffer("unused", torch.zeros(2, dtype=dtype))
+    return model
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_mismatch_record_keeps_the_recorded_constants_and_survives_saving(dtype, tmp_path):
+    """A buffer changed after training, recorded: the recording's network keeps the
+    buffer of the run; a saved and loaded recording still says it."""
+    X, y = data(dtype=dtype)
+    model = with_buffer(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X, on_mismatch="record")
+    for _ in range(2):
+        optimizer.zero_grad()
+        out = model(X)
+        recorder.rows(np.arange(len(X)))
+        F.cross_entropy(out, y).backward()
+        optimizer.step()
+    model.unused.data.fill_(3.0)
+    recording = recorder.finish()
+    assert "constant 'unused'" in recording.model_mismatch_
+    assert recording.model_difference_ == 3.0
+    assert torch.equal(recording.module_.unused, torch.zeros(2, dtype=dtype))
+    assert torch.equal(recording.final_state_dict()["unused"], torch.zeros(2, dtype=dtype))
+    recording.save(tmp_path)
+    loaded = type(recording).load(tmp_path, lambda: with_buffer(dtype), X)
+    assert loaded.model_mismatch_ == recording.model_mismatch_
+    assert loaded.model_difference_ == 3.0
+    with pytest.warns(UserWarning, match="not the recorded network"):
+        loaded.decompose(X[:2])
