@@ -16,13 +16,20 @@ float32 network's own output against it).
 
 With ``--base COMMIT``, the recorder of an earlier commit (``git archive``, see
 ``_baseline.py``) runs in the same interleaved repeats, and its time and overhead
-are printed next to this commit's.
+are printed next to this commit's. A third loop, interleaved too, runs the recorder
+without its per-step weight check (the bitwise comparison of the weights with the
+previous step's result): ``check share`` is that check's part of the loop.
 
-Run: ``python benchmarks/bench_recorder.py [--repeats 5] [--epochs 5] [--base 119e29d]``.
+The overhead is given for the median of the repeats (and for the fastest); the
+issue's goal: at most 15 % at batch 64, 5 % at batch 256, float32, one thread.
+
+Run: ``python benchmarks/bench_recorder.py --repeats 15 --epochs 5 --batch-sizes 64 256
+--networks "mlp 64-64-10" "cnn (example)"``.
 """
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -53,6 +60,15 @@ def networks():
             nn.Linear(72, 10),
         ),
     }
+
+
+class WithoutWeightCheck(TrainingRecorder):
+    """The recorder without its per-step weight check (to measure that check)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._weights.unchanged = lambda row: True
+        self._weights.after_step = lambda: None
 
 
 def loop(build, X, y, epochs, batch_size, record, recorder_class=TrainingRecorder):
@@ -93,7 +109,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
+    parser.add_argument("--networks", nargs="+", default=list(networks()))
     parser.add_argument("--base", default=None, help="an earlier commit to compare with")
     args = parser.parse_args()
     base = None if args.base is None else import_commit(args.base).TrainingRecorder
@@ -103,42 +120,51 @@ def main():
     y = torch.tensor(digits.target[:1200])
     queries = torch.tensor(digits.data[1200:1205] / 16.0, dtype=torch.float32)
     print(
-        f"digits: {len(y)} rows, batch {args.batch_size}, {args.epochs} epochs, AdamW + cosine, "
-        f"float32, torch threads 1, {args.repeats} interleaved repeats (fastest)"
+        f"digits: {len(y)} rows, {args.epochs} epochs, AdamW + cosine, float32, torch threads "
+        f"1, {args.repeats} interleaved repeats; overhead of the median (of the fastest)"
     )
     header = (
-        f"{'network':<20}{'W':>8}{'steps':>7}{'plain s':>9}{'recorded s':>11}{'overhead':>9}"
-        f"{'ms/step':>8}{'fixed s':>8}{'KiB/step':>10}{'ExPLAIND KiB/step':>18}"
-        f"{'residual':>10}{'quadrature':>11}{'model_gap':>10}"
+        f"{'network':<20}{'batch':>6}{'W':>7}{'steps':>6}{'plain s':>9}{'recorded s':>11}"
+        f"{'overhead':>17}{'check share':>12}{'ms/step':>8}{'fixed s':>8}{'KiB/step':>9}"
+        f"{'ExPLAIND':>9}{'residual':>9}{'quadr.':>9}{'gap':>9}"
     )
     print(header)
-    for name, build in networks().items():
-        plain, recorded, fixed, recording, based = [], [], [], None, []
-        for _ in range(args.repeats):
-            plain.append(loop(build, X, y, args.epochs, args.batch_size, False)[0])
-            seconds, recording, fixed_s = loop(build, X, y, args.epochs, args.batch_size, True)
-            recorded.append(seconds)
-            fixed.append(fixed_s)
-            if base is not None:
-                based.append(loop(build, X, y, args.epochs, args.batch_size, True, base)[0])
-        # The fastest of the interleaved repeats: the least disturbed by other jobs.
-        plain_s, recorded_s, fixed_s = min(plain), min(recorded), min(fixed)
-        n_steps = recording.n_steps_
-        n_weights = recording.path_.n_weights
-        state_bytes = sum(t.nbytes for t in recording.module_.state_dict().values())
-        # ExPLAIND: a deep copy of the state_dict and of the batch (inputs, labels) per step.
-        explaind = state_bytes + args.batch_size * (X[0].nbytes + y[0].nbytes)
-        parts = recording.decompose(queries)
-        print(
-            f"{name:<20}{n_weights:>8}{n_steps:>7}{plain_s:>9.3f}{recorded_s:>11.3f}"
-            f"{recorded_s / plain_s - 1:>9.1%}"
-            f"{1e3 * (recorded_s - fixed_s - plain_s) / n_steps:>8.2f}{fixed_s:>8.3f}"
-            f"{recording.nbytes / n_steps / 1024:>10.1f}"
-            f"{explaind / 1024:>18.1f}{parts.residual.max():>10.1e}"
-            f"{parts.quadrature_error.max():>11.1e}{parts.model_gap.max():>10.1e}"
-        )
-        if based:
-            print(f"{'  base ' + args.base:<35}{min(based):>11.3f}{min(based) / plain_s - 1:>9.1%}")
+    for batch_size in args.batch_sizes:
+        for name in args.networks:
+            report(name, networks()[name], X, y, queries, batch_size, args, base)
+
+
+def report(name, build, X, y, queries, batch_size, args, base):
+    """One network at one batch size: the interleaved repeats and their figures."""
+    plain, recorded, unchecked, fixed, based = [], [], [], [], []
+    for _ in range(args.repeats):
+        plain.append(loop(build, X, y, args.epochs, batch_size, False)[0])
+        seconds, recording, fixed_s = loop(build, X, y, args.epochs, batch_size, True)
+        recorded.append(seconds)
+        fixed.append(fixed_s)
+        unchecked.append(loop(build, X, y, args.epochs, batch_size, True, WithoutWeightCheck)[0])
+        if base is not None:
+            based.append(loop(build, X, y, args.epochs, batch_size, True, base)[0])
+    plain_s, recorded_s = statistics.median(plain), statistics.median(recorded)
+    unchecked_s, fixed_s = statistics.median(unchecked), statistics.median(fixed)
+    n_steps = recording.n_steps_
+    n_weights = recording.path_.n_weights
+    state_bytes = sum(t.nbytes for t in recording.module_.state_dict().values())
+    # ExPLAIND: a deep copy of the state_dict and of the batch (inputs, labels) per step.
+    explaind = state_bytes + batch_size * (X[0].nbytes + y[0].nbytes)
+    parts = recording.decompose(queries)
+    overhead = f"{recorded_s / plain_s - 1:.1%} ({min(recorded) / min(plain) - 1:.1%})"
+    print(
+        f"{name:<20}{batch_size:>6}{n_weights:>7}{n_steps:>6}{plain_s:>9.3f}{recorded_s:>11.3f}"
+        f"{overhead:>17}{(recorded_s - unchecked_s) / plain_s:>12.1%}"
+        f"{1e3 * (recorded_s - fixed_s - plain_s) / n_steps:>8.2f}{fixed_s:>8.3f}"
+        f"{recording.nbytes / n_steps / 1024:>9.1f}"
+        f"{explaind / 1024:>9.1f}{parts.residual.max():>9.1e}"
+        f"{parts.quadrature_error.max():>9.1e}{parts.model_gap.max():>9.1e}"
+    )
+    if based:
+        base_s = statistics.median(based)
+        print(f"{'  base ' + args.base:<39}{base_s:>11.3f}{base_s / plain_s - 1:>17.1%}")
 
 
 if __name__ == "__main__":

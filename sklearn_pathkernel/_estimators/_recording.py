@@ -2,14 +2,15 @@
 
 :class:`Recording` is what :meth:`~sklearn_pathkernel.TrainingRecorder.finish`
 returns: the module at its final weights, the recorded
-:class:`~sklearn_pathkernel._training._path.WeightPath` and the training inputs.
+:class:`~sklearn_pathkernel._path.WeightPath` and the training inputs.
 It offers what a fitted estimator offers: :meth:`decompose`, :meth:`gram`, and
 :attr:`kernel_` (an :class:`~sklearn_pathkernel.ExactPathKernel` for
 ``SVC(kernel=...)`` or Gaussian processes), and the explanation API of
 :class:`~.._explain._mixin.ExplanationMixin` (``explain``, ``self_influence``,
 ``explain_over_time``, ``class_contributions``, ``influence_matrix``; these need
 the training targets, ``TrainingRecorder(..., y=y)``: integer labels in ``[0, K)``
-make a classifier whose output ``k`` is class ``k``, other targets a regressor).
+make a classifier whose output ``k`` is class ``k``, other targets a regressor),
+and :meth:`final_state_dict`, the recorded network's state (to audit or restore).
 
 The function decomposed is the module's own output ``f(x) = module(x)`` (the
 logits of a classifier): by the chain rule each step's gradient is
@@ -24,9 +25,15 @@ linear form exactly; the kernel is then that of the path's float64 replay
 output gradients, rates and preconditioners, each gradient recomputed in float64),
 exact against the float64 network at the replayed final weights, and
 ``model_gap`` says how far the float32 model's own output is from it.
+
+The recording holds the user's module as long as it lives (a live module):
+every query first checks, bitwise, that its weights and constants are still
+the recorded network's, and refuses otherwise (or, with
+``on_mismatch="record"``, says so in every result).
 """
 
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -34,7 +41,13 @@ import torch
 from .._engine import PathKernelEngine
 from .._explain import ExplanationMixin, recording_context
 from .._path import FunctionLink
-from .._training import Loss, replay_in_float64
+from .._training import (
+    Loss,
+    RecordingRefused,
+    check_replay,
+    largest_difference,
+    replay_in_float64,
+)
 from ._base import checked_against
 
 DTYPE = torch.float64
@@ -86,12 +99,29 @@ class Recording(ExplanationMixin):
     targets : array-like of shape (n_samples,) or (n_samples, K), default=None
         The training targets, if the recorder was given them (for explanations
         that group training points by class).
+    live_module : torch.nn.Module or None, default=None
+        The user's own module (the recorder's), checked before every query to
+        still be the recorded network; not pickled.
+    on_mismatch : {"refuse", "record"}, default="refuse"
+        What a query does when the live module is not the recorded network
+        (see :class:`~sklearn_pathkernel.TrainingRecorder`).
+    mismatch : str or None, default=None
+        How the user's module differed from the recorded network at ``finish``
+        (``on_mismatch="record"``).
+    model_difference : float, default=0.0
+        The largest difference of a weight or constant behind ``mismatch``.
 
     Attributes
     ----------
     module_, path_, X_train_ : as given
     n_steps_ : int
         Optimiser steps recorded.
+    model_mismatch_ : str or None
+        None when the user's module is the recorded network (bitwise); else how
+        it differs (only with ``on_mismatch="record"``).
+    model_difference_ : float
+        The largest difference between a weight or constant of the user's
+        module and the recorded network's (0.0 when they are the same).
     """
 
     def __init__(
@@ -105,8 +135,16 @@ class Recording(ExplanationMixin):
         n_jobs=None,
         link=None,
         targets=None,
+        live_module=None,
+        on_mismatch="refuse",
+        mismatch=None,
+        model_difference=0.0,
     ):
         self.link = link
+        self._live_module = live_module
+        self.on_mismatch = on_mismatch
+        self.model_mismatch_ = mismatch
+        self.model_difference_ = float(model_difference)
         self.targets_ = None if targets is None else np.asarray(targets)
         self.module_ = module
         self.path_ = path
@@ -147,18 +185,64 @@ class Recording(ExplanationMixin):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_engine_cache"] = None
+        state["_live_module"] = None  # (the user's object, not part of the recording)
         return state
+
+    def final_state_dict(self):
+        """The recorded network's final state: the recorded weights after the last
+        step (those of its float64 replay are the engine's, see the notes), and
+        the constants; the ``state_dict`` of the network the kernel is of, in the
+        training dtype, to compare with the model's own."""
+        final = self.path_.unflatten(self.path_.weights[-1])
+        return {
+            name: final[name].reshape(value.shape).clone() if name in final else value.clone()
+            for name, value in self.module_.state_dict().items()
+        }
+
+    # -- the user's module -------------------------------------------------------
+
+    def _check_live(self):
+        """Refuse (or flag) a query when the user's module is no longer the recorded
+        network: weights or constants changed since ``finish``."""
+        live = self._live_module
+        if live is not None:
+            difference = largest_difference(_state(live), _state(self.module_))
+            if difference is not None:
+                name, size = difference
+                message = (
+                    f"The model's {name!r} differs from the recorded network by up to "
+                    f"{size:.4g} (changed since recorder.finish()): the model you hold is "
+                    "not the recorded network."
+                )
+                if self.on_mismatch == "refuse":
+                    raise RecordingRefused(
+                        message + " Restore its weights (recording.final_state_dict()) or "
+                        "record the new run."
+                    )
+                if size > self.model_difference_:
+                    self.model_mismatch_, self.model_difference_ = message, size
+        if self.model_mismatch_ is not None:
+            warnings.warn(
+                f"{self.model_mismatch_} The model you hold is not the recorded network: the "
+                "results are the recorded network's kernel (model_difference_ says how far "
+                "the model is from it).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- float64 evaluation ------------------------------------------------------
 
     def _engine(self):
-        """The float64 engine of the recorded path (built once)."""
+        """The float64 engine of the recorded path (built once), after the check of
+        the user's module."""
+        self._check_live()
         if self._engine_cache is None:
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
             path = self.path_
             if path.weights.dtype != DTYPE:
                 link = ModuleOutput(self.link).link
                 path = replay_in_float64(path, module, self.X_train_, link)
+                check_replay(self.path_, path)
                 final = path.unflatten(path.weights[-1])
                 with torch.no_grad():
                     for name, param in module.named_parameters():
@@ -201,17 +285,26 @@ class Recording(ExplanationMixin):
             output|``, the certificate against the module itself;
             ``quadrature_error`` (n,): the part the quadrature accounts for;
             ``model_gap`` (n,): ``max_k`` of the difference between the
-            trained module's own output in its training dtype and ``output``
-            (zero for a float64 model).
+            user's own module (the live one, else the recorded network) in its
+            training dtype and ``output`` (zero for a float64 model);
+            ``model_difference`` (float): the largest difference between a
+            weight or constant of the user's module and the recorded network
+            (0.0: the same network, bitwise).
         """
         X64 = self._rows(X)
-        parts = self._engine().decompose(X64)
-        engine_module = self._engine().module
+        engine = self._engine()
+        parts = engine.decompose(X64)
+        own_module = self.module_ if self._live_module is None else self._live_module
         with torch.no_grad():
             link = ModuleOutput(self.link).link
-            output = link(engine_module(X64)).cpu().numpy()
-            own = link(self.module_(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
-        return checked_against(parts, output, model_gap=np.abs(own - output).max(axis=1))
+            output = link(engine.module(X64)).cpu().numpy()
+            own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
+        return checked_against(
+            parts,
+            output,
+            model_gap=np.abs(own - output).max(axis=1),
+            model_difference=self.model_difference_,
+        )
 
     def gram(self, A, B=None, *, a_train=False, b_train=False, output="trace"):
         """The exact path kernel between the rows of ``A`` and ``B`` (see
@@ -247,3 +340,8 @@ class Recording(ExplanationMixin):
         from .._training import load_recording
 
         return load_recording(directory, module, X, link=link)
+
+
+def _state(module):
+    """A module's parameters and buffers, by name."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}

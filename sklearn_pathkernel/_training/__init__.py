@@ -19,13 +19,14 @@ from ._losses import (
 from ._module_checks import check_module
 from ._optimizers import SOLVERS, RecordingRefused
 from ._recorder import TrainingRecorder
-from ._replay import replay_in_float64
+from ._replay import check_replay, replay_in_float64
 from ._solvers import (
     SolverSettings,
     solver_constraints,
     solver_hyperparameters,
     solvers_taking,
 )
+from ._weight_watch import largest_difference
 
 __all__ = [
     "CLASSIFICATION_LOSSES",
@@ -38,6 +39,8 @@ __all__ = [
     "SquaredError",
     "TrainingRecorder",
     "check_module",
+    "check_replay",
+    "largest_difference",
     "register_loss",
     "load_recording",
     "replay_in_float64",

@@ -101,6 +101,9 @@ def save_recording(recording, directory):
         "link": _link_name(recording.link),
         "module": module_fingerprint(recording.module_),
         "data": data_fingerprint(recording.X_train_),
+        # (on_mismatch="record": how the user's module differed from the recorded one)
+        "model_mismatch": recording.model_mismatch_,
+        "model_difference": recording.model_difference_,
         "sha256": {name: _digest(a) for name, a in arrays.items()},
     }
     np.savez(os.path.join(directory, ARRAYS), **arrays)
@@ -232,7 +235,16 @@ def load_recording(directory, module, X, link=None):
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
-    return Recording(module, path, X, dtype=dtype, link=link, targets=arrays.get("targets"))
+    return Recording(
+        module,
+        path,
+        X,
+        dtype=dtype,
+        link=link,
+        targets=arrays.get("targets"),
+        mismatch=manifest.get("model_mismatch"),
+        model_difference=manifest.get("model_difference", 0.0),
+    )
 
 
 def _set_final_state(module, path, arrays):

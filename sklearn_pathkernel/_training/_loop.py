@@ -113,7 +113,7 @@ def train_module(
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
         (and Adam's preconditioners, as many numbers again) live: RAM, or a
         memory-mapped file (see
-        :func:`~sklearn_pathkernel._training._path.allocate_weights`). The values are the same.
+        :func:`~sklearn_pathkernel._path.allocate_weights`). The values are the same.
         The path is on the host whatever the device: each step's weights and
         coefficients are copied from the device after the step.
 

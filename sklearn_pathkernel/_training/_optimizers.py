@@ -231,9 +231,20 @@ class OptimizerRule(ABC):
                 f"Step {step}: the optimiser's momentum, betas, Nesterov flag or coupled "
                 f"weight decay changed during the run ({self._form} before, {form} now); "
                 "only the learning rates (and Adam's eps, beta_2) may change between steps."
+                + self._cycling_hint()
             )
         self._form, self._form_settings = form, settings
         return form
+
+    def _cycling_hint(self):
+        """The scheduler that changes the momentum, when its marks are in the groups."""
+        if any("max_momentum" in group for group in self.groups()):
+            return (
+                " A scheduler cycles the momentum (Adam's beta_1, SGD's momentum): "
+                "OneCycleLR or CyclicLR with cycle_momentum=True, their default; pass "
+                "cycle_momentum=False to cycle the learning rate only."
+            )
+        return ""
 
     def check_skips(self, step, active, form, removed):
         """Refuse skipped parameters (no gradient) the linear form cannot hold;

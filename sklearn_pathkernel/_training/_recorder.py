@@ -19,11 +19,14 @@ What each hook records (no extra forward or backward pass):
   the training rows at the step) and, through a tensor hook on the output, the
   output gradient ``e_{s,i} = -dL/dout_i`` exactly as the user's own loss and
   reduction produced it (class weights, mean or sum included);
-- parameter hooks: which gradients each backward pass produced, so that a
-  gradient changed afterwards (clipping, ``GradScaler.unscale_``, a manual edit)
-  is refused, gradients reset without a step (a skipped step) drop the batches
-  of that step, and several backward passes before one step (gradient
-  accumulation) concatenate their rows and output gradients;
+- at the start and at the end of each backward pass through the output (the
+  output's gradient hook, and a callback queued from it to the end of the pass:
+  two calls per pass, whatever the number of parameters): which gradients the
+  pass produced, so that a gradient changed afterwards (clipping,
+  ``GradScaler.unscale_``, a manual edit) is refused, gradients reset without a
+  step (a skipped step) drop the batches of that step, and several backward
+  passes before one step (gradient accumulation) concatenate their rows and
+  output gradients;
 - step hooks on the optimiser: the hyperparameters it used (its
   ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
   Adam's preconditioner.
@@ -46,9 +49,17 @@ from torch.nn.modules.dropout import _DropoutNd
 from .._path import flatten_parameters
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, rule_for
-from ._step_log import MicroBatch, StepLog, relative_difference
+from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
+from ._weight_watch import (
+    ConstantWatch,
+    WeightWatch,
+    largest_difference,
+    matching_steps,
+    same_bits,
+)
 
 CHECKS = ("first", "every", "none")
+MISMATCH = ("refuse", "record")
 
 
 class TrainingRecorder:
@@ -89,12 +100,24 @@ class TrainingRecorder:
     storage : "memory", "disk" or path-like, default="memory"
         Where the weights and scales live (see
         :func:`~._path.allocate_weights`); on disk needs ``max_steps``.
+    on_mismatch : {"refuse", "record"}, default="refuse"
+        What :meth:`finish` (and every query of the recording, while it holds
+        the user's module) does when the network the user holds is not the
+        recorded one: its trained parameters differ from the recorded final
+        weights, or a constant (frozen parameter, buffer) changed since the
+        recorder was created. ``"refuse"`` raises :class:`RecordingRefused`
+        naming the tensor and the size of the difference; ``"record"`` keeps
+        the kernel of the recorded network and says, in every result, that the
+        user's model is another (``model_difference`` of ``decompose``, a
+        warning from every other query). Weights changed *between* steps are
+        always refused, at the step.
 
     Notes
     -----
     Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
-    more numbers) and of the output gradients (``|B_s| K``) to the host, plus
-    the step's row indices; the inputs are not copied.
+    more numbers) and of the output gradients (``|B_s| K``) to the host, the
+    step's row indices, and one bitwise comparison of the weights with the
+    previous step's result; the inputs are not copied.
     """
 
     def __init__(
@@ -108,9 +131,13 @@ class TrainingRecorder:
         max_steps=None,
         link=None,
         storage="memory",
+        on_mismatch="refuse",
     ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
+        if on_mismatch not in MISMATCH:
+            raise ValueError(f"on_mismatch must be one of {MISMATCH}, got {on_mismatch!r}.")
+        self.on_mismatch = on_mismatch
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
         self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
@@ -120,7 +147,7 @@ class TrainingRecorder:
             raise RecordingRefused("The module has no parameter that requires a gradient.")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._reader = rule_for(optimizer, self._params, self._names)
+        self._rule = rule_for(optimizer, self._params, self._names)
         _check_module(module, X)
         flat, _, self._shapes = flatten_parameters(module)
         self._dtype = flat.dtype
@@ -140,10 +167,12 @@ class TrainingRecorder:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
-        for index, param in enumerate(self._params):
-            self._handles.append(param.register_hook(self._before_accumulate(index)))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated(index)))
+        self._in_backward, self._before, self._leftover = False, None, {}
+        self._last_rows = (None, None)  # (the last rows' copy, and what it was made from)
         self._structure = StructureWatch(module, optimizer)
+        self._weights = WeightWatch(self._params)
+        self._weights.after_step()
+        self._constants = ConstantWatch(module, set(self._names))
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
@@ -157,18 +186,15 @@ class TrainingRecorder:
         Parameters
         ----------
         indices : array-like or torch.Tensor of int, shape (batch_size,)
-            An int64 numpy array is kept as it is (not copied): steps that name
-            the same array share it.
+            Copied (``|B|`` integers), so that an index array changed in place
+            later (a permutation shuffled every epoch) does not change the
+            recorded rows; steps that name the same array share one copy
+            (full-batch training stores its rows once).
         output : torch.Tensor or None, default=None
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
-        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.is_cpu:
-            indices = indices.numpy()  # (a DataLoader's indices: the same array, sooner)
-        if isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1:
-            rows = indices
-        else:
-            rows = np.asarray(torch.as_tensor(indices).cpu().numpy(), dtype=np.int64).reshape(-1)
+        rows = self._copied_rows(indices)
         if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
             raise IndexError(
                 f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
@@ -182,19 +208,115 @@ class TrainingRecorder:
         else:
             self._rows = rows
 
-    def finish(self):
-        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`."""
+    def _copied_rows(self, indices):
+        """The indices as a new int64 array; the same object named again with the
+        same values (full-batch training) shares the previous copy."""
+        previous, source = self._last_rows
+        if isinstance(indices, torch.Tensor):
+            values = indices.detach().cpu().numpy()
+        else:
+            values = np.asarray(indices)
+        if indices is source and np.array_equal(previous, values):
+            return previous
+        rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
+        self._last_rows = rows, indices
+        return rows
+
+    def finish(self, at_step=None):
+        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`.
+
+        The network the user holds must be the recorded one: its trained
+        parameters bitwise the weights after the last step (or after step
+        ``at_step``) and its constants (frozen parameters, buffers) as they were
+        when the recorder was created; otherwise see ``on_mismatch``.
+
+        Parameters
+        ----------
+        at_step : int or None, default=None
+            Early stopping that restored earlier weights: the recording of the
+            first ``at_step`` steps, whose network is the weights after them
+            (those the module must hold). None: all recorded steps.
+
+        Raises
+        ------
+        RecordingRefused
+            If the module's weights or constants are not the recorded network's
+            (with ``on_mismatch="refuse"``), naming the tensor, the size of the
+            difference and, when the weights are those of another recorded
+            step, that step.
+        """
         from .._estimators import Recording
 
+        n_steps = self.n_steps
+        if at_step is None:
+            at_step = n_steps
+        elif isinstance(at_step, bool) or not isinstance(at_step, int | np.integer):
+            raise TypeError(f"at_step must be an integer or None; got {at_step!r}.")
+        if not 0 <= at_step <= n_steps:
+            raise ValueError(f"at_step must be an integer in [0, {n_steps}]; got {at_step}.")
+        at_step = int(at_step)
+        mismatch, difference = self._mismatch(at_step)
+        if mismatch is not None and self.on_mismatch == "refuse":
+            raise RecordingRefused(mismatch)
         self.close()
+        path = self.path()
+        if at_step < n_steps:
+            path = truncated_path(path, at_step)
+        module = copy.deepcopy(self.module)
+        final = path.unflatten(path.weights[-1])
+        # the recorded network (equal to the user's unless on_mismatch="record")
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name in final:
+                    param.copy_(final[name].reshape(param.shape))
+        self._constants.restore(module)
         return Recording(
-            copy.deepcopy(self.module),
-            self.path(),
+            module,
+            path,
             self.X,
             dtype=self._dtype,
             link=self.link,
             targets=self.y,
+            live_module=self.module,
+            on_mismatch=self.on_mismatch,
+            mismatch=mismatch,
+            model_difference=difference,
         )
+
+    def _mismatch(self, at_step):
+        """A message saying how the module differs from the network after ``at_step``
+        recorded steps, and the largest difference (None and 0.0 when it does not)."""
+        weights = self._log.weights()
+        expected, current = weights[at_step], self._weights.flat()
+        if not same_bits(current, expected):
+            names = dict(zip(self._names, self._params, strict=True))
+            name, difference = largest_difference(
+                names, dict(zip(self._names, _split(expected, self._params), strict=True))
+            )
+            steps = matching_steps(weights, current)
+            hint = (
+                f" They equal the recorded weights at step {steps[-1]} (after {steps[-1]} "
+                f"optimiser steps): for early stopping that restored them, call "
+                f"recorder.finish(at_step={steps[-1]})."
+                if steps
+                else " Changing the weights outside optimizer.step() (an average written "
+                "back, an edit after the last step, restored weights) makes the model "
+                "another network than the recorded one."
+            )
+            return (
+                f"The module's parameter {name!r} differs from the recorded network at step "
+                f"{at_step} (after {at_step} optimiser steps) by up to {difference:.4g}: the "
+                f"kernel would not be the model's.{hint}"
+            ), difference
+        changed = self._constants.difference(self.module)
+        if changed is not None:
+            name, difference = changed
+            return (
+                f"The module's constant {name!r} (a frozen parameter or buffer) changed since "
+                f"the recorder was created (by up to {difference:.4g}): the recorded network "
+                "holds it constant, so the kernel would not be the model's."
+            ), difference
+        return None, 0.0
 
     def close(self):
         """Detach the hooks (the recorded path stays readable with :meth:`path`)."""
@@ -205,7 +327,7 @@ class TrainingRecorder:
 
     def path(self):
         """The :class:`~._path.WeightPath` recorded so far."""
-        return self._log.path(self._names, self._shapes, self._reader.recorded_form())
+        return self._log.path(self._names, self._shapes, self._rule.recorded_form())
 
     @property
     def n_steps(self):
@@ -233,7 +355,8 @@ class TrainingRecorder:
                     "(batch statistics or randomness): one row's output is not a deterministic "
                     "function of that row. Put it in eval mode (module.eval()) for training."
                 )
-        batch = MicroBatch(args[0], self._rows, self._versions())
+        self._in_backward = False  # (a pass that raised never reached its end)
+        batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -241,30 +364,42 @@ class TrainingRecorder:
     def _versions(self):
         return [p._version for p in self._params]
 
-    def _before_accumulate(self, index):
-        def hook(grad):
-            param = self._params[index]
-            saved = self._saved.get(index)
-            if saved is None:
-                if param.grad is not None and not self._done and bool(param.grad.any()):
-                    self._stale = True  # a gradient left over from before the last step
-                return None
-            if param.grad is None or _fingerprint(self.check, param.grad) != saved:
-                # Gradients reset without a step: the earlier backward passes were dropped.
-                self._done, self._saved = [], {}
-            return None
+    def _fingerprints(self):
+        """Per parameter: what identifies its gradient now (None without one)."""
+        check = self.check
+        return [None if p.grad is None else _fingerprint(check, p.grad) for p in self._params]
 
-        return hook
+    def _backward_started(self):
+        """The first gradient hook of a backward pass through the output, before any
+        parameter's gradient of the pass is accumulated: notice gradients left over
+        from the last step (not reset) and gradients reset without a step (the
+        step's earlier passes are dropped), and queue :meth:`_backward_finished`
+        to the end of the pass."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        before = self._fingerprints()
+        saved, leftover = self._saved, self._leftover
+        for index, now in enumerate(before):
+            if index in saved:
+                if now != saved[index]:  # reset (zero_grad) without a step
+                    self._done, self._saved = [], {}
+                    break
+            elif now is not None and now == leftover.get(index):
+                self._stale = True  # a gradient left over from before the last step
+        self._before = before
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
-    def _accumulated(self, index):
-        def hook(param):
-            self._saved[index] = _fingerprint(self.check, param.grad)
-            if self._open:  # (after the pass's first parameter, nothing is left open)
-                finished = [b for b in self._open if b.output_gradient is not None]
-                self._open = [b for b in self._open if b.output_gradient is None]
-                self._done.extend(finished)
-
-        return hook
+    def _backward_finished(self):
+        """The end of a backward pass: the gradients it produced (those whose
+        identity or version changed) are the step's, and its batches are done."""
+        self._in_backward = False
+        for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
+            if now is not None and now != before:
+                self._saved[index] = now
+        finished = [b for b in self._open if b.output_gradient is not None]
+        self._open = [b for b in self._open if b.output_gradient is None]
+        self._done.extend(finished)
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -285,9 +420,21 @@ class TrainingRecorder:
         versions = self._versions()
         for batch in batches:
             batch.check(step, self.X, versions)
+        if not self._weights.unchanged(self._log.last_weights()):
+            self._refuse_changed_weights(step)
+        if self._constants.touched():
+            changed = self._constants.difference(self.module)
+            if changed is not None:
+                name, difference = changed
+                raise RecordingRefused(
+                    f"Step {step}: the module's constant {name!r} (a frozen parameter or "
+                    f"buffer) changed during the run (by up to {difference:.4g}; e.g. a "
+                    "BatchNorm's running statistics updated by a forward pass in training "
+                    "mode): the recorded network holds it constant."
+                )
         # a parameter the backward pass reached whose gradient was removed by hand
         removed = [not on and index in self._saved for index, on in enumerate(active)]
-        self._reader.before_step(step, active, removed)
+        self._rule.before_step(step, active, removed)
         if len(batches) == 1:  # the user's own index array, kept (shared between steps)
             rows, gradient = batches[0].rows, batches[0].output_gradient
         else:
@@ -343,11 +490,44 @@ class TrainingRecorder:
     def _after_step(self, optimizer, args, kwargs):
         step = self.n_steps
         rows, gradient, active = self._pending
-        weights = self._params
-        scales = self._reader.after_step(step, active)
-        lr = max(float(g["lr"]) for g in self._reader.groups())
+        weights = self._weights.flat_views()
+        scales = self._rule.after_step(step, active)
+        lr = max(float(g["lr"]) for g in self._rule.groups())
         self._log.append(weights, rows, gradient, scales, lr)
+        self._weights.after_step()
+        self._leftover = self._saved
         self._open, self._done, self._saved, self._rows = [], [], {}, None
+
+    def _refuse_changed_weights(self, step):
+        """Step ``step``'s weights are not those step ``step - 1`` left: name the
+        parameter, the size of the change and, if they are another recorded
+        step's weights (restored), that step."""
+        weights = self._log.weights()
+        current = self._weights.flat()
+        names = dict(zip(self._names, self._params, strict=True))
+        name, difference = largest_difference(
+            names, dict(zip(self._names, _split(weights[step], self._params), strict=True))
+        )
+        steps = matching_steps(weights[:step], current)
+        restored = (
+            f" They equal the recorded weights at step {steps[-1]} (restored): a run "
+            "that goes back to earlier weights is two runs; record each with its own "
+            "recorder, or stop there and call recorder.finish(at_step=...)."
+            if steps
+            else ""
+        )
+        when = (
+            f"after step {step - 1}'s optimizer.step()"
+            if step
+            else "after the recorder was created"
+        )
+        raise RecordingRefused(
+            f"Step {step}: the weights of {name!r} changed {when} and before this step "
+            f"(by up to {difference:.4g}): an edit outside the optimiser (through .data, "
+            "under no_grad, an average written back, load_state_dict) makes the path "
+            f"another than the recorded one.{restored} Put weight changes in the "
+            "optimiser (e.g. its weight_decay)."
+        )
 
 
 class StructureWatch:
@@ -402,6 +582,12 @@ class StructureWatch:
             return True
         self._learn()
         return False
+
+
+def _split(flat, params):
+    """A flat weight vector as one view per parameter."""
+    parts = torch.split(flat, [p.numel() for p in params])
+    return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
 
 def _check_module(module, X):

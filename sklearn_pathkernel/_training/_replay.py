@@ -101,3 +101,97 @@ def _float64_copy(module, device):
     for param in copy64.parameters():
         param.requires_grad_(False)
     return copy64
+
+
+#: The rounding allowance per step, in units of the training dtype's unit roundoff
+#: (see :func:`replay_bound`).
+ROUNDING_STEPS = 1024
+
+
+def replay_bound(path):
+    """How far, per parameter, the float64 replay of a run may end from the run's own
+    final weights by rounding alone.
+
+    Each float32 step rounds the move it adds (``|fl(w + m) - (w + m)| <= u |w_{s+1}|``,
+    ``u`` the unit roundoff) and computes the move itself from a rounded gradient and
+    rounded optimiser arithmetic: a relative error of a few ``u`` of the move. With
+    a step size in the stable range the error of one step is not amplified by the
+    later ones (``|I - P_s H_s| <= 1``), so the errors add up:
+
+    .. math::
+
+        \\max_j |\\hat w_{S,j} - w_{S,j}| \\le c\\,u \\sum_{s<S}
+        \\left(\\max_j |w_{s+1,j}| + \\max_j |w_{s+1,j} - w_{s,j}|\\right),
+
+    per parameter tensor, with ``c`` a small multiple of the roundings of one step
+    (gradient, moments, update). Adam breaks the stability assumption where its
+    preconditioner is large (second moments near zero, e.g. a ReLU unit dead in
+    one run and not in the other): there a rounding difference grows. Measured on
+    honest float32 runs (digits, batches of 50): SGD with momentum reached
+    ``0.1 u``, the AdamW CNN of the user guide ``1.4 u``, an Adam MLP 64-64-64-10
+    with ReLU ``31 u`` of the sum; so ``c = ROUNDING_STEPS = 1024``, a margin of
+    30 over the worst. A representation error (a setting read wrong, weights
+    changed outside the steps) moves the replay by a fraction of the moves
+    themselves, caught once that fraction exceeds ``c u`` (about 6e-5 in
+    float32). A run whose
+    replay leaves the bound (the same Adam MLP at 30 epochs ended 0.37 apart) is
+    refused: its float64 replay is another network than the float32 model.
+
+    Parameters
+    ----------
+    path : WeightPath
+        The recorded path, in its training dtype.
+
+    Returns
+    -------
+    dict of str to float
+        Per parameter name, the bound (0 for a float64 path: its kernel is of the
+        recorded weights themselves).
+    """
+    if path.weights.dtype == DTYPE:
+        return dict.fromkeys(path.param_names, 0.0)
+    u = torch.finfo(path.weights.dtype).eps / 2
+    bounds, offset = {}, 0
+    for name, shape in zip(path.param_names, path.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        columns = path.weights[:, offset : offset + numel].to(DTYPE)
+        sizes = columns[1:].abs().amax(dim=1) + columns.diff(dim=0).abs().amax(dim=1)
+        bounds[name] = ROUNDING_STEPS * u * float(sizes.sum())
+        offset += numel
+    return bounds
+
+
+def replay_differences(recorded, replayed):
+    """Per parameter, ``max_j |replayed w_S - recorded w_S|``."""
+    differences, offset = {}, 0
+    final = replayed.weights[-1]
+    own = recorded.weights[-1].to(DTYPE)
+    for name, shape in zip(recorded.param_names, recorded.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        part = slice(offset, offset + numel)
+        differences[name] = float((final[part] - own[part]).abs().max()) if numel else 0.0
+        offset += numel
+    return differences
+
+
+def check_replay(recorded, replayed):
+    """Refuse a float64 replay that ends beyond the run's rounding (:func:`replay_bound`)
+    from the recorded final weights: the recorded linear form is not what the
+    optimiser did."""
+    from ._optimizers import RecordingRefused
+
+    if recorded.weights.dtype == DTYPE:
+        return
+    bounds = replay_bound(recorded)
+    for name, difference in replay_differences(recorded, replayed).items():
+        if not difference <= bounds[name]:
+            raise RecordingRefused(
+                f"The float64 replay of the {recorded.weights.dtype} run ends {difference:.3g} "
+                f"from the recorded final weights of {name!r}, beyond the run's rounding bound "
+                f"{bounds[name]:.3g}: the replay is another network than the float32 model, "
+                "so no certificate of it would be about the model. Either the run's rounding "
+                "grew along it (Adam's preconditioner amplifies it where second moments are "
+                "near zero, e.g. ReLU units dead in one run and not in the other: train in "
+                "float64), or the recorded steps are not what the optimiser did (a setting "
+                "the recorder does not represent)."
+            )

@@ -9,13 +9,14 @@ the :class:`~sklearn_pathkernel._path.WeightPath` and
 :class:`~sklearn_pathkernel._path.UpdateRecord` the engine reads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from .._path import UpdateRecord, WeightPath, allocate_weights, per_step, storage_directory
 from ._optimizers import RecordingRefused, adam_scale
+from ._weight_watch import host_bytes_equal
 
 #: The size of the blocks of rows that Adam's preconditioners are finished in.
 CHUNK_BYTES = 1 << 20
@@ -48,6 +49,7 @@ class MicroBatch:
     versions: list
     output_gradient: torch.Tensor = None
     explicit: bool = False
+    started: object = None  # called first by each gradient hook (the recorder's)
 
     def take_from(self, output):
         """Record the gradient of ``output`` (``link(module(x))``) instead of the
@@ -59,11 +61,13 @@ class MicroBatch:
         """Tensor hook on the module's output: keep ``-dL/dout`` (several uses of the
         output arrive summed, as one gradient), unless :meth:`take_from` named
         another output."""
+        self.started()
         if not self.explicit:
             self._add(grad)
 
     def take_explicit(self, grad):
         """Tensor hook on the output named by :meth:`take_from`."""
+        self.started()
         self._add(grad)
 
     def _add(self, grad):
@@ -96,13 +100,28 @@ class MicroBatch:
         inputs = self.inputs
         if expected.dtype != inputs.dtype or expected.device != inputs.device:
             expected = expected.to(inputs)
-        if inputs.shape != expected.shape or not torch.equal(inputs, expected):
+        if inputs.shape != expected.shape or not (
+            host_bytes_equal(inputs, expected) or torch.equal(inputs, expected)
+        ):  # (the same bytes, the usual case, found sooner; else equal values)
             raise RecordingRefused(
                 f"Step {step}: the batch's inputs are not the training rows X[rows] named "
                 "by recorder.rows (random augmentation, a transform in the data loader, or "
                 "wrong indices): the kernel would be of other data. Record the augmented "
                 "inputs as training rows of their own."
             )
+
+
+def truncated_path(path, n_steps):
+    """The :class:`~._path.WeightPath` of the first ``n_steps`` steps of ``path`` (early
+    stopping: the later steps do not move ``w_0 .. w_{n_steps}``)."""
+    return replace(
+        path,
+        weights=path.weights[: n_steps + 1],
+        batches=path.batches[:n_steps],
+        output_gradients=path.output_gradients[:n_steps],
+        learning_rates=path.learning_rates[:n_steps],
+        update=path.update.truncated(n_steps),
+    )
 
 
 def _write_parts(row, parts, numels):
@@ -143,7 +162,11 @@ class GrowingRows:
             grown[: self.n_rows] = self._data
             self._data = grown
         row = self._data[self.n_rows]
-        flat = [part.detach().reshape(-1) for part in parts if isinstance(part, torch.Tensor)]
+        flat = [
+            part if part.ndim == 1 and not part.requires_grad else part.detach().reshape(-1)
+            for part in parts
+            if isinstance(part, torch.Tensor)
+        ]
         dtype = row.dtype  # (the rows are on the host)
         if len(flat) == len(parts) and all(f.is_cpu and f.dtype == dtype for f in flat):
             torch.cat(flat, out=row)  # one operation for the whole row
@@ -154,6 +177,10 @@ class GrowingRows:
     def rows(self):
         """The rows written, as a view (to write into)."""
         return self._data[: self.n_rows]
+
+    def last(self):
+        """The last row written (a view)."""
+        return self._data[self.n_rows - 1]
 
     def view(self):
         """The rows written: a view on disk, a copy in memory when rows are unused
@@ -198,6 +225,14 @@ class StepLog:
     @property
     def n_steps(self):
         return len(self._batches)
+
+    def weights(self):
+        """The weights recorded so far, ``w_0 .. w_s`` (a view)."""
+        return self._weights.rows()
+
+    def last_weights(self):
+        """The last recorded weights (a view of their row)."""
+        return self._weights.last()
 
     def append(self, weights, rows, output_gradient, step_scales, learning_rate):
         """Record one step: the parameters after it, its rows and output gradients, its

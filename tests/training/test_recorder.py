@@ -388,3 +388,49 @@ def test_structure_watch_accepts_a_new_layer_without_parameters():
         optimizer.step()
     worst, largest = replay(recorder.finish())
     assert largest > 1e-3 and worst <= 1e-14
+
+
+def test_hand_loop_reproduces_the_estimators_batch_order():
+    """The estimators' mini-batch order as the user guide states it: a
+    ``np.random.RandomState(random_state)`` draws the initial weights' seed
+    (``randint(2**31 - 1)``), then each epoch ``permutation(n)`` cut into slices of
+    ``batch_size`` (the last one short). A hand loop that follows it, from the
+    estimator's initial weights, lands on the estimator's weights."""
+    rng = np.random.RandomState(0)
+    X = rng.randn(23, 3)
+    y = np.c_[np.sin(X[:, 0]), X[:, 1] * X[:, 2]]
+    est = ExactPathKernelRegressor(
+        hidden_layer_sizes=(5,),
+        solver="sgd",
+        momentum=0.9,
+        learning_rate=0.05,
+        max_iter=3,
+        batch_size=8,
+        random_state=7,
+    ).fit(X, y)
+    order = np.random.RandomState(7)
+    order.randint(np.iinfo(np.int32).max)  # the initial weights' seed
+    batches = [
+        perm[start : start + 8]
+        for perm in (order.permutation(23) for _ in range(3))
+        for start in range(0, 23, 8)
+    ]
+    assert len(batches) == est.path_.n_steps
+    for mine, theirs in zip(batches, est.path_.batches, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    model = est.module_
+    with torch.no_grad():  # back to w_0
+        for name, value in est.path_.unflatten(est.path_.weights[0]).items():
+            model.get_parameter(name).copy_(value)
+    model.requires_grad_(True)
+    X_t, y_t = torch.tensor(X), torch.tensor(y)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    recorder = TrainingRecorder(model, optimizer, X_t)
+    for rows in batches:
+        optimizer.zero_grad()
+        out = model(X_t[rows])
+        recorder.rows(rows)
+        (0.5 * (out - y_t[rows]).square().mean(dim=1)).mean().backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14

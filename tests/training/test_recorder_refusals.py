@@ -374,3 +374,51 @@ def test_wrong_rows():
         optimizer.step()
     with pytest.raises(IndexError, match="must lie in"):
         recorder.rows([100])
+
+
+SCHEDULERS = {
+    "one-cycle-adam": (
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        lambda o, cycle: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.05, total_steps=6, cycle_momentum=cycle
+        ),
+    ),
+    "cyclic-sgd": (
+        lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+        lambda o, cycle: torch.optim.lr_scheduler.CyclicLR(
+            o, base_lr=0.01, max_lr=0.1, step_size_up=2, cycle_momentum=cycle
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_scheduler_cycling_the_momentum(name):
+    """OneCycleLR and CyclicLR cycle beta_1 / momentum by default: refused, naming
+    them and the setting; with cycle_momentum=False the run is exact."""
+    make_optimizer, make_scheduler = SCHEDULERS[name]
+    X, y = data()
+    for cycle in (True, False):
+        model = mlp()
+        optimizer = make_optimizer(model.parameters())
+        scheduler = make_scheduler(optimizer, cycle)
+        recorder = TrainingRecorder(model, optimizer, X)
+
+        def schedule(step, scheduler=scheduler):
+            if step:
+                scheduler.step()
+
+        if cycle:
+            with pytest.raises(
+                RecordingRefused, match=r"Step 1: .*OneCycleLR or CyclicLR .*cycle_momentum=False"
+            ):
+                steps(model, optimizer, recorder, X, y, n_steps=3, before_step=schedule)
+            continue
+        steps(model, optimizer, recorder, X, y, n_steps=3, before_step=schedule)
+        recording = recorder.finish()
+        parts = recording.decompose(X[:3])
+        total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+        with torch.no_grad():
+            own = model(X[:3]).numpy()
+        assert np.abs(total - own).max() <= 1e-9
+        assert len(set(recording.path_.learning_rates)) == 3  # the rate did change

@@ -20,6 +20,14 @@ from torch.func import functional_call
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._estimators._recording import ModuleOutput
+from sklearn_pathkernel._training._optimizers import RecordingRefused
+from sklearn_pathkernel._training._replay import (
+    ROUNDING_STEPS,
+    replay_bound,
+    replay_differences,
+)
+
+F32 = torch.float32
 
 OPTIMIZERS = {
     "sgd-momentum-decay": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.02),
@@ -110,3 +118,124 @@ def test_replay_of_a_recording_on_disk_stays_on_disk():
     assert memory.storage == "memory" and disk.storage != "memory"
     assert disk.weights.dtype == torch.float64
     np.testing.assert_array_equal(disk.weights.numpy(), memory.weights.numpy())
+
+
+def cnn_adamw_run(n_steps=24):
+    """A float32 CNN (frozen stem, two parameter groups) trained with AdamW and a
+    warm-up plus cosine schedule on shuffled batches."""
+    generator = torch.Generator().manual_seed(3)
+    X = torch.randn(40, 1, 6, 6, generator=generator)
+    y = (X[:, 0, :3].mean((1, 2)) > 0).long() + (X[:, 0, 3:].mean((1, 2)) > 0).long()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.Tanh(),
+        torch.nn.Conv2d(4, 6, 3),
+        torch.nn.Tanh(),
+        torch.nn.AvgPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(6, 3),
+    )
+    model[0].requires_grad_(False)  # a frozen stem
+    optimizer = torch.optim.AdamW(
+        [{"params": model[2].parameters(), "lr": 0.01}, {"params": model[6].parameters()}],
+        lr=0.02,
+        weight_decay=0.01,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + np.cos(np.pi * s / n_steps))
+    )
+    recorder = TrainingRecorder(model, optimizer, X)
+    order = torch.randperm(40, generator=generator)
+    for step in range(n_steps):
+        if step % 4 == 0:
+            order = torch.randperm(40, generator=generator)
+        rows = order[10 * (step % 4) : 10 * (step % 4) + 10]
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        torch.nn.functional.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+        schedule.step()
+    return recorder.finish(), model, X
+
+
+def test_replay_bound_is_the_formula():
+    recording, _ = recorded("adamw", torch.float32)
+    path = recording.path_
+    u = 2.0**-24
+    bounds = replay_bound(path)
+    offset = int(np.prod(path.param_shapes[0]))
+    w = path.weights.double()[:, offset : offset + int(np.prod(path.param_shapes[1]))]
+    expected = (
+        ROUNDING_STEPS
+        * u
+        * sum(
+            float(w[s + 1].abs().max() + (w[s + 1] - w[s]).abs().max()) for s in range(path.n_steps)
+        )
+    )
+    assert bounds[path.param_names[1]] == pytest.approx(expected, rel=1e-12)
+    assert all(value == 0.0 for value in replay_bound(path.astype(torch.float64)).values())
+
+
+@pytest.mark.parametrize("name", ["cnn-adamw", "mlp-adamw", "mlp-sgd"])
+def test_honest_float32_runs_stay_within_the_bound(name):
+    if name == "cnn-adamw":
+        recording, _, X = cnn_adamw_run()
+    else:
+        recording, X = recorded("adamw" if name == "mlp-adamw" else "sgd-momentum-decay", F32)
+    engine = recording._engine()  # (refused beyond the bound)
+    bounds = replay_bound(recording.path_)
+    differences = replay_differences(recording.path_, engine.path)
+    assert max(differences[k] / bounds[k] for k in bounds) < 0.05  # a margin of 20
+    parts = recording.decompose(X[:3])
+    assert parts.residual.max() <= 1e-9 and 0 < parts.model_gap.max() <= 1e-5
+    assert parts.model_difference == 0.0
+
+
+def test_replay_beyond_the_bound_is_refused():
+    """Steps that are not the optimiser's (here: recorded weights 1 % off from step 4
+    on, what an unnoticed edit would leave) put the replay beyond the bound."""
+    recording, _, X = cnn_adamw_run()
+    recording.path_.weights[4:] *= 0.99
+    recording.module_.load_state_dict(recording.final_state_dict())
+    recording._live_module = None
+    with pytest.raises(RecordingRefused, match=r"beyond the run's rounding bound"):
+        recording.decompose(X[:2])
+
+
+@pytest.mark.slow
+def test_adam_relu_run_whose_replay_drifts_is_refused():
+    """An honest float32 Adam run on a ReLU MLP (digits, 360 steps) whose float64
+    replay drifts far from the float32 weights (rounding amplified by Adam's large
+    preconditioners): refused, rather than a kernel of another network."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    X = torch.tensor(digits.data[:600] / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target[:600])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 10),
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    recorder = TrainingRecorder(model, optimizer, X)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        order = torch.randperm(600, generator=generator)
+        for start in range(0, 600, 50):
+            rows = order[start : start + 50]
+            optimizer.zero_grad()
+            out = model(X[rows])
+            recorder.rows(rows)
+            torch.nn.functional.cross_entropy(out, y[rows]).backward()
+            optimizer.step()
+    recording = recorder.finish()
+    with pytest.raises(
+        RecordingRefused, match="beyond the run's rounding bound .* train in float64"
+    ):
+        recording.decompose(X[:2])
