@@ -36,11 +36,11 @@ from ._estimators import (
     ExactPathKernelClassifier,
     ExactPathKernelRegressor,
     PathKernelTransformer,
-    Recording,
 )
 from ._explain import Explanation, SelfInfluence, TimeAttribution
 from ._nn import DistanceConv2d, DistanceLayer
-from ._training import RecordingRefused, TrainingRecorder
+from ._recording import Recording, TrainingRecorder
+from ._training import RecordingRefused
 
 __all__ = [
     "DistanceConv2d",

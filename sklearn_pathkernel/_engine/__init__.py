@@ -7,6 +7,7 @@ step at its kinks and integrates the pieces, ``rules/`` gives each layer's
 per-example gradient products.
 """
 
+from ._certified import checked_against
 from ._device import CPU, as_tensor, loadable_device, on_host, resolve_device
 from ._facade import PathKernelEngine
 
@@ -14,6 +15,7 @@ __all__ = [
     "CPU",
     "PathKernelEngine",
     "as_tensor",
+    "checked_against",
     "loadable_device",
     "on_host",
     "resolve_device",

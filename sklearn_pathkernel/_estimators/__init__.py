@@ -4,7 +4,6 @@ from ._classifier import ExactPathKernelClassifier
 from ._distance_classifier import DistanceKernelClassifier
 from ._distance_regressor import DistanceKernelRegressor
 from ._kernel import ExactPathKernel
-from ._recording import Recording
 from ._regressor import ExactPathKernelRegressor
 from ._transformer import PathKernelTransformer
 
@@ -15,5 +14,4 @@ __all__ = [
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
     "PathKernelTransformer",
-    "Recording",
 ]

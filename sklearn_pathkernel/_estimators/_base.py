@@ -14,7 +14,7 @@ from numbers import Integral, Real
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, _fit_context
-from sklearn.utils import Bunch, check_random_state
+from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
@@ -23,6 +23,7 @@ from .._engine import (
     CPU,
     PathKernelEngine,
     as_tensor,
+    checked_against,
     loadable_device,
     on_host,
     resolve_device,
@@ -40,24 +41,6 @@ from .._training import (
 DTYPE = torch.float64
 # Attributes validate_data(reset=True) sets on the estimator.
 _VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
-
-
-def checked_against(parts, output, **extra):
-    """The engine's decomposition ``parts`` as the estimators return it, checked
-    against the network's own ``output`` (n, K): ``residual`` is, per query,
-    ``max_k |bias + sum_i c_i + decay - output|``, the certificate computed from the
-    module's forward pass, independently of the quadrature (whose own bound is
-    ``quadrature_error``). ``extra`` fields are added as they are."""
-    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
-    return Bunch(
-        contributions=parts.contributions,
-        bias=parts.bias,
-        decay=parts.decay,
-        output=output,
-        residual=np.abs(total - output).max(axis=1),
-        quadrature_error=parts.quadrature_error,
-        **extra,
-    )
 
 
 @dataclass

@@ -1,12 +1,11 @@
 """Training: the loop, the recorder that writes the path, losses and optimiser rules.
 
 It trains a module with ``torch.optim`` (the estimators' loop, :func:`train_module`),
-or watches a user's own loop (:class:`TrainingRecorder`), and writes what happened
+or watches a user's own loop (:class:`PathRecorder`), and writes what happened
 as a recorded path (``sklearn_pathkernel._path``), refusing with
 :class:`RecordingRefused` any step it cannot represent exactly.
 """
 
-from ._io import load_recording, save_recording
 from ._loop import train_module
 from ._losses import (
     CLASSIFICATION_LOSSES,
@@ -18,7 +17,7 @@ from ._losses import (
 )
 from ._module_checks import check_module
 from ._optimizers import SOLVERS, RecordingRefused
-from ._recorder import TrainingRecorder
+from ._recorder import PathRecorder, RecordedRun
 from ._replay import check_replay, replay_in_float64
 from ._solvers import (
     SolverSettings,
@@ -37,14 +36,13 @@ __all__ = [
     "RecordingRefused",
     "SolverSettings",
     "SquaredError",
-    "TrainingRecorder",
+    "PathRecorder",
+    "RecordedRun",
     "check_module",
     "check_replay",
     "largest_difference",
     "register_loss",
-    "load_recording",
     "replay_in_float64",
-    "save_recording",
     "solver_constraints",
     "solver_hyperparameters",
     "solvers_taking",

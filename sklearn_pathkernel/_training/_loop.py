@@ -4,7 +4,7 @@ The loss is a sample-weighted mean over each batch of a per-sample loss of the
 output ``f = link(module(X))`` (see ``_losses``: cross-entropy of the log-softmax,
 or squared error). Every step is taken by a torch.optim optimiser (an optimiser rule of
 ``_optimizers``: plain SGD, momentum, Nesterov, Adam, AdamW, weight decay) and recorded
-by the same :class:`~sklearn_pathkernel._training._recorder.TrainingRecorder` that
+by the same :class:`~sklearn_pathkernel._training._recorder.PathRecorder` that
 records a user's own loop: the weights of every step, each step's batch and output
 gradients ``-dL_s/df(x_i)``, and the update's linear form read from the optimiser
 (with Adam's preconditioner taken from the run), which is all the exact path kernel
@@ -23,7 +23,7 @@ from sklearn.utils import check_random_state
 
 from .._path import WeightPath
 from ._losses import CrossEntropy
-from ._recorder import TrainingRecorder
+from ._recorder import PathRecorder
 from ._solvers import SolverSettings
 
 
@@ -144,7 +144,7 @@ def train_module(
     n_batches = (
         1 if _batches(n_samples, batch_size, False, rng) is None else (-(-n_samples // batch_size))
     )
-    recorder = TrainingRecorder(
+    recorder = PathRecorder(
         module,
         optimizer,
         X,

@@ -39,6 +39,7 @@ gradient from the recorded rows (``check="first"``: at the first step).
 """
 
 import copy
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -62,62 +63,46 @@ CHECKS = ("first", "every", "none")
 MISMATCH = ("refuse", "record")
 
 
-class TrainingRecorder:
-    """Records the exact path kernel's data from a user's own training loop.
+@dataclass(frozen=True)
+class RecordedRun:
+    """What a finished recording holds (:meth:`PathRecorder.finish_run`, or a
+    recording read from disk): the arguments of a ``Recording``.
 
-    Parameters
+    Attributes
     ----------
     module : torch.nn.Module
-        The network, at its initial weights. Its output (n, K) is the function
-        ``f`` the kernel decomposes. Parameters with ``requires_grad=False`` when
-        the recorder is created are constants (a frozen backbone); every other
-        parameter must be in ``optimizer``.
-    optimizer : torch.optim.Optimizer
-        ``torch.optim.SGD`` (dampening 0), ``Adam`` or ``AdamW`` (see
-        :mod:`._optimizers`), with any parameter groups and scheduler.
-    X : torch.Tensor of shape (n_samples, ...)
-        The training inputs; :meth:`rows` names rows of it. Each training batch
-        must equal ``X[rows]`` exactly (a randomly augmented batch is refused).
-    y : array-like or torch.Tensor, default=None
-        The training targets, kept with the recording (for explanations that
-        group training points by class); not used by the kernel.
-    check : {"first", "every", "none"}, default="first"
-        Recompute a step's gradient from its recorded rows and output gradients
-        (one extra forward and backward pass) and compare it with the
-        optimiser's: at the first step, at every step, or never. With
-        ``"every"`` the gradients are also fingerprinted by their L1 norm, which
-        catches in-place edits that do not bump torch's version counter (an AMP
-        scaler's ``unscale_``) at any step; otherwise the version counter and
-        the tensor's identity catch clipping and manual edits.
-    max_steps : int or None, default=None
-        The number of steps expected, if known (any number may be taken): the
-        host arrays are allocated once for that many. Otherwise they start
-        small and double when full (each row is then copied about once more).
-    link : callable or None, default=None
-        ``f = link(module(x))``, the function the kernel decomposes (the
-        identity when None). With a link, pass its output to :meth:`rows`
-        (``output=``): the output gradients are then taken on ``f``.
-    storage : "memory", "disk" or path-like, default="memory"
-        Where the weights and scales live (see
-        :func:`~._path.allocate_weights`); on disk needs ``max_steps``.
-    on_mismatch : {"refuse", "record"}, default="refuse"
-        What :meth:`finish` (and every query of the recording, while it holds
-        the user's module) does when the network the user holds is not the
-        recorded one: its trained parameters differ from the recorded final
-        weights, or a constant (frozen parameter, buffer) changed since the
-        recorder was created. ``"refuse"`` raises :class:`RecordingRefused`
-        naming the tensor and the size of the difference; ``"record"`` keeps
-        the kernel of the recorded network and says, in every result, that the
-        user's model is another (``model_difference`` of ``decompose``, a
-        warning from every other query). Weights changed *between* steps are
-        always refused, at the step.
+        A copy of the recorded network, at its final weights, in its training dtype.
+    path : WeightPath
+        The recorded path.
+    X : torch.Tensor
+        The training inputs the path's rows index.
+    dtype : torch.dtype
+        The dtype the network was trained in.
+    link, targets, live_module, on_mismatch, mismatch, model_difference
+        As ``Recording`` takes them.
+    """
 
-    Notes
-    -----
-    Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
-    more numbers) and of the output gradients (``|B_s| K``) to the host, the
-    step's row indices, and one bitwise comparison of the weights with the
-    previous step's result; the inputs are not copied.
+    module: nn.Module
+    path: object
+    X: torch.Tensor
+    dtype: torch.dtype
+    link: object = None
+    targets: object = None
+    live_module: nn.Module = None
+    on_mismatch: str = "refuse"
+    mismatch: str = None
+    model_difference: float = 0.0
+
+    def arguments(self):
+        """The fields as keyword arguments (the tensors themselves, not copies)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class PathRecorder:
+    """Records the path of a training loop: the hooks, the per-step checks and the
+    step log, for the estimators' loop and (as the public ``TrainingRecorder``,
+    which adds ``finish``) for a user's own loop. See ``TrainingRecorder`` for the
+    parameters.
     """
 
     def __init__(
@@ -222,8 +207,8 @@ class TrainingRecorder:
         self._last_rows = rows, indices
         return rows
 
-    def finish(self, at_step=None):
-        """Detach the hooks and return the :class:`~.._estimators._recording.Recording`.
+    def finish_run(self, at_step=None):
+        """Detach the hooks and return the :class:`RecordedRun`.
 
         The network the user holds must be the recorded one: its trained
         parameters bitwise the weights after the last step (or after step
@@ -245,8 +230,6 @@ class TrainingRecorder:
             difference and, when the weights are those of another recorded
             step, that step.
         """
-        from .._estimators import Recording
-
         n_steps = self.n_steps
         if at_step is None:
             at_step = n_steps
@@ -270,7 +253,7 @@ class TrainingRecorder:
                 if name in final:
                     param.copy_(final[name].reshape(param.shape))
         self._constants.restore(module)
-        return Recording(
+        return RecordedRun(
             module,
             path,
             self.X,

@@ -22,8 +22,8 @@ from test_recorder import data, mlp, replay
 
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._estimators._recording import ModuleOutput, Recording
 from sklearn_pathkernel._path import Blockwise
+from sklearn_pathkernel._recording._recording import ModuleOutput, Recording
 
 
 def three_groups(model, first, second, biases):

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sklearn_pathkernel import TrainingRecorder
-from sklearn_pathkernel._estimators._recording import Recording
-from sklearn_pathkernel._training._io import ARRAYS, MANIFEST
+from sklearn_pathkernel import Recording, TrainingRecorder
+from sklearn_pathkernel._recording._io import ARRAYS, MANIFEST
 from sklearn_pathkernel._training._optimizers import RecordingRefused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,10 +57,10 @@ def test_round_trip_in_another_process(recording, tmp_path):
         f"""
         import sys
         import numpy as np, torch
-        sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, "tests", "training")!r}]
+        sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, "tests", "recording")!r}]
         torch.set_num_threads(1)
         from test_recording_io import build, data
-        from sklearn_pathkernel._estimators._recording import Recording
+        from sklearn_pathkernel import Recording
         recording = Recording.load({str(tmp_path)!r}, build, data()[0])
         parts = recording.decompose(data()[0][:3])
         np.save({str(tmp_path / "out.npy")!r}, np.concatenate(

@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._estimators._recording import ModuleOutput
+from sklearn_pathkernel._recording._recording import ModuleOutput
 from sklearn_pathkernel._training._optimizers import RecordingRefused
 from sklearn_pathkernel._training._replay import (
     ROUNDING_STEPS,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._path import UpdateRecord, WeightPath, from_plain, steps_to_plain, to_plain
-from ._optimizers import RecordingRefused
+from .._training import RecordedRun, RecordingRefused
 
 FORMAT = "sklearn_pathkernel.recording"
 FORMAT_VERSION = 1
@@ -162,8 +162,8 @@ def _link_name(link):
     return f"{getattr(link, '__module__', '?')}.{getattr(link, '__qualname__', repr(link))}"
 
 
-def load_recording(directory, module, X, link=None):
-    """Load the recording in ``directory``.
+def read_recording(directory, module, X, link=None):
+    """Read the recording in ``directory``.
 
     Parameters
     ----------
@@ -178,7 +178,8 @@ def load_recording(directory, module, X, link=None):
 
     Returns
     -------
-    Recording
+    RecordedRun
+        What ``Recording`` is made of.
 
     Raises
     ------
@@ -186,8 +187,6 @@ def load_recording(directory, module, X, link=None):
         A missing, truncated or corrupted recording, another format version,
         another module (parameter names, shapes or dtypes) or other data.
     """
-    from .._estimators import Recording
-
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
     arrays = _read_arrays(directory, manifest)
@@ -235,7 +234,7 @@ def load_recording(directory, module, X, link=None):
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
-    return Recording(
+    return RecordedRun(
         module,
         path,
         X,

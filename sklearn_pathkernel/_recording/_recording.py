@@ -38,7 +38,8 @@ import warnings
 import numpy as np
 import torch
 
-from .._engine import PathKernelEngine
+from .._engine import PathKernelEngine, checked_against
+from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin, recording_context
 from .._path import FunctionLink
 from .._training import (
@@ -48,7 +49,7 @@ from .._training import (
     largest_difference,
     replay_in_float64,
 )
-from ._base import checked_against
+from ._io import read_recording, save_recording
 
 DTYPE = torch.float64
 
@@ -319,27 +320,21 @@ class Recording(ExplanationMixin):
     def kernel_(self):
         """The learned kernel as a scikit-learn ``Kernel`` on flattened rows (a row
         equal to a training row is on the training copy)."""
-        from ._kernel import ExactPathKernel
-
         return ExactPathKernel(self._engine())
 
     # -- storage ---------------------------------------------------------------------
 
     def save(self, directory):
-        """Write the recording to ``directory`` (see :func:`~.._training._io.save_recording`)."""
-        from .._training import save_recording
-
+        """Write the recording to ``directory`` (see :func:`~._io.save_recording`)."""
         save_recording(self, directory)
 
     @classmethod
     def load(cls, directory, module, X, link=None):
         """Load a recording saved by :meth:`save` (see
-        :func:`~.._training._io.load_recording`): needs the module (its structure; its
+        :func:`~._io.read_recording`): needs the module (its structure; its
         weights are set from the recording), the training inputs and, if the
         recorder had one, its ``link``."""
-        from .._training import load_recording
-
-        return load_recording(directory, module, X, link=link)
+        return cls(**read_recording(directory, module, X, link=link).arguments())
 
 
 def _state(module):

@@ -1,0 +1,98 @@
+"""TrainingRecorder: the exact path kernel of a user's own PyTorch loop, in two lines.
+
+The recording itself (hooks, per-step checks, the step log) is the training floor's
+:class:`~sklearn_pathkernel._training.PathRecorder`, the one the estimators' loop
+uses too; this public face adds :meth:`TrainingRecorder.finish`, which hands the
+run to a :class:`~._recording.Recording`.
+"""
+
+from .._training import PathRecorder
+from ._recording import Recording
+
+
+class TrainingRecorder(PathRecorder):
+    """Records the exact path kernel's data from a user's own training loop.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network, at its initial weights. Its output (n, K) is the function
+        ``f`` the kernel decomposes. Parameters with ``requires_grad=False`` when
+        the recorder is created are constants (a frozen backbone); every other
+        parameter must be in ``optimizer``.
+    optimizer : torch.optim.Optimizer
+        ``torch.optim.SGD`` (dampening 0), ``Adam`` or ``AdamW`` (or any
+        optimiser with a registered rule), with any parameter groups and scheduler.
+    X : torch.Tensor of shape (n_samples, ...)
+        The training inputs; :meth:`rows` names rows of it. Each training batch
+        must equal ``X[rows]`` exactly (a randomly augmented batch is refused).
+    y : array-like or torch.Tensor, default=None
+        The training targets, kept with the recording (for explanations that
+        group training points by class); not used by the kernel.
+    check : {"first", "every", "none"}, default="first"
+        Recompute a step's gradient from its recorded rows and output gradients
+        (one extra forward and backward pass) and compare it with the
+        optimiser's: at the first step, at every step, or never. With
+        ``"every"`` the gradients are also fingerprinted by their L1 norm, which
+        catches in-place edits that do not bump torch's version counter (an AMP
+        scaler's ``unscale_``) at any step; otherwise the version counter and
+        the tensor's identity catch clipping and manual edits.
+    max_steps : int or None, default=None
+        The number of steps expected, if known (any number may be taken): the
+        host arrays are allocated once for that many. Otherwise they start
+        small and double when full (each row is then copied about once more).
+    link : callable or None, default=None
+        ``f = link(module(x))``, the function the kernel decomposes (the
+        identity when None). With a link, pass its output to :meth:`rows`
+        (``output=``): the output gradients are then taken on ``f``.
+    storage : "memory", "disk" or path-like, default="memory"
+        Where the weights and scales live (see
+        :func:`~sklearn_pathkernel._path.allocate_weights`); on disk needs ``max_steps``.
+    on_mismatch : {"refuse", "record"}, default="refuse"
+        What :meth:`finish` (and every query of the recording, while it holds
+        the user's module) does when the network the user holds is not the
+        recorded one: its trained parameters differ from the recorded final
+        weights, or a constant (frozen parameter, buffer) changed since the
+        recorder was created. ``"refuse"`` raises :class:`RecordingRefused`
+        naming the tensor and the size of the difference; ``"record"`` keeps
+        the kernel of the recorded network and says, in every result, that the
+        user's model is another (``model_difference`` of ``decompose``, a
+        warning from every other query). Weights changed *between* steps are
+        always refused, at the step.
+
+    Notes
+    -----
+    Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
+    more numbers) and of the output gradients (``|B_s| K``) to the host, the
+    step's row indices, and one bitwise comparison of the weights with the
+    previous step's result; the inputs are not copied.
+    """
+
+    def finish(self, at_step=None):
+        """Detach the hooks and return the :class:`Recording` of the run.
+
+        The network the user holds must be the recorded one: its trained
+        parameters bitwise the weights after the last step (or after step
+        ``at_step``) and its constants (frozen parameters, buffers) as they were
+        when the recorder was created; otherwise see ``on_mismatch``.
+
+        Parameters
+        ----------
+        at_step : int or None, default=None
+            Early stopping that restored earlier weights: the recording of the
+            first ``at_step`` steps, whose network is the weights after them
+            (those the module must hold). None: all recorded steps.
+
+        Returns
+        -------
+        recording : Recording
+
+        Raises
+        ------
+        RecordingRefused
+            If the module's weights or constants are not the recorded network's
+            (with ``on_mismatch="refuse"``), naming the tensor, the size of the
+            difference and, when the weights are those of another recorded
+            step, that step.
+        """
+        return Recording(**self.finish_run(at_step).arguments())
