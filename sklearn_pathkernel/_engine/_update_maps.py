@@ -1,0 +1,180 @@
+"""The estimators' optimiser steps as pure functions, for differentiating a run.
+
+A step of every supported ``torch.optim`` optimiser is a map
+
+.. math::
+
+    (w_{s+1}, \\sigma_{s+1}) = U_s(w_s, \\sigma_s, G_s),
+
+of the weights :math:`w_s`, the optimiser state :math:`\\sigma_s` (nothing for plain
+SGD, the momentum buffer :math:`b`, Adam's moments :math:`m, v`) and the step's loss
+gradient :math:`G_s`. Written with differentiable torch operations, ``torch.func.vjp``
+gives the adjoint of the state alongside the weights' (the reverse mode of the exact
+update, no linearisation), which is what :mod:`._adjoint` runs backward over the
+path. Per rule family, with :math:`\\eta_s` the step's learning rate:
+
+- :class:`SGDMap` (``torch.optim.SGD``, dampening 0): :math:`g = G + \\lambda w`,
+  :math:`b' = \\mu b + g` (:math:`b_0 = 0`, so the first step's buffer is :math:`g`,
+  as torch's), :math:`w' = w - \\eta (g + \\mu b')` with Nesterov, :math:`w' = w - \\eta
+  b'` otherwise (:math:`w' = w - \\eta g` without momentum: no state);
+- :class:`AdamMap` (``torch.optim.Adam``/``AdamW``, no amsgrad): AdamW first scales
+  :math:`w \\leftarrow (1 - \\eta \\lambda) w`, Adam adds :math:`\\lambda w` to
+  :math:`G`; then :math:`m' = \\beta_1 m + (1 - \\beta_1) g`, :math:`v' = \\beta_2 v + (1 -
+  \\beta_2) g^2`, and with :math:`t = s + 1`, :math:`w' = w - \\frac{\\eta}{1 - \\beta_1^t}
+  \\, m' / (\\sqrt{v'} / \\sqrt{1 - \\beta_2^t} + \\epsilon)`.
+
+Where :math:`v' = 0` (a weight whose gradient has been exactly zero so far)
+:math:`\\sqrt{v'}` is not differentiable (:math:`|g|`-like); its derivative is taken as
+0 there (the subgradient at the kink), a documented convention that only matters
+for weights the loss has never reached.
+
+A new rule family is one :class:`UpdateMap` subclass, registered for its
+:class:`~sklearn_pathkernel._training._updates.UpdateRule` class in
+:data:`UPDATE_MAPS`.
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .._training._updates import AdamUpdate, AdamWUpdate, SGDUpdate
+
+
+class UpdateMap(ABC):
+    """One optimiser's step as a pure function of ``(w, state, G)``.
+
+    Parameters
+    ----------
+    rule : UpdateRule
+        The rule the run was trained with (its hyperparameters).
+    learning_rates : ndarray of shape (n_steps,)
+        The learning rate of every step, as recorded.
+    """
+
+    def __init__(self, rule, learning_rates):
+        self.rule = rule
+        self.learning_rates = [float(lr) for lr in learning_rates]
+
+    @property
+    @abstractmethod
+    def n_state(self):
+        """How many weight-sized tensors the state holds."""
+
+    def initial_state(self, weights):
+        """The state before the first step: zeros, a tuple of :attr:`n_state` tensors."""
+        return tuple(torch.zeros_like(weights) for _ in range(self.n_state))
+
+    @abstractmethod
+    def __call__(self, step, weights, state, gradient):
+        """``(w_{s+1}, state_{s+1})`` of step ``step`` from ``w_s``, ``state_s`` and
+        ``G_s`` (flat tensors; the state a tuple), by differentiable operations."""
+
+    @abstractmethod
+    def loss_scaling(self, scale, parameters):
+        """Estimator parameters that train exactly the run whose every loss is
+        multiplied by ``scale`` (every row's loss weight ``1 + eps`` with ``eps =
+        scale - 1``): the check of the scores' sum by real retraining.
+
+        Parameters
+        ----------
+        scale : float
+        parameters : dict
+            The estimator's ``learning_rate``, ``weight_decay`` and ``epsilon``.
+
+        Returns
+        -------
+        dict
+            The changed parameters.
+        """
+
+
+class SGDMap(UpdateMap):
+    """``torch.optim.SGD``: momentum (dampening 0), Nesterov, L2 weight decay."""
+
+    @property
+    def n_state(self):
+        return 1 if self.rule.momentum > 0 else 0
+
+    def __call__(self, step, weights, state, gradient):
+        lr, rule = self.learning_rates[step], self.rule
+        g = gradient + rule.weight_decay * weights if rule.weight_decay else gradient
+        if rule.momentum == 0:
+            return weights - lr * g, ()
+        (buffer,) = state
+        buffer = rule.momentum * buffer + g
+        direction = g + rule.momentum * buffer if rule.nesterov else buffer
+        return weights - lr * direction, (buffer,)
+
+    def loss_scaling(self, scale, parameters):
+        # w - lr c (G + (lambda / c) w) = w - lr (c G + lambda w); the buffer scales by c.
+        return {
+            "learning_rate": _scaled(parameters["learning_rate"], scale),
+            "weight_decay": parameters["weight_decay"] / scale,
+        }
+
+
+class AdamMap(UpdateMap):
+    """``torch.optim.Adam`` and ``AdamW`` (no amsgrad), with their weight decay."""
+
+    n_state = 2
+
+    def __call__(self, step, weights, state, gradient):
+        lr, rule = self.learning_rates[step], self.rule
+        if rule.decoupled_decay:
+            weights = weights * (1.0 - lr * rule.weight_decay)
+            g = gradient
+        else:
+            g = gradient + rule.weight_decay * weights if rule.weight_decay else gradient
+        m, v = state
+        m = rule.beta_1 * m + (1.0 - rule.beta_1) * g
+        v = rule.beta_2 * v + (1.0 - rule.beta_2) * g * g
+        t = step + 1
+        step_size = lr / (1.0 - rule.beta_1**t)
+        correction = (1.0 - rule.beta_2**t) ** 0.5
+        denominator = _safe_sqrt(v) / correction + rule.epsilon
+        return weights - step_size * m / denominator, (m, v)
+
+    def loss_scaling(self, scale, parameters):
+        # m / (sqrt(v) + eps / c) = c m / (sqrt(c^2 v) + eps): Adam of c g with eps.
+        changed = {"epsilon": parameters["epsilon"] / scale}
+        if not self.rule.decoupled_decay:
+            changed["weight_decay"] = parameters["weight_decay"] / scale
+        return changed
+
+
+class _ScaledSchedule:
+    """A learning-rate schedule times a constant."""
+
+    def __init__(self, schedule, scale):
+        self.schedule, self.scale = schedule, scale
+
+    def __call__(self, step):
+        return self.schedule(step) * self.scale
+
+
+def _scaled(learning_rate, scale):
+    """A learning rate (a number or a schedule) times ``scale``."""
+    if callable(learning_rate):
+        return _ScaledSchedule(learning_rate, scale)
+    return learning_rate * scale
+
+
+def _safe_sqrt(v):
+    """``sqrt(v)`` with derivative 0 where ``v == 0`` (instead of infinity)."""
+    positive = v > 0
+    return torch.where(positive, torch.sqrt(torch.where(positive, v, torch.ones_like(v))), 0.0)
+
+
+#: The update map of each update rule class (the one place they are chosen).
+UPDATE_MAPS = {SGDUpdate: SGDMap, AdamUpdate: AdamMap, AdamWUpdate: AdamMap}
+
+
+def update_map(rule, learning_rates):
+    """The :class:`UpdateMap` of ``rule`` (an ``UpdateRule``), or a clear error."""
+    cls = UPDATE_MAPS.get(type(rule))
+    if cls is None:
+        raise ValueError(
+            f"Counterfactual attribution has no update map for {type(rule).__name__}; "
+            f"supported: {sorted(c.__name__ for c in UPDATE_MAPS)}."
+        )
+    return cls(rule, learning_rates)
