@@ -379,6 +379,28 @@ def captum_tracin_self(ctx):
     return _captum(ctx.noisy, ctx.task.X_train, ctx.noisy_y, None, None)
 
 
+# -- counterfactual ------------------------------------------------------------------
+
+
+def counterfactual(ctx, hessian=True):
+    """d margin / d log(sample weight) of each training row, through the whole run."""
+    task = ctx.task
+    found = ctx.clf.counterfactual(task.X_test, task.y_test, target="margin", hessian=hessian)
+    return found.scores.T
+
+
+def counterfactual_self(ctx, hessian=True):
+    return ctx.noisy.self_influence(method="counterfactual", hessian=hessian).scores
+
+
+def counterfactual_no_hessian(ctx):
+    return counterfactual(ctx, hessian=False)
+
+
+def counterfactual_no_hessian_self(ctx):
+    return counterfactual_self(ctx, hessian=False)
+
+
 # -- random --------------------------------------------------------------------------
 
 
@@ -407,6 +429,8 @@ METHODS = {
     "if-explicit": (influence, influence_self),
     "captum-tracincp-10": (captum_tracin, captum_tracin_self),
     "random": (random_scores, random_self),
+    "counterfactual": (counterfactual, counterfactual_self),
+    "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
 }
 
 #: name -> the label of the table

@@ -24,6 +24,16 @@ over the steps,
     \\big[U_s(w_s, \\sigma_s, \\nabla_w L_s(w_s; \\varepsilon))\\big](\\lambda_{s+1}, \\mu_{s+1}),
 
 and :math:`\\partial T / \\partial \\varepsilon_i = \\sum_{s : i \\in B_s} \\delta_{s,i}`.
+
+Without the Hessian term (``hessian=False``) each step's loss gradient is held at the
+recorded weights while the rows' weights move: :math:`\\lambda` then changes only
+through the update's explicit dependence on :math:`w` (weight decay) and the optimiser
+state's adjoint, i.e. the final target gradient carried back through the optimiser's
+accumulation (for plain GD, :math:`\\delta_{s,i} = \\eta_s a_{s,i} \\langle \\nabla T(w_S),
+-\\nabla l_i(w_s) \\rangle`, Grad-Dot along the path). It is the derivative of a run
+whose later steps do not react to the earlier moves: the form to use when the exact
+adjoint grows so much along the run that its linear regime is far smaller than a
+row's removal (see the user guide's measurements).
 For plain gradient descent this is :math:`\\delta_{s,i} = \\eta_s a_{s,i}\\langle
 \\lambda_{s+1}, -\\nabla_w l_i(w_s) \\rangle` and :math:`\\lambda_s = (I - \\eta_s H_s)
 \\lambda_{s+1}` with :math:`H_s` the Hessian of the batch loss (a Hessian-vector
@@ -118,12 +128,16 @@ class TrainingRun:
 
         return grad(batch_loss), rows, shares
 
-    def step_function(self, step):
-        """``U_s(w, state, G(w, eps))`` as a function of ``(w, state, eps)``."""
+    def step_function(self, step, hessian=True):
+        """``U_s(w, state, G(w, eps))`` as a function of ``(w, state, eps)``; with
+        ``hessian=False``, ``U_s(w, state, G(w_s, eps))``: the gradient held at the
+        recorded weights (its dependence on ``w`` cut, so no Hessian term)."""
         gradient, rows, shares = self.gradient_function(step)
+        recorded = self.weights(step)
 
         def update(weights, state, eps):
-            return self.update(step, weights, state, gradient(weights, eps))
+            at = weights if hessian else recorded
+            return self.update(step, weights, state, gradient(at, eps))
 
         return update, rows, shares
 
@@ -210,9 +224,11 @@ class AdjointSweep:
             values = vmap(value, in_dims=(None, 0, 0))(final, queries, labels)
         return values, gradients
 
-    def run_queries(self, queries, target, labels):
+    def run_queries(self, queries, target, labels, hessian=True):
         """The :class:`SweepResult` of ``queries`` (a tensor on the device) for
-        ``target`` with one ``label`` per query (a tensor)."""
+        ``target`` with one ``label`` per query (a tensor); ``hessian=False`` sweeps
+        the run with every step's gradient held at its recorded weights (see
+        :meth:`TrainingRun.step_function`)."""
         run = self.run
         states = self.replay()
         n, M, S = queries.shape[0], run.X.shape[0], run.n_steps
@@ -224,7 +240,7 @@ class AdjointSweep:
         norms = np.zeros((S + 1, n))
         norms[S] = torch.linalg.vector_norm(adjoint, dim=1).cpu().numpy()
         for step in range(S - 1, -1, -1):
-            update, rows, shares = run.step_function(step)
+            update, rows, shares = run.step_function(step, hessian)
             weights = run.weights(step)
             state = tuple(t.to(device) for t in states[step])
             eps = torch.zeros(rows.shape[0], dtype=dtype, device=device)

@@ -117,11 +117,11 @@ def resolve_target(name, is_classifier, loss):
     return cls(loss) if cls is LossTarget else cls()
 
 
-def sweep_queries(sweep, queries, target, labels, batch_size):
+def sweep_queries(sweep, queries, target, labels, batch_size, hessian=True):
     """The sweep over tiles of ``batch_size`` queries, joined: a dict of arrays."""
     parts = []
     for tile in query_tiles(queries.shape[0], batch_size):
-        parts.append(sweep.run_queries(queries[tile], target, labels[tile]))
+        parts.append(sweep.run_queries(queries[tile], target, labels[tile], hessian))
     return {
         "scores": np.concatenate([p.weight_scores for p in parts]),
         "loss_weight_scores": np.concatenate([p.scores for p in parts]),
@@ -132,7 +132,7 @@ def sweep_queries(sweep, queries, target, labels, batch_size):
 
 def counterfactual_attribution(
     context, queries, *, y=None, target="output", output=None, columns=None, batch_size=64,
-    certify=0, h=1e-4, random_state=0,
+    certify=0, h=1e-4, random_state=0, hessian=True,
 ):  # fmt: skip
     """A :class:`CounterfactualAttribution` of ``queries`` (a tensor on the device).
 
@@ -158,7 +158,7 @@ def counterfactual_attribution(
     else:
         per_query = loss_labels(context, run, y, n)
     sweep = AdjointSweep(run)
-    parts = sweep_queries(sweep, queries, target_fn, per_query, batch_size)
+    parts = sweep_queries(sweep, queries, target_fn, per_query, batch_size, hessian)
     attribution = CounterfactualAttribution(
         **parts,
         target=target,
@@ -233,14 +233,16 @@ def loss_labels(context, run, y, n):
     return torch.as_tensor(values, dtype=run.X.dtype, device=run.X.device)
 
 
-def counterfactual_outputs(context, queries, batch_size, diagonal=False):
+def counterfactual_outputs(context, queries, batch_size, diagonal=False, hessian=True):
     """The ``"output"`` scores of every output of every query: (n, M, K) scores and
     the (n, K) outputs; with ``diagonal`` (the queries are the training rows) only
     each row's own scores, (n, K). ``n K`` adjoint vectors, ``batch_size`` at a time."""
     n, K = queries.shape[0], context.engine.n_outputs
     repeated = queries.repeat_interleave(K, dim=0)
     columns = np.tile(np.arange(K), n)
-    found = counterfactual_attribution(context, repeated, columns=columns, batch_size=batch_size)
+    found = counterfactual_attribution(
+        context, repeated, columns=columns, batch_size=batch_size, hessian=hessian
+    )
     values = found.values.reshape(n, K)
     scores = found.scores.reshape(n, K, -1)
     if diagonal:

@@ -111,7 +111,7 @@ class ExplanationMixin:
             training_rows=context.training_rows().reshape(context.n_train, -1),
         )
 
-    def self_influence(self, *, first_epoch=0, method="contributions", batch_size=64):
+    def self_influence(self, *, first_epoch=0, method="contributions", batch_size=64, hessian=True):
         """Each training point's contribution to its own output, for mislabel
         and outlier detection.
 
@@ -149,12 +149,12 @@ class ExplanationMixin:
         if _check_method(method) == "counterfactual":
             if first_epoch != 0:
                 raise ValueError("first_epoch is for method='contributions' only.")
-            return counterfactual_self_influence(context, batch_size)
+            return counterfactual_self_influence(context, batch_size, hessian)
         return self_influence(context, context.engine.stepwise(), first_epoch)
 
     def counterfactual(
         self, X, y=None, *, target="output", output=None, batch_size=64, certify=0, h=1e-4,
-        random_state=0,
+        random_state=0, hessian=True,
     ):  # fmt: skip
         r"""How each training point's weight moves each query's target, through
         the whole recorded run: the prediction with other data, to first order.
@@ -219,6 +219,7 @@ class ExplanationMixin:
             certify=certify,
             h=h,
             random_state=random_state,
+            hessian=hessian,
         )
 
     def explain_over_time(self, X, *, period="epoch", by_class=False):
@@ -317,7 +318,7 @@ class _CounterfactualTopK:
         return self
 
 
-def counterfactual_self_influence(context, batch_size):
+def counterfactual_self_influence(context, batch_size, hessian=True):
     """The counterfactual :class:`SelfInfluence`: each training row's score for its
     own output (a classifier's own label; every output of a regressor)."""
     from ._self_influence import SelfInfluence
@@ -326,12 +327,14 @@ def counterfactual_self_influence(context, batch_size):
     M, K = context.n_train, context.engine.n_outputs
     if context.is_classifier:
         codes = context.label_codes()
-        found = counterfactual_attribution(context, rows, columns=codes, batch_size=batch_size)
+        found = counterfactual_attribution(
+            context, rows, columns=codes, batch_size=batch_size, hessian=hessian
+        )
         own = np.diagonal(found.scores).copy()
         values = np.full((M, K), np.nan)
         values[np.arange(M), codes] = own
         scores = own
     else:
-        values, _ = counterfactual_outputs(context, rows, batch_size, diagonal=True)
+        values, _ = counterfactual_outputs(context, rows, batch_size, True, hessian)
         scores = np.abs(values).sum(axis=1)
     return SelfInfluence(values, scores, context.targets, context.output_names)
