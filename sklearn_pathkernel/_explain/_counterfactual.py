@@ -63,6 +63,9 @@ class CounterfactualAttribution:
     replay_error : float
         How exactly the differentiated update map reproduces the recorded weights
         (relative to the largest step; rounding, about 1e-15).
+    hessian : bool
+        Whether the sweep kept the Hessian term (the exact derivative) or held every
+        step's gradient at its recorded weights (the default for Adam and AdamW).
     certificate : RetrainingCertificate or None
         Finite differences of real retraining (``certify`` rows), or None.
     """
@@ -74,6 +77,7 @@ class CounterfactualAttribution:
     columns: np.ndarray
     adjoint_norms: np.ndarray
     replay_error: float
+    hessian: bool = True
     certificate: object = None
 
     @property
@@ -132,7 +136,7 @@ def sweep_queries(sweep, queries, target, labels, batch_size, hessian=True):
 
 def counterfactual_attribution(
     context, queries, *, y=None, target="output", output=None, columns=None, batch_size=64,
-    certify=0, h=1e-4, random_state=0, hessian=True,
+    certify=0, h=1e-4, random_state=0, hessian=None,
 ):  # fmt: skip
     """A :class:`CounterfactualAttribution` of ``queries`` (a tensor on the device).
 
@@ -149,6 +153,8 @@ def counterfactual_attribution(
         )
     _check_settings(certify, h)
     run = context.training_run()
+    if hessian is None:
+        hessian = run.update.stable_adjoint
     target_fn = resolve_target(target, context.is_classifier, run.loss)
     n = queries.shape[0]
     if columns is None:
@@ -164,6 +170,7 @@ def counterfactual_attribution(
         target=target,
         columns=np.asarray(columns),
         replay_error=sweep.replay_error,
+        hessian=bool(hessian),
     )
     if not certify:
         return attribution
@@ -233,7 +240,7 @@ def loss_labels(context, run, y, n):
     return torch.as_tensor(values, dtype=run.X.dtype, device=run.X.device)
 
 
-def counterfactual_outputs(context, queries, batch_size, diagonal=False, hessian=True):
+def counterfactual_outputs(context, queries, batch_size, diagonal=False, hessian=None):
     """The ``"output"`` scores of every output of every query: (n, M, K) scores and
     the (n, K) outputs; with ``diagonal`` (the queries are the training rows) only
     each row's own scores, (n, K). ``n K`` adjoint vectors, ``batch_size`` at a time."""

@@ -111,7 +111,7 @@ class ExplanationMixin:
             training_rows=context.training_rows().reshape(context.n_train, -1),
         )
 
-    def self_influence(self, *, first_epoch=0, method="contributions", batch_size=64, hessian=True):
+    def self_influence(self, *, first_epoch=0, method="contributions", batch_size=64, hessian=None):
         """Each training point's contribution to its own output, for mislabel
         and outlier detection.
 
@@ -130,6 +130,8 @@ class ExplanationMixin:
             over the run, ``batch_size`` at a time.
         batch_size : int, default=64
             Training rows per adjoint sweep (``method="counterfactual"``).
+        hessian : bool or None, default=None
+            As in :meth:`counterfactual` (``method="counterfactual"``).
 
         Returns
         -------
@@ -154,7 +156,7 @@ class ExplanationMixin:
 
     def counterfactual(
         self, X, y=None, *, target="output", output=None, batch_size=64, certify=0, h=1e-4,
-        random_state=0, hessian=True,
+        random_state=0, hessian=None,
     ):  # fmt: skip
         r"""How each training point's weight moves each query's target, through
         the whole recorded run: the prediction with other data, to first order.
@@ -194,6 +196,16 @@ class ExplanationMixin:
             Relative step of the finite differences.
         random_state : int, default=0
             Draws the rows checked.
+        hessian : bool or None, default=None
+            ``True``: the exact derivative (every later step's gradient reacts to
+            the earlier moves, a Hessian-vector product per step). ``False``: every
+            step's gradient held at its recorded weights (the final target gradient
+            carried back through the optimiser's exact update: no Hessian term).
+            None: the optimiser family's rule, exact for SGD (with momentum,
+            Nesterov, weight decay), without the Hessian for Adam and AdamW, whose
+            exact adjoint grows by 1e4 to 1e6 along a run (see the user guide). The
+            certificate checks the exact derivative: with ``hessian=False`` its error
+            is how far the scores are from it.
 
         Returns
         -------
@@ -318,7 +330,7 @@ class _CounterfactualTopK:
         return self
 
 
-def counterfactual_self_influence(context, batch_size, hessian=True):
+def counterfactual_self_influence(context, batch_size, hessian=None):
     """The counterfactual :class:`SelfInfluence`: each training row's score for its
     own output (a classifier's own label; every output of a regressor)."""
     from ._self_influence import SelfInfluence

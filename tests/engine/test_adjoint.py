@@ -54,7 +54,9 @@ def test_certificate_by_retraining(fitted):
     """Central differences of real retraining, one row's sample weight at a time and
     every row's loss at once: the sweep's scores to 1e-6 relative."""
     clf, X, y = fitted
-    result = clf.counterfactual(X[:3], y[:3], target="margin", certify=3, random_state=1)
+    result = clf.counterfactual(
+        X[:3], y[:3], target="margin", certify=3, random_state=1, hessian=True
+    )
     certificate = result.certificate
     assert certificate.row_error < 1e-6
     assert certificate.total_error < 1e-6
@@ -122,5 +124,32 @@ def test_regressor_outputs_and_loss():
         batch_size=10, momentum=0.5, random_state=0,
     ).fit(X, targets)  # fmt: skip
     for kwargs in (dict(output=1), dict(y=targets[:2], target="loss")):
-        certificate = reg.counterfactual(X[:2], certify=2, **kwargs).certificate
+        certificate = reg.counterfactual(X[:2], certify=2, hessian=True, **kwargs).certificate
         assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+def test_the_default_rule_is_the_optimiser_familys():
+    """Exact for the SGD family, the Hessian term cut for Adam and AdamW."""
+    for solver, exact in (("momentum", True), ("adam-decay", False), ("adamw", False)):
+        clf, X, _ = fit(solver)
+        assert clf.counterfactual(X[:1]).hessian is exact
+
+
+def test_without_the_hessian_plain_gd_is_grad_dot_along_the_path():
+    """hessian=False, plain GD: delta_{s,i} = lr_s a_{s,i} <grad T(w_S), -grad l_i(w_s)>."""
+    clf, X, _ = fit("sgd-mini")
+    run = estimator_context(clf).training_run()
+    sweep = AdjointSweep(run)
+    query, label = torch.as_tensor(X[:1]), torch.tensor([1])
+    result = sweep.run_queries(query, OutputTarget(), label, hessian=False)
+    _, final_gradient = sweep.target_gradients(query, OutputTarget(), label)
+    expected = np.zeros(run.X.shape[0])
+    for step in range(run.n_steps):
+        rows, shares = run.batch(step)
+        for row, share in zip(rows.tolist(), shares.tolist(), strict=True):
+            w = run.weights(step).requires_grad_(True)
+            f = run.output(w, run.X[row : row + 1])
+            (g_row,) = torch.autograd.grad(run.loss.per_sample(f, run.y[row : row + 1]).sum(), w)
+            lr = run.path.learning_rates[step]
+            expected[row] -= lr * share * float(final_gradient[0] @ g_row)
+    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-15)
