@@ -40,7 +40,9 @@ def problem():
 
     def engine(n_jobs):
         # tile_size=8: several row tiles, so that tasks really are split
-        return PathKernelEngine(clf.module_, clf.path_, clf._fit_X, n_jobs=n_jobs, tile_size=8)
+        return PathKernelEngine(
+            clf.module_, clf.path_, clf._fit_X, n_jobs=n_jobs, tile_size=8
+        )
 
     return engine, X_t, queries
 
