@@ -21,6 +21,8 @@ DistanceConv2d
 Explanation, SelfInfluence, TimeAttribution
     The results of the estimators' ``explain``, ``self_influence`` and
     ``explain_over_time``.
+CounterfactualAttribution, RetrainingCertificate
+    The result of the estimators' ``counterfactual`` and its check by retraining.
 TrainingRecorder
     Records the exact path kernel of a network trained in your own PyTorch loop.
 Recording
@@ -36,8 +38,10 @@ from ._estimators._kernel import ExactPathKernel
 from ._estimators._recording import Recording
 from ._estimators._regressor import ExactPathKernelRegressor
 from ._estimators._transformer import PathKernelTransformer
+from ._explain._counterfactual import CounterfactualAttribution
 from ._explain._explanation import Explanation
 from ._explain._over_time import TimeAttribution
+from ._explain._retraining import RetrainingCertificate
 from ._explain._self_influence import SelfInfluence
 from ._nn._distance import DistanceLayer
 from ._nn._distance_conv import DistanceConv2d
@@ -45,6 +49,7 @@ from ._training._optimizers import RecordingRefused
 from ._training._recorder import TrainingRecorder
 
 __all__ = [
+    "CounterfactualAttribution",
     "DistanceConv2d",
     "DistanceKernelClassifier",
     "DistanceKernelRegressor",
@@ -56,6 +61,7 @@ __all__ = [
     "PathKernelTransformer",
     "Recording",
     "RecordingRefused",
+    "RetrainingCertificate",
     "SelfInfluence",
     "TimeAttribution",
     "TrainingRecorder",
