@@ -89,3 +89,29 @@ def test_leave_one_out_is_first_order(small_classifier):
         actual = refit.predict_log_proba(X[:2])[:, 0]
         error = np.abs(result.loo_predictions()[:, i] - actual)
         assert (error < 0.1 * np.abs(result.scores[:, i]) + 1e-6).all()
+
+
+def test_a_recording_says_what_it_lacks():
+    """A recording of a user's own loop does not know its loss, sample weights or
+    optimiser's update map: a clear error, not a wrong answer."""
+    import torch
+    from torch import nn
+
+    from sklearn_pathkernel import TrainingRecorder
+
+    X = torch.randn(12, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = (X[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X, y=y)
+    for _ in range(2):
+        optimizer.zero_grad()
+        out = model(X)
+        recorder.rows(torch.arange(12))
+        torch.nn.functional.cross_entropy(out, y).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    with pytest.raises(ValueError, match="Counterfactual attribution needs the training loss"):
+        recording.counterfactual(X[:1])
+    with pytest.raises(ValueError, match="Counterfactual attribution needs the training loss"):
+        recording.explain(X[:1], k=2, method="counterfactual")
