@@ -244,8 +244,15 @@ class AdjointSweep:
             weights = run.weights(step)
             state = tuple(t.to(device) for t in states[step])
             eps = torch.zeros(rows.shape[0], dtype=dtype, device=device)
-            _, pullback = vjp(update, weights, state, eps)
-            adjoint, state_adjoint, delta = vmap(pullback)((adjoint, state_adjoint))
+            try:
+                _, pullback = vjp(update, weights, state, eps)
+                adjoint, state_adjoint, delta = vmap(pullback)((adjoint, state_adjoint))
+            except NotImplementedError as error:
+                raise NotImplementedError(
+                    "Counterfactual attribution differentiates each step's loss gradient "
+                    "(a second derivative of the network), which torch does not give "
+                    f"for an operation of this module: {error}"
+                ) from error
             scores.index_add_(1, rows, delta)
             weight_scores.index_add_(1, rows, delta - shares * delta.sum(1, keepdim=True))
             norms[step] = torch.linalg.vector_norm(adjoint, dim=1).cpu().numpy()

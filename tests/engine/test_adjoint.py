@@ -153,3 +153,24 @@ def test_without_the_hessian_plain_gd_is_grad_dot_along_the_path():
             lr = run.path.learning_rates[step]
             expected[row] -= lr * share * float(final_gradient[0] @ g_row)
     np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-15)
+
+
+def small_cnn(n_features, n_classes):
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 3, 2), nn.Tanh(), nn.AvgPool2d(3),
+        nn.Flatten(), nn.Linear(3, n_classes),
+    )  # fmt: skip
+
+
+def test_certificate_of_a_convolutional_network():
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(24, 16))
+    y = (X[:, :8].sum(1) > 0).astype(int)
+    clf = ExactPathKernelClassifier(
+        module=small_cnn, max_iter=3, batch_size=8, momentum=0.5, learning_rate=0.1,
+        random_state=0,
+    ).fit(X, y)  # fmt: skip
+    certificate = clf.counterfactual(X[:2], y[:2], target="loss", certify=2).certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6

@@ -115,3 +115,15 @@ def test_a_recording_says_what_it_lacks():
         recording.counterfactual(X[:1])
     with pytest.raises(ValueError, match="Counterfactual attribution needs the training loss"):
         recording.explain(X[:1], k=2, method="counterfactual")
+
+
+def test_a_network_without_second_derivatives_is_refused():
+    """torch has no second derivative of cdist (the distance layers): a clear error."""
+    from explain_models import digits
+
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    X, y = digits(30)
+    model = DistanceKernelClassifier(max_iter=1, random_state=0).fit(X, y)
+    with pytest.raises(NotImplementedError, match="second derivative of the network.*cdist"):
+        model.counterfactual(X[:1])
