@@ -104,7 +104,9 @@ class CounterfactualAttribution:
         return order[:, :k], order[:, ::-1][:, :k]
 
 
-def _check_settings(certify, h):
+def _check_settings(certify, h, hessian):
+    if hessian is not None and not isinstance(hessian, bool):
+        raise TypeError(f"hessian must be True, False or None, got {hessian!r}.")
     if isinstance(certify, bool) or not isinstance(certify, int | np.integer) or certify < 0:
         raise ValueError(f"certify must be a non-negative int (rows to retrain), got {certify!r}.")
     if not (isinstance(h, float | int) and 0 < h < 1):
@@ -151,7 +153,7 @@ def counterfactual_attribution(
             "and optimiser, which this model does not hold (a recording of a user's own "
             "loop does not know its loss)."
         )
-    _check_settings(certify, h)
+    _check_settings(certify, h, hessian)
     run = context.training_run()
     if hessian is None:
         hessian = run.update.stable_adjoint

@@ -107,6 +107,8 @@ def test_counterfactual_bad_input(small_classifier, small_regressor):
         clf.counterfactual(X[:1], certify=-1)
     with pytest.raises(ValueError, match="h must be a relative step"):
         clf.counterfactual(X[:1], h=0.0)
+    with pytest.raises(TypeError, match="hessian must be True, False or None"):
+        clf.counterfactual(X[:1], hessian="auto")
     with pytest.raises(ValueError, match="X has 5 features"):
         clf.counterfactual(X[:1, :5])
     reg, X_reg = small_regressor
