@@ -6,7 +6,9 @@ weights and batch order (the host's ``refit``) with
 - one training row's sample weight scaled by :math:`1 \\pm h`, for a sample of rows:
   the central difference :math:`(T_+ - T_-) / 2h` estimates that row's score
   :math:`\\partial T / \\partial \\log \\omega_i`;
-- every row's loss scaled by :math:`1 \\pm h` (through the solver's parameters, see
+- every row's loss scaled by :math:`1 \\pm h / \\bar{b}` (:math:`\\bar b` the mean batch
+  size, so that the weights move about as much as for one row; through the solver's
+  parameters, see
   ``UpdateMap.loss_scaling``: the learning rate for SGD, Adam's ``epsilon``, with the
   L2 weight decay divided alike): the central difference estimates
   :math:`\\sum_i \\partial T / \\partial \\varepsilon_i`, the all-rows identity.
@@ -44,8 +46,13 @@ class RetrainingCertificate:
     row_error : float
         ``max |scores - finite_differences|`` relative to each query's largest
         ``|finite_differences|``, the worst query.
+    total_h : float
+        The relative step of the sum's central difference: ``h`` over the mean batch
+        size, so that scaling every row's loss moves the weights about as much as
+        one row's sample weight does (a step as large as ``h`` for every row crosses
+        the kinks of a ReLU network).
     total_difference : ndarray of shape (n,)
-        The finite difference of every row's loss scaled by ``1 + h``.
+        The central difference of every row's loss scaled by ``1 +- total_h``.
     total_score : ndarray of shape (n,)
         The sweep's ``loss_weight_scores.sum(1)``.
     total_error : float
@@ -59,6 +66,7 @@ class RetrainingCertificate:
     finite_differences: np.ndarray
     scores: np.ndarray
     row_error: float
+    total_h: float
     total_difference: np.ndarray
     total_score: np.ndarray
     total_error: float
@@ -130,7 +138,10 @@ def retraining_certificate(context, run, evaluate, attribution, rows, h):
         differences[:, j] = (target_at(sample_weight=up) - target_at(sample_weight=down)) / (2 * h)
     scores = attribution.scores[:, rows]
 
-    total_difference = (target_at(loss_scale=1 + h) - target_at(loss_scale=1 - h)) / (2 * h)
+    total_h = h / float(np.mean([len(batch) for batch in run.path.batches]))
+    total_difference = (
+        target_at(loss_scale=1 + total_h) - target_at(loss_scale=1 - total_h)
+    ) / (2 * total_h)
     total_score = attribution.loss_weight_scores.sum(axis=1)
     return RetrainingCertificate(
         rows=np.asarray(rows),
@@ -138,6 +149,7 @@ def retraining_certificate(context, run, evaluate, attribution, rows, h):
         finite_differences=differences,
         scores=scores,
         row_error=_relative(scores, differences) if len(rows) else 0.0,
+        total_h=total_h,
         total_difference=total_difference,
         total_score=total_score,
         total_error=_relative_to(
