@@ -139,9 +139,9 @@ def retraining_certificate(context, run, evaluate, attribution, rows, h):
     scores = attribution.scores[:, rows]
 
     total_h = h / float(np.mean([len(batch) for batch in run.path.batches]))
-    total_difference = (
-        target_at(loss_scale=1 + total_h) - target_at(loss_scale=1 - total_h)
-    ) / (2 * total_h)
+    total_difference = (target_at(loss_scale=1 + total_h) - target_at(loss_scale=1 - total_h)) / (
+        2 * total_h
+    )
     total_score = attribution.loss_weight_scores.sum(axis=1)
     return RetrainingCertificate(
         rows=np.asarray(rows),
