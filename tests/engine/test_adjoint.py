@@ -174,3 +174,14 @@ def test_certificate_of_a_convolutional_network():
     ).fit(X, y)  # fmt: skip
     certificate = clf.counterfactual(X[:2], y[:2], target="loss", certify=2).certificate
     assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+def _schedule(step):
+    return 0.3 / (1.0 + 0.5 * step)
+
+
+def test_a_learning_rate_schedule():
+    clf, X, y = fit("momentum", learning_rate=_schedule)
+    assert len(set(clf.path_.learning_rates)) > 1
+    certificate = clf.counterfactual(X[:2], y[:2], target="margin", certify=2).certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
