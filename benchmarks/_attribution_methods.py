@@ -19,7 +19,12 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
   ``self_influence(first_epoch=1)``), a variant chosen after seeing the per-epoch
   LDS of the digits MLP with Adam (see the docs page);
 - ``ours-ens``: the mean over models trained from ``ensemble`` seeds (TRAK's
-  ensembling, on the exact decomposition).
+  ensembling, on the exact decomposition);
+- ``counterfactual``: ``counterfactual(X_test, y_test, target="margin").scores``, the
+  derivative of the test margin with respect to each row's sample weight through the
+  whole run, by the optimiser family's rule (exact for SGD, the Hessian term cut for
+  Adam); self: ``self_influence(method="counterfactual")``; ``counterfactual-exact``
+  and ``counterfactual-no-hessian`` force ``hessian=True`` / ``False``.
 
 Peers (dattri 0.3.0, captum 0.9.0), on the same network and its recorded weight
 path (float64): TracIn over 10 checkpoints and over every step (dattri's
@@ -379,6 +384,38 @@ def captum_tracin_self(ctx):
     return _captum(ctx.noisy, ctx.task.X_train, ctx.noisy_y, None, None)
 
 
+# -- counterfactual ------------------------------------------------------------------
+
+
+def counterfactual(ctx, hessian=None):
+    """d margin / d log(sample weight) of each training row, through the whole run
+    (``hessian=None``: the optimiser family's rule, exact for SGD, without the
+    Hessian term for Adam)."""
+    task = ctx.task
+    found = ctx.clf.counterfactual(task.X_test, task.y_test, target="margin", hessian=hessian)
+    return found.scores.T
+
+
+def counterfactual_self(ctx, hessian=None):
+    return ctx.noisy.self_influence(method="counterfactual", hessian=hessian).scores
+
+
+def counterfactual_exact(ctx):
+    return counterfactual(ctx, hessian=True)
+
+
+def counterfactual_exact_self(ctx):
+    return counterfactual_self(ctx, hessian=True)
+
+
+def counterfactual_no_hessian(ctx):
+    return counterfactual(ctx, hessian=False)
+
+
+def counterfactual_no_hessian_self(ctx):
+    return counterfactual_self(ctx, hessian=False)
+
+
 # -- random --------------------------------------------------------------------------
 
 
@@ -407,6 +444,9 @@ METHODS = {
     "if-explicit": (influence, influence_self),
     "captum-tracincp-10": (captum_tracin, captum_tracin_self),
     "random": (random_scores, random_self),
+    "counterfactual": (counterfactual, counterfactual_self),
+    "counterfactual-exact": (counterfactual_exact, counterfactual_exact_self),
+    "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
 }
 
 #: name -> the label of the table

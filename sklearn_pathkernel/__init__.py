@@ -21,6 +21,8 @@ DistanceConv2d
 Explanation, SelfInfluence, TimeAttribution
     The results of the estimators' ``explain``, ``self_influence`` and
     ``explain_over_time``.
+CounterfactualAttribution, RetrainingCertificate
+    The result of the estimators' ``counterfactual`` and its check by retraining.
 TrainingRecorder
     Records the exact path kernel of a network trained in your own PyTorch loop.
 Recording
@@ -37,12 +39,19 @@ from ._estimators import (
     ExactPathKernelRegressor,
     PathKernelTransformer,
 )
-from ._explain import Explanation, SelfInfluence, TimeAttribution
+from ._explain import (
+    CounterfactualAttribution,
+    Explanation,
+    RetrainingCertificate,
+    SelfInfluence,
+    TimeAttribution,
+)
 from ._nn import DistanceConv2d, DistanceLayer
 from ._recording import Recording, TrainingRecorder
 from ._training import RecordingRefused
 
 __all__ = [
+    "CounterfactualAttribution",
     "DistanceConv2d",
     "DistanceKernelClassifier",
     "DistanceKernelRegressor",
@@ -54,6 +63,7 @@ __all__ = [
     "PathKernelTransformer",
     "Recording",
     "RecordingRefused",
+    "RetrainingCertificate",
     "SelfInfluence",
     "TimeAttribution",
     "TrainingRecorder",

@@ -205,6 +205,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         self.path_ = result.path
         self._fit_X = X_t
         self._fit_targets = targets.values  # what explanations label the training rows by
+        self._fit_sample_weight = sample_weight  # what counterfactual attribution differentiates
         self.__dict__.pop("_kernel_cache", None)
         return self
 

@@ -29,6 +29,16 @@ class ExplanationContext:
         engine's device (a clear error for the wrong width).
     epochs : ndarray of shape (n_steps,)
         The epoch of every recorded step.
+    training_run : callable or None
+        ``training_run()`` returns the run as a
+        :class:`~sklearn_pathkernel._engine._adjoint.TrainingRun` (loss, targets,
+        sample weights, optimiser), what counterfactual attribution differentiates;
+        None where the host does not know them.
+    refit : callable or None
+        ``refit(sample_weight=None, loss_scale=1.0)`` retrains from the same initial
+        weights and batch order with other sample weights, or every loss scaled, and
+        returns the final flat weights and the number of steps (the counterfactual
+        certificate); None where the host cannot retrain.
     """
 
     engine: object
@@ -37,6 +47,8 @@ class ExplanationContext:
     output_names: tuple
     queries: Callable
     epochs: np.ndarray
+    training_run: Callable | None = None
+    refit: Callable | None = None
 
     @property
     def n_train(self):

@@ -1,9 +1,12 @@
 """The :class:`~._context.ExplanationContext` of a fitted estimator."""
 
 import numpy as np
+import torch
+from sklearn.base import clone
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from .._engine import as_tensor
+from .._engine import TrainingRun, as_tensor
+from .._training import SolverSettings
 from ._context import ExplanationContext
 
 
@@ -34,4 +37,43 @@ def estimator_context(estimator):
         output_names=names,
         queries=queries,
         epochs=np.arange(n_steps) // per_epoch,
+        training_run=lambda: _training_run(estimator, engine),
+        refit=lambda sample_weight=None, loss_scale=1.0: _refit(
+            estimator, targets, sample_weight, loss_scale
+        ),
     )
+
+
+def _sample_weight(estimator):
+    """The fit's sample weights (ones for a model pickled before they were kept)."""
+    weights = estimator.__dict__.get("_fit_sample_weight")
+    return np.ones(estimator._fit_X.shape[0]) if weights is None else weights
+
+
+def _training_run(estimator, engine):
+    """The fitted run as a ``TrainingRun``: what counterfactual attribution differentiates."""
+    X = estimator._fit_X
+    return TrainingRun(
+        module=estimator.module_,
+        path=engine.path,
+        X=X,
+        y=torch.as_tensor(estimator._fit_targets, device=X.device),
+        loss=estimator._loss,
+        sample_weight=torch.as_tensor(_sample_weight(estimator), dtype=X.dtype, device=X.device),
+        update=SolverSettings.of(estimator).update_map(engine.path.learning_rates),
+    )
+
+
+def _refit(estimator, targets, sample_weight, loss_scale):
+    """The final flat weights and number of steps of the estimator refitted (same
+    settings, seed and data) with ``sample_weight`` (None: the fit's) and every
+    loss scaled by ``loss_scale`` (through the solver's parameters)."""
+    if sample_weight is None:
+        sample_weight = _sample_weight(estimator)
+    params = {}
+    if loss_scale != 1.0:
+        step = SolverSettings.of(estimator).update_map([])
+        params = step.loss_scaling(loss_scale, estimator.get_params())
+    X = estimator._fit_X.cpu().numpy()
+    refitted = clone(estimator).set_params(**params).fit(X, targets, sample_weight=sample_weight)
+    return refitted.path_.weights[-1].clone(), refitted.path_.n_steps

@@ -36,6 +36,10 @@ class Explanation:
         output 0 of a regressor): the one :meth:`plot` shows by default.
     output_names : tuple of str
     normalized : bool
+    method : str
+        ``"contributions"`` (the exact terms of ``decompose``) or
+        ``"counterfactual"`` (the scores of ``counterfactual``: what retraining with
+        each point weighted more would change; ``bias`` and ``decay`` are NaN).
     queries : ndarray of shape (n, n_features)
         The query rows, for drawing.
     training_rows : ndarray of shape (M, n_features)
@@ -59,6 +63,7 @@ class Explanation:
     normalized: bool
     queries: np.ndarray
     training_rows: np.ndarray
+    method: str = "contributions"
 
     @property
     def k(self):
@@ -154,6 +159,8 @@ class Explanation:
             self.proponent_values[query, column], self.opponent_values[query, column][::-1]
         ]
         kind = "normalised contribution" if self.normalized else "contribution"
+        if self.method == "counterfactual":
+            kind = "counterfactual score"
         signed_bars(ax, labels, values, f"{kind} to output {name!r}")
         ax.set_title(f"query {query}: output {name!r} = {self.output[query, column]:.3g}")
         return ax

@@ -8,12 +8,22 @@ from abc import abstractmethod
 
 import numpy as np
 
+from ._counterfactual import counterfactual_attribution, counterfactual_outputs
 from ._explanation import Explanation
 from ._over_time import attribute_over_time
 from ._scoring import class_totals, normaliser
 from ._self_influence import self_influence
 from ._streaming import StreamedTopK, influence_matrix, query_tiles
-from ._topk import check_k
+from ._topk import TopK, check_k
+
+#: The attributions the explanation entry points take (``method=``).
+METHODS = ("contributions", "counterfactual")
+
+
+def _check_method(method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
+    return method
 
 
 class ExplanationMixin:
@@ -28,7 +38,7 @@ class ExplanationMixin:
     def _explanation_context(self):
         """The fitted model as an :class:`~._context.ExplanationContext`."""
 
-    def explain(self, X, k=10, *, normalize=False, batch_size=64):
+    def explain(self, X, k=10, *, normalize=False, batch_size=64, method="contributions"):
         """Top-``k`` proponents and opponents of every query, per output.
 
         Parameters
@@ -43,6 +53,15 @@ class ExplanationMixin:
             large gradients no longer top every list.
         batch_size : int, default=64
             Queries decomposed at a time: memory ``8 batch_size M K`` bytes.
+        method : {"contributions", "counterfactual"}, default="contributions"
+            ``"contributions"``: the exact terms of ``decompose`` (what each
+            point added in this run). ``"counterfactual"``: the scores of
+            :meth:`counterfactual` with the ``"output"`` target of every output
+            (what retraining with each point weighted more would change; the
+            top proponents are the points whose removal would lower the output
+            most). Then ``bias`` and ``decay`` are NaN, and ``total`` is the
+            scores' sum (0 up to rounding: scaling every sample weight alike
+            changes nothing); ``normalize`` is not available.
 
         Returns
         -------
@@ -58,8 +77,13 @@ class ExplanationMixin:
         context = self._explanation_context()
         k = check_k(k, context.n_train)
         queries = context.queries(X)
-        transform = normaliser(context.engine) if normalize else None
-        top = StreamedTopK(context.engine, k, batch_size, transform).run(queries)
+        if _check_method(method) == "counterfactual":
+            if normalize:
+                raise ValueError("normalize=True is for method='contributions' only.")
+            top = _CounterfactualTopK(context, k, batch_size).run(queries)
+        else:
+            transform = normaliser(context.engine) if normalize else None
+            top = StreamedTopK(context.engine, k, batch_size, transform).run(queries)
         mass = np.where(top.mass > 0, top.mass, 1.0)[..., None]
         predicted = (
             np.argmax(top.output, axis=1)
@@ -82,11 +106,12 @@ class ExplanationMixin:
             predicted=predicted,
             output_names=context.output_names,
             normalized=bool(normalize),
+            method=method,
             queries=queries.cpu().numpy().reshape(queries.shape[0], -1),
             training_rows=context.training_rows().reshape(context.n_train, -1),
         )
 
-    def self_influence(self, *, first_epoch=0):
+    def self_influence(self, *, first_epoch=0, method="contributions", batch_size=64, hessian=None):
         """Each training point's contribution to its own output, for mislabel
         and outlier detection.
 
@@ -96,6 +121,17 @@ class ExplanationMixin:
             Keep only the terms of the gradients taken from this epoch on (the
             diagonal of :meth:`explain_over_time` summed over those epochs): late
             epochs weigh what the network still had to fit at the end.
+            ``method="contributions"`` only.
+        method : {"contributions", "counterfactual"}, default="contributions"
+            ``"counterfactual"``: each point's :meth:`counterfactual` score for its
+            own output (a classifier: its own label's log-probability, the other
+            columns of ``values`` NaN; a regressor: every output), each training
+            row its own query: ``M`` (regressor: ``M K``) adjoint vectors swept
+            over the run, ``batch_size`` at a time.
+        batch_size : int, default=64
+            Training rows per adjoint sweep (``method="counterfactual"``).
+        hessian : bool or None, default=None
+            As in :meth:`counterfactual` (``method="counterfactual"``).
 
         Returns
         -------
@@ -112,7 +148,91 @@ class ExplanationMixin:
         S`` test copies). Never the ``(M, M, K)`` decomposition of the training rows.
         """
         context = self._explanation_context()
+        if _check_method(method) == "counterfactual":
+            if first_epoch != 0:
+                raise ValueError("first_epoch is for method='contributions' only.")
+            return counterfactual_self_influence(context, batch_size, hessian)
         return self_influence(context, context.engine.stepwise(), first_epoch)
+
+    def counterfactual(
+        self, X, y=None, *, target="output", output=None, batch_size=64, certify=0, h=1e-4,
+        random_state=0, hessian=None,
+    ):  # fmt: skip
+        r"""How each training point's weight moves each query's target, through
+        the whole recorded run: the prediction with other data, to first order.
+
+        With :math:`\omega_i` point ``i``'s sample weight and :math:`T(x)` the
+        query's scalar target at the trained weights,
+        ``scores[q, i]`` :math:`= \partial T(x_q) / \partial \log \omega_i`,
+        exactly (an adjoint sweep backward over the recorded steps, through
+        the optimiser's exact update: momentum's buffer and Adam's moments
+        included). ``T - scores[q, i]`` estimates the target refitted without
+        point ``i`` (:meth:`CounterfactualAttribution.loo_predictions`).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        y : array-like of shape (n_queries,) or (n_queries, n_outputs), default=None
+            The queries' labels or values: a classifier's ``"output"`` and
+            ``"margin"`` targets are its class (default: the predicted class);
+            ``target="loss"`` needs them.
+        target : {"output", "margin", "loss"}, default="output"
+            ``"output"``: :math:`f_c(x)`, a classifier's log-probability of class
+            ``c``, a regressor's output ``c``; ``"margin"``: :math:`\log p_c -
+            \log(1 - p_c)` (classifiers); ``"loss"``: the training loss at
+            ``(x, y)``.
+        output : int or None, default=None
+            The output ``c`` of every query (instead of ``y`` or the prediction).
+        batch_size : int, default=64
+            Queries per sweep: memory about ``8 batch_size (1 + n_state) W`` bytes
+            plus ``batch_size |B|`` rows of activations per step (``n_state``: 0 for
+            SGD, 1 with momentum, 2 for Adam).
+        certify : int, default=0
+            Training rows to check by real retraining (central differences of
+            their sample weight, ``h``), and the sum of the scores by retraining
+            with every loss scaled: ``2 certify + 3`` fits. Needs an int
+            ``random_state`` and ``tol=None`` at fit.
+        h : float, default=1e-4
+            Relative step of the finite differences.
+        random_state : int, default=0
+            Draws the rows checked.
+        hessian : bool or None, default=None
+            ``True``: the exact derivative (every later step's gradient reacts to
+            the earlier moves, a Hessian-vector product per step). ``False``: every
+            step's gradient held at its recorded weights (the final target gradient
+            carried back through the optimiser's exact update: no Hessian term).
+            None: the optimiser family's rule, exact for SGD (with momentum,
+            Nesterov, weight decay), without the Hessian for Adam and AdamW, whose
+            exact adjoint grows by 1e4 to 1e6 along a run (see the user guide). The
+            certificate checks the exact derivative: with ``hessian=False`` its error
+            is how far the scores are from it.
+
+        Returns
+        -------
+        CounterfactualAttribution
+            ``scores`` (n, M), ``loss_weight_scores``, ``values`` (n,), the adjoint's
+            growth along the run, ``replay_error`` and ``certificate``.
+
+        Notes
+        -----
+        Cost: a replay of the run (one gradient per step, keeping the optimiser's
+        state: ``8 S n_state W`` bytes) and, per tile of queries, ``S`` steps of one
+        forward pass of the batch and one backward and double-backward pass batched
+        over the queries: a few times ``decompose`` and the fit per query tile.
+        """
+        context = self._explanation_context()
+        return counterfactual_attribution(
+            context,
+            context.queries(X),
+            y=y,
+            target=target,
+            output=output,
+            batch_size=batch_size,
+            certify=certify,
+            h=h,
+            random_state=random_state,
+            hessian=hessian,
+        )
 
     def explain_over_time(self, X, *, period="epoch", by_class=False):
         """What each training point (or class) moved during each step or epoch.
@@ -190,3 +310,43 @@ class ExplanationMixin:
             batch_size=batch_size,
             transform=transform,
         )
+
+
+class _CounterfactualTopK:
+    """The fields of :class:`StreamedTopK` from counterfactual scores of every output."""
+
+    def __init__(self, context, k, batch_size):
+        self.context, self.k, self.batch_size = context, k, batch_size
+
+    def run(self, queries):
+        scores, self.output = counterfactual_outputs(self.context, queries, self.batch_size)
+        self.mass = np.abs(scores).sum(axis=1)
+        self.total = scores.sum(axis=1)
+        self.bias = np.full_like(self.total, np.nan)
+        self.decay = np.full_like(self.total, np.nan)
+        self.proponents = TopK.of(scores, self.k)
+        opponents = TopK.of(-scores, self.k)
+        self.opponents = TopK(opponents.indices, -opponents.values)
+        return self
+
+
+def counterfactual_self_influence(context, batch_size, hessian=None):
+    """The counterfactual :class:`SelfInfluence`: each training row's score for its
+    own output (a classifier's own label; every output of a regressor)."""
+    from ._self_influence import SelfInfluence
+
+    rows = context.engine.X_train
+    M, K = context.n_train, context.engine.n_outputs
+    if context.is_classifier:
+        codes = context.label_codes()
+        found = counterfactual_attribution(
+            context, rows, columns=codes, batch_size=batch_size, hessian=hessian
+        )
+        own = np.diagonal(found.scores).copy()
+        values = np.full((M, K), np.nan)
+        values[np.arange(M), codes] = own
+        scores = own
+    else:
+        values, _ = counterfactual_outputs(context, rows, batch_size, True, hessian)
+        scores = np.abs(values).sum(axis=1)
+    return SelfInfluence(values, scores, context.targets, context.output_names)

@@ -58,6 +58,7 @@ import torch
 
 from .._path import block_values, blockwise
 from ._hyperparameters import BETA_1, BETA_2, EPSILON, MOMENTUM, NESTEROVS_MOMENTUM, WEIGHT_DECAY
+from ._update_maps import AdamMap, AdamWMap, SGDMap
 
 
 class RecordingRefused(ValueError):
@@ -168,6 +169,9 @@ class OptimizerRule(ABC):
     #: Whether weight decay is decoupled (:math:`d_s`) rather than an L2 term
     #: (:math:`\\lambda_c`), for the parameter docs.
     decoupled_decay = False
+    #: The step as a differentiable function (an :class:`~._update_maps.UpdateMap`
+    #: class), for counterfactual attribution; None where it has none.
+    step_map = None
 
     @classmethod
     def all_hyperparameters(cls):
@@ -332,6 +336,7 @@ class SGDRule(OptimizerRule):
 
     optimizer_class = torch.optim.SGD
     hyperparameters = (MOMENTUM, NESTEROVS_MOMENTUM)
+    step_map = SGDMap
     summary = "gradient descent, with optional ``momentum``"
 
     @classmethod
@@ -396,6 +401,7 @@ class AdamRule(OptimizerRule):
 
     optimizer_class = torch.optim.Adam
     hyperparameters = (BETA_1, BETA_2, EPSILON)
+    step_map = AdamMap
     summary = "Adam"
 
     @classmethod
@@ -488,6 +494,7 @@ class AdamWRule(AdamRule):
     optimizer_class = torch.optim.AdamW
     summary = "Adam with decoupled weight decay"
     decoupled_decay = True
+    step_map = AdamWMap
 
 
 def rule_for(optimizer, params, names):

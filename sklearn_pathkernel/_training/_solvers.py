@@ -82,6 +82,18 @@ class SolverSettings:
             raise ValueError(f"Unknown solver {self.solver!r}; expected one of {sorted(SOLVERS)}.")
         return SOLVERS[self.solver]
 
+    def update_map(self, learning_rates):
+        """The solver's step as a differentiable function (its rule's
+        ``step_map``) over the recorded ``learning_rates``, or a clear error."""
+        step_map = self.rule.step_map
+        if step_map is None:
+            raise ValueError(
+                f"Counterfactual attribution has no differentiable step for the solver "
+                f"{self.solver!r}; supported: "
+                f"{sorted(name for name, rule in SOLVERS.items() if rule.step_map)}."
+            )
+        return step_map(self.values, learning_rates)
+
     def optimizer(self, params, learning_rate):
         """The ``torch.optim`` optimiser of ``solver`` with these settings, training
         ``params`` at ``learning_rate``."""

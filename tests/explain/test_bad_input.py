@@ -83,3 +83,43 @@ def test_missing_pandas_says_how_to_get_it(small_classifier, monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
     with pytest.raises(ImportError, match="to_frame\\(\\) needs pandas, an optional dependency"):
         result.to_frame()
+
+
+def test_counterfactual_bad_input(small_classifier, small_regressor):
+    clf, X, y = small_classifier
+    with pytest.raises(ValueError, match="method must be one of"):
+        clf.explain(X[:1], method="tracin")
+    with pytest.raises(ValueError, match="normalize=True is for method='contributions'"):
+        clf.explain(X[:1], normalize=True, method="counterfactual")
+    with pytest.raises(ValueError, match="first_epoch is for method='contributions'"):
+        clf.self_influence(first_epoch=1, method="counterfactual")
+    with pytest.raises(ValueError, match="target must be one of"):
+        clf.counterfactual(X[:1], target="logit")
+    with pytest.raises(ValueError, match="target='loss' needs the queries' true targets"):
+        clf.counterfactual(X[:1], target="loss")
+    with pytest.raises(ValueError, match=r"y holds labels the model was not trained on: \[11\]"):
+        clf.counterfactual(X[:1], [11])
+    with pytest.raises(ValueError, match="one label per query"):
+        clf.counterfactual(X[:2], y[:1])
+    with pytest.raises(ValueError, match="output=10 is out of range"):
+        clf.counterfactual(X[:1], output=10)
+    with pytest.raises(ValueError, match="certify must be a non-negative int"):
+        clf.counterfactual(X[:1], certify=-1)
+    with pytest.raises(ValueError, match="h must be a relative step"):
+        clf.counterfactual(X[:1], h=0.0)
+    with pytest.raises(TypeError, match="hessian must be True, False or None"):
+        clf.counterfactual(X[:1], hessian="auto")
+    with pytest.raises(ValueError, match="X has 5 features"):
+        clf.counterfactual(X[:1, :5])
+    reg, X_reg = small_regressor
+    with pytest.raises(ValueError, match="target='margin' needs classes"):
+        reg.counterfactual(X_reg[:1], target="margin")
+
+
+def test_counterfactual_certificate_needs_a_reproducible_fit(small_classifier):
+    from sklearn.base import clone
+
+    clf, X, y = small_classifier
+    unseeded = clone(clf).set_params(random_state=None).fit(X, y)
+    with pytest.raises(ValueError, match="Retraining does not reproduce the recorded run"):
+        unseeded.counterfactual(X[:1], certify=1)

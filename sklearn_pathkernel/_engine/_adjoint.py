@@ -1,0 +1,264 @@
+"""Counterfactual attribution: the derivative of a query's output with respect to
+each training row's weight in the loss, exactly through the recorded run.
+
+Weight training row ``i``'s loss by :math:`1 + \\varepsilon_i` at every step whose
+batch holds it,
+
+.. math::
+
+    L_s(w; \\varepsilon) = \\sum_{i \\in B_s} a_{s,i} (1 + \\varepsilon_i)\\, l(f(x_i; w), y_i),
+
+with :math:`a_{s,i}` the row's share of the batch's sample weight (held fixed), and
+let every step be the optimiser's exact update
+:math:`(w_{s+1}, \\sigma_{s+1}) = U_s(w_s, \\sigma_s, \\nabla_w L_s(w_s; \\varepsilon))`
+(:mod:`._update_maps`; :math:`\\sigma` the optimiser's state). The score of row ``i``
+for the scalar target :math:`T(x; w_S)` (:mod:`._targets`) is
+:math:`\\partial T / \\partial \\varepsilon_i` at :math:`\\varepsilon = 0`, the
+SGD-influence of Hara et al. (2019) made exact for every optimiser: reverse mode
+over the steps,
+
+.. math::
+
+    \\lambda_S = \\nabla_w T(x; w_S), \\quad \\mu_S = 0, \\qquad
+    (\\lambda_s, \\mu_s, \\delta_s) = \\mathrm{VJP}_{(w_s, \\sigma_s, \\varepsilon)}
+    \\big[U_s(w_s, \\sigma_s, \\nabla_w L_s(w_s; \\varepsilon))\\big](\\lambda_{s+1}, \\mu_{s+1}),
+
+and :math:`\\partial T / \\partial \\varepsilon_i = \\sum_{s : i \\in B_s} \\delta_{s,i}`.
+
+Without the Hessian term (``hessian=False``) each step's loss gradient is held at the
+recorded weights while the rows' weights move: :math:`\\lambda` then changes only
+through the update's explicit dependence on :math:`w` (weight decay) and the optimiser
+state's adjoint, i.e. the final target gradient carried back through the optimiser's
+accumulation (for plain GD, :math:`\\delta_{s,i} = \\eta_s a_{s,i} \\langle \\nabla T(w_S),
+-\\nabla l_i(w_s) \\rangle`, Grad-Dot along the path). It is the derivative of a run
+whose later steps do not react to the earlier moves: the form to use when the exact
+adjoint grows so much along the run that its linear regime is far smaller than a
+row's removal (see the user guide's measurements).
+For plain gradient descent this is :math:`\\delta_{s,i} = \\eta_s a_{s,i}\\langle
+\\lambda_{s+1}, -\\nabla_w l_i(w_s) \\rangle` and :math:`\\lambda_s = (I - \\eta_s H_s)
+\\lambda_{s+1}` with :math:`H_s` the Hessian of the batch loss (a Hessian-vector
+product, never formed); momentum's buffer and Adam's two moments carry their own
+adjoints :math:`\\mu_s`, exactly (both of Adam's moments depend on :math:`\\varepsilon`).
+
+The estimators' ``sample_weight`` enters through the shares
+:math:`a_{s,i} = \\omega_i / \\sum_{j \\in B_s} \\omega_j`. Scaling row ``i``'s sample
+weight by :math:`1 + h` moves every share of the batch (the denominator), i.e.
+:math:`\\varepsilon_j = [j = i] - a_{s,i}` at step ``s``, so
+
+.. math::
+
+    \\frac{\\partial T}{\\partial \\log \\omega_i} = \\sum_{s : i \\in B_s}
+    \\Big(\\delta_{s,i} - a_{s,i} \\sum_{j \\in B_s} \\delta_{s,j}\\Big),
+
+the *weight scores*, which finite differences of real retraining check.
+
+Cost and memory: a forward replay of the run (one gradient per step) keeps the
+optimiser's state at every step, ``8 S n_state W`` bytes (``n_state`` = 0 for SGD,
+1 with momentum, 2 for Adam); the reverse sweep holds the adjoints, ``8 n (1 +
+n_state) W`` bytes for ``n`` queries, and per step runs one forward pass of the
+batch (shared by all queries) and one backward and one double-backward pass
+batched over the queries by ``vmap`` (``n |B_s|`` rows of activations). So one
+sweep costs about ``S`` batched Hessian-vector products of ``n`` vectors.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.func import functional_call, grad, vjp, vmap
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What differentiating a run needs beyond its recorded path.
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+        The network (its structure; the weights come from the path).
+    path : WeightPath
+    X : torch.Tensor of shape (M, ...)
+        The training rows, on the device the sweep computes on.
+    y : torch.Tensor
+        The training targets as the loss takes them (class codes or values).
+    loss : Loss
+    sample_weight : torch.Tensor of shape (M,)
+        The rows' sample weights (ones when the fit had none).
+    update : UpdateMap
+        The optimiser's exact step.
+    """
+
+    module: object
+    path: object
+    X: torch.Tensor
+    y: torch.Tensor
+    loss: object
+    sample_weight: torch.Tensor
+    update: object
+
+    @property
+    def n_steps(self):
+        return self.path.n_steps
+
+    def batch(self, step):
+        """Step ``step``'s rows (int64 tensor on the device) and their shares ``a_{s,i}``."""
+        rows = torch.as_tensor(self.path.batches[step], device=self.X.device)
+        weight = self.sample_weight[rows]
+        total = weight.sum()
+        shares = weight / total if total > 0 else torch.zeros_like(weight)
+        return rows, shares
+
+    def weights(self, step):
+        """``w_step``, on the device."""
+        return self.path.weights[step].to(device=self.X.device)
+
+    def output(self, weights, X):
+        """``f = link(module(X))`` at the flat ``weights``."""
+        return self.loss.link(functional_call(self.module, self.path.unflatten(weights), (X,)))
+
+    def gradient_function(self, step):
+        """``G(w, eps)``: the gradient of step ``step``'s loss, every row's share
+        scaled by ``1 + eps`` (eps of shape (|B_s|,))."""
+        rows, shares = self.batch(step)
+        X, y = self.X[rows], self.y[rows]
+
+        def batch_loss(weights, eps):
+            per_sample = self.loss.per_sample(self.output(weights, X), y)
+            return (shares * (1.0 + eps) * per_sample).sum()
+
+        return grad(batch_loss), rows, shares
+
+    def step_function(self, step, hessian=True):
+        """``U_s(w, state, G(w, eps))`` as a function of ``(w, state, eps)``; with
+        ``hessian=False``, ``U_s(w, state, G(w_s, eps))``: the gradient held at the
+        recorded weights (its dependence on ``w`` cut, so no Hessian term)."""
+        gradient, rows, shares = self.gradient_function(step)
+        recorded = self.weights(step)
+
+        def update(weights, state, eps):
+            at = weights if hessian else recorded
+            return self.update(step, weights, state, gradient(at, eps))
+
+        return update, rows, shares
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What one adjoint sweep gives for ``n`` queries.
+
+    Attributes
+    ----------
+    scores : ndarray of shape (n, M)
+        :math:`\\partial T / \\partial \\varepsilon_i`, each row's loss weight.
+    weight_scores : ndarray of shape (n, M)
+        :math:`\\partial T / \\partial \\log \\omega_i`, each row's sample weight
+        (with the batches' normalisation).
+    values : ndarray of shape (n,)
+        :math:`T(x; w_S)`.
+    adjoint_norms : ndarray of shape (S + 1, n)
+        :math:`\\|\\lambda_s\\|` of every query at every step (row ``S`` is
+        :math:`\\|\\nabla_w T(x; w_S)\\|`): the adjoint's growth along the run.
+    """
+
+    scores: np.ndarray
+    weight_scores: np.ndarray
+    values: np.ndarray
+    adjoint_norms: np.ndarray
+
+
+class AdjointSweep:
+    """The reverse sweep of a :class:`TrainingRun`, batched over queries.
+
+    Parameters
+    ----------
+    run : TrainingRun
+
+    Attributes
+    ----------
+    replay_error : float
+        After :meth:`replay`: the largest ``|U_s(w_s, state_s, G_s) - w_{s+1}|``
+        over steps and weights, relative to the largest step ``|w_{s+1} - w_s|``: how
+        exactly the differentiated update map reproduces the recorded run (rounding,
+        about 1e-15, when it is the run's optimiser).
+    """
+
+    def __init__(self, run):
+        self.run = run
+        self._states = None
+        self.replay_error = None
+
+    def replay(self):
+        """The optimiser's state before every step, by replaying the run from the
+        recorded weights (one gradient per step); also sets :attr:`replay_error`.
+        Memory ``8 S n_state W`` bytes, on the host. Returns the list of states."""
+        if self._states is not None:
+            return self._states
+        run = self.run
+        weights = run.weights(0)
+        state = run.update.initial_state(weights)
+        states, error, largest = [], 0.0, 0.0
+        for step in range(run.n_steps):
+            states.append(tuple(t.cpu() for t in state))
+            gradient, rows, _ = run.gradient_function(step)
+            eps = torch.zeros(rows.shape[0], dtype=weights.dtype, device=weights.device)
+            with torch.no_grad():
+                moved, state = run.update(step, weights, state, gradient(weights, eps))
+                following = run.weights(step + 1)
+                error = max(error, float((moved - following).abs().max()))
+                largest = max(largest, float((following - weights).abs().max()))
+            weights = following
+        self._states = states
+        self.replay_error = error / largest if largest > 0 else error
+        return states
+
+    def target_gradients(self, queries, target, labels):
+        """:math:`T` and :math:`\\nabla_w T(x; w_S)` of every query: (n,), (n, W)."""
+        run = self.run
+        final = run.weights(run.n_steps)
+
+        def value(weights, x, label):
+            return target(run.output(weights, x[None])[0], label)
+
+        gradients = vmap(grad(value), in_dims=(None, 0, 0))(final, queries, labels)
+        with torch.no_grad():
+            values = vmap(value, in_dims=(None, 0, 0))(final, queries, labels)
+        return values, gradients
+
+    def run_queries(self, queries, target, labels, hessian=True):
+        """The :class:`SweepResult` of ``queries`` (a tensor on the device) for
+        ``target`` with one ``label`` per query (a tensor); ``hessian=False`` sweeps
+        the run with every step's gradient held at its recorded weights (see
+        :meth:`TrainingRun.step_function`)."""
+        run = self.run
+        states = self.replay()
+        n, M, S = queries.shape[0], run.X.shape[0], run.n_steps
+        values, adjoint = self.target_gradients(queries, target, labels)
+        device, dtype = adjoint.device, adjoint.dtype
+        state_adjoint = tuple(torch.zeros_like(adjoint) for _ in range(run.update.n_state))
+        scores = torch.zeros((n, M), dtype=dtype, device=device)
+        weight_scores = torch.zeros((n, M), dtype=dtype, device=device)
+        norms = np.zeros((S + 1, n))
+        norms[S] = torch.linalg.vector_norm(adjoint, dim=1).cpu().numpy()
+        for step in range(S - 1, -1, -1):
+            update, rows, shares = run.step_function(step, hessian)
+            weights = run.weights(step)
+            state = tuple(t.to(device) for t in states[step])
+            eps = torch.zeros(rows.shape[0], dtype=dtype, device=device)
+            try:
+                _, pullback = vjp(update, weights, state, eps)
+                adjoint, state_adjoint, delta = vmap(pullback)((adjoint, state_adjoint))
+            except NotImplementedError as error:
+                raise NotImplementedError(
+                    "Counterfactual attribution differentiates each step's loss gradient "
+                    "(a second derivative of the network), which torch does not give "
+                    f"for an operation of this module: {error}"
+                ) from error
+            scores.index_add_(1, rows, delta)
+            weight_scores.index_add_(1, rows, delta - shares * delta.sum(1, keepdim=True))
+            norms[step] = torch.linalg.vector_norm(adjoint, dim=1).cpu().numpy()
+        return SweepResult(
+            scores=scores.cpu().numpy(),
+            weight_scores=weight_scores.cpu().numpy(),
+            values=values.cpu().numpy(),
+            adjoint_norms=norms,
+        )

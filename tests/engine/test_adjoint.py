@@ -1,0 +1,187 @@
+"""The adjoint sweep against independent computations: autograd through the whole
+unrolled run, and finite differences of real retraining."""
+
+import numpy as np
+import pytest
+import torch
+
+from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
+from sklearn_pathkernel._engine._adjoint import AdjointSweep
+from sklearn_pathkernel._engine._targets import MarginTarget, OutputTarget
+from sklearn_pathkernel._explain._estimator_context import estimator_context
+
+#: Smooth networks, every update rule (float64): the certificate holds to 1e-6.
+SOLVERS = {
+    "sgd-full": dict(solver="sgd", learning_rate=0.3),
+    "sgd-mini": dict(solver="sgd", batch_size=8, learning_rate=0.2),
+    "momentum": dict(solver="sgd", momentum=0.9, batch_size=10, learning_rate=0.05),
+    "nesterov-decay": dict(solver="sgd", momentum=0.8, nesterovs_momentum=True,
+                           weight_decay=0.05, batch_size=12, learning_rate=0.05),
+    "adam-decay": dict(solver="adam", learning_rate=0.01, weight_decay=0.01, batch_size=10),
+    "adamw": dict(solver="adamw", learning_rate=0.01, weight_decay=0.1, batch_size=12),
+}  # fmt: skip
+
+
+def gaussian_data(n=30, d=5, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(int) + (X[:, 2] > 0.8)
+    return X, y % classes
+
+
+def fit(solver, activation="tanh", **params):
+    X, y = gaussian_data()
+    settings = dict(hidden_layer_sizes=(6,), activation=activation, max_iter=4, random_state=0)
+    settings.update(SOLVERS[solver])
+    settings.update(params)
+    weights = np.linspace(0.5, 1.5, len(y))  # sample weights that are not all ones
+    return ExactPathKernelClassifier(**settings).fit(X, y, sample_weight=weights), X, y
+
+
+@pytest.fixture(scope="module", params=sorted(SOLVERS))
+def fitted(request):
+    return fit(request.param)
+
+
+def test_the_run_is_replayed_exactly(fitted):
+    clf, X, _ = fitted
+    sweep = AdjointSweep(estimator_context(clf).training_run())
+    sweep.replay()
+    assert sweep.replay_error < 1e-13
+
+
+def test_certificate_by_retraining(fitted):
+    """Central differences of real retraining, one row's sample weight at a time and
+    every row's loss at once: the sweep's scores to 1e-6 relative."""
+    clf, X, y = fitted
+    result = clf.counterfactual(
+        X[:3], y[:3], target="margin", certify=3, random_state=1, hessian=True
+    )
+    certificate = result.certificate
+    assert certificate.row_error < 1e-6
+    assert certificate.total_error < 1e-6
+    assert np.abs(certificate.finite_differences).max() > 1e-4  # not a vacuous check
+
+
+def _unrolled_scores(clf, X_query, column, momentum=0.0):
+    """dT/deps by autograd through the whole run written out (plain GD or momentum)."""
+    run = estimator_context(clf).training_run()
+    M = run.X.shape[0]
+    eps = torch.zeros(M, dtype=torch.float64, requires_grad=True)
+    w = run.weights(0).clone().requires_grad_(True)
+    buffer = torch.zeros_like(w)
+    for step in range(run.n_steps):
+        rows, shares = run.batch(step)
+        f = run.output(w, run.X[rows])
+        loss = (shares * (1 + eps[rows]) * run.loss.per_sample(f, run.y[rows])).sum()
+        (g,) = torch.autograd.grad(loss, w, create_graph=True)
+        buffer = momentum * buffer + g
+        w = w - run.path.learning_rates[step] * buffer
+    torch.testing.assert_close(w.detach(), run.weights(run.n_steps), rtol=1e-12, atol=1e-13)
+    f = run.output(w, torch.as_tensor(X_query))
+    target = MarginTarget()(f[0], torch.tensor(column))
+    (scores,) = torch.autograd.grad(target, eps)
+    return scores.numpy()
+
+
+@pytest.mark.parametrize("solver", ["sgd-full", "sgd-mini", "momentum"])
+def test_against_autograd_through_the_unrolled_run(solver):
+    clf, X, _ = fit(solver)
+    run = estimator_context(clf).training_run()
+    result = AdjointSweep(run).run_queries(
+        torch.as_tensor(X[:1]), MarginTarget(), torch.tensor([2])
+    )
+    expected = _unrolled_scores(clf, X[:1], 2, clf.momentum)
+    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-14)
+
+
+def test_weight_scores_are_the_loss_weight_scores_renormalised(fitted):
+    """Per step, dT/dlog w_i = delta_i - a_i sum_B delta: the sample-weight scores of a
+    batch sum to zero, so over the run they sum to zero (scaling every weight alike
+    changes nothing)."""
+    clf, X, _ = fitted
+    result = clf.counterfactual(X[:2])
+    np.testing.assert_allclose(result.scores.sum(1), 0, atol=1e-12 * np.abs(result.scores).sum())
+
+
+def test_batched_queries_equal_one_at_a_time(fitted):
+    clf, X, _ = fitted
+    run = estimator_context(clf).training_run()
+    sweep = AdjointSweep(run)
+    queries, labels = torch.as_tensor(X[:3]), torch.tensor([0, 1, 2])
+    together = sweep.run_queries(queries, OutputTarget(), labels)
+    for q in range(3):
+        alone = sweep.run_queries(queries[q : q + 1], OutputTarget(), labels[q : q + 1])
+        np.testing.assert_allclose(together.scores[q], alone.scores[0], rtol=1e-12, atol=1e-16)
+    assert together.adjoint_norms.shape == (run.n_steps + 1, 3)
+
+
+def test_regressor_outputs_and_loss():
+    X, y = gaussian_data()
+    targets = np.c_[X[:, 0] - X[:, 1], X[:, 2] ** 2]
+    reg = ExactPathKernelRegressor(
+        hidden_layer_sizes=(5,), activation="softplus", max_iter=3, learning_rate=0.05,
+        batch_size=10, momentum=0.5, random_state=0,
+    ).fit(X, targets)  # fmt: skip
+    for kwargs in (dict(output=1), dict(y=targets[:2], target="loss")):
+        certificate = reg.counterfactual(X[:2], certify=2, hessian=True, **kwargs).certificate
+        assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+def test_the_default_rule_is_the_optimiser_familys():
+    """Exact for the SGD family, the Hessian term cut for Adam and AdamW."""
+    for solver, exact in (("momentum", True), ("adam-decay", False), ("adamw", False)):
+        clf, X, _ = fit(solver)
+        assert clf.counterfactual(X[:1]).hessian is exact
+
+
+def test_without_the_hessian_plain_gd_is_grad_dot_along_the_path():
+    """hessian=False, plain GD: delta_{s,i} = lr_s a_{s,i} <grad T(w_S), -grad l_i(w_s)>."""
+    clf, X, _ = fit("sgd-mini")
+    run = estimator_context(clf).training_run()
+    sweep = AdjointSweep(run)
+    query, label = torch.as_tensor(X[:1]), torch.tensor([1])
+    result = sweep.run_queries(query, OutputTarget(), label, hessian=False)
+    _, final_gradient = sweep.target_gradients(query, OutputTarget(), label)
+    expected = np.zeros(run.X.shape[0])
+    for step in range(run.n_steps):
+        rows, shares = run.batch(step)
+        for row, share in zip(rows.tolist(), shares.tolist(), strict=True):
+            w = run.weights(step).requires_grad_(True)
+            f = run.output(w, run.X[row : row + 1])
+            (g_row,) = torch.autograd.grad(run.loss.per_sample(f, run.y[row : row + 1]).sum(), w)
+            lr = run.path.learning_rates[step]
+            expected[row] -= lr * share * float(final_gradient[0] @ g_row)
+    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-15)
+
+
+def small_cnn(n_features, n_classes):
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 3, 2), nn.Tanh(), nn.AvgPool2d(3),
+        nn.Flatten(), nn.Linear(3, n_classes),
+    )  # fmt: skip
+
+
+def test_certificate_of_a_convolutional_network():
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(24, 16))
+    y = (X[:, :8].sum(1) > 0).astype(int)
+    clf = ExactPathKernelClassifier(
+        module=small_cnn, max_iter=3, batch_size=8, momentum=0.5, learning_rate=0.1,
+        random_state=0,
+    ).fit(X, y)  # fmt: skip
+    certificate = clf.counterfactual(X[:2], y[:2], target="loss", certify=2).certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+def _schedule(step):
+    return 0.3 / (1.0 + 0.5 * step)
+
+
+def test_a_learning_rate_schedule():
+    clf, X, y = fit("momentum", learning_rate=_schedule)
+    assert len(set(clf.path_.learning_rates)) > 1
+    certificate = clf.counterfactual(X[:2], y[:2], target="margin", certify=2).certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
