@@ -16,7 +16,7 @@ def _python_blocks():
 @pytest.mark.slow
 def test_readme_snippets_run_and_are_exact():
     blocks = _python_blocks()
-    assert len(blocks) >= 2, "the README's quickstart and user-loop snippets"
+    assert len(blocks) >= 3, "the README's quickstart, grid-search and user-loop snippets"
     namespace = {}
     exec(compile("\n".join(blocks), str(README), "exec"), namespace)  # noqa: S102
     # The quickstart's identity and the user loop's certificate, as the README prints them.
@@ -24,3 +24,7 @@ def test_readme_snippets_run_and_are_exact():
     assert np.abs(total - namespace["clf"].predict_log_proba(namespace["X"][:5])).max() < 1e-9
     assert namespace["parts"].residual.max() < 1e-9
     assert len(namespace["top"].to_frame()) > 0
+    # The pipeline with the transformer's default estimator, tuned through nested parameters.
+    grid = namespace["grid"]
+    assert grid.best_estimator_.named_steps["epk"].estimator_.max_iter == 10
+    assert grid.best_score_ > 0.9
