@@ -30,6 +30,7 @@ import copy
 
 import numpy as np
 import torch
+from sklearn.utils.validation import check_array
 
 from .._explain._mixin import ExplanationMixin
 from .._training._losses import FunctionLink, Loss
@@ -42,6 +43,69 @@ DTYPE = torch.float64
 def identity(out):
     """The identity link: ``f`` is the module's output."""
     return out
+
+
+def check_rows(X, row_shape, device, *, name="X"):
+    """Query rows for a recording, validated as strictly as an estimator's ``X``.
+
+    Parameters
+    ----------
+    X : torch.Tensor or array-like of shape (n, *row_shape)
+        The rows; a tensor keeps its values (any real dtype), anything else goes
+        through scikit-learn's ``check_array`` (no sparse matrices, no strings).
+    row_shape : tuple of int
+        The shape of one training row (``X_train.shape[1:]``).
+    device : torch.device
+        Where the float64 result lives.
+    name : str, default="X"
+        The argument's name, for the messages.
+
+    Returns
+    -------
+    torch.Tensor of shape (n, *row_shape), float64 on ``device``.
+
+    Raises
+    ------
+    ValueError
+        For complex values, a shape other than ``(n, *row_shape)`` with
+        ``n >= 1``, or a NaN or infinite value (the message names the first row
+        that holds one).
+    """
+    if isinstance(X, torch.Tensor):
+        if X.is_complex():
+            raise ValueError(f"Complex data not supported: {name} has dtype {X.dtype}.")
+        X = X.detach()
+    else:
+        X = check_array(
+            X, dtype=np.float64, allow_nd=True, ensure_2d=False, ensure_all_finite=False,
+            ensure_min_samples=0, input_name=name,
+        )  # fmt: skip
+    X = torch.as_tensor(X).to(device=device, dtype=DTYPE)
+    row_shape = tuple(row_shape)
+    expected = f"(n_queries, {', '.join(map(str, row_shape))})"
+    if X.ndim == len(row_shape) and tuple(X.shape) == row_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(X.shape)}, the shape of one training row: queries "
+            f"must be {expected}; for a single query pass {name}[None] (or "
+            f"{name}.reshape(1, -1) for flat rows)."
+        )
+    if X.ndim != len(row_shape) + 1 or tuple(X.shape[1:]) != row_shape:
+        raise ValueError(
+            f"{name} has rows of shape {tuple(X.shape[1:])} (shape {tuple(X.shape)}), but "
+            f"this recording's training rows have shape {row_shape}: queries must be "
+            f"{expected}."
+        )
+    if X.shape[0] == 0:
+        raise ValueError(f"Found array with 0 sample(s) (shape {tuple(X.shape)}) in {name}.")
+    finite = torch.isfinite(X.reshape(X.shape[0], -1)).all(dim=1)
+    if not bool(finite.all()):
+        row = int(torch.nonzero(~finite)[0, 0])
+        what = "NaN" if bool(torch.isnan(X[row]).any()) else "infinity"
+        raise ValueError(
+            f"Input {name} contains {what} (first in row {row}; "
+            f"{int((~finite).sum())} of {X.shape[0]} rows are not finite)."
+        )
+    return X
 
 
 class ModuleOutput:
@@ -177,9 +241,10 @@ class Recording(ExplanationMixin):
             )
         return self._engine_cache
 
-    def _rows(self, X):
-        X = torch.as_tensor(X)
-        return X.to(device=self.X_train_.device, dtype=DTYPE)
+    def _rows(self, X, name="X"):
+        """Validated query rows (:func:`check_rows`) as float64 on the training
+        inputs' device."""
+        return check_rows(X, self.X_train_.shape[1:], self.X_train_.device, name=name)
 
     def decompose(self, X):
         """Write the network's output on ``X`` as an exact sum over training points.
@@ -220,10 +285,9 @@ class Recording(ExplanationMixin):
         """The exact path kernel between the rows of ``A`` and ``B`` (see
         ``PathKernelEngine.gram``): ``a_train``/``b_train`` put rows on the training
         copy (the three Gram blocks: train x train, train x test, test x test)."""
-        B = None if B is None else self._rows(B)
-        return self._engine().gram(
-            self._rows(A), B, a_train=a_train, b_train=b_train, output=output
-        )
+        A = self._rows(A, "A")
+        B = None if B is None else self._rows(B, "B")
+        return self._engine().gram(A, B, a_train=a_train, b_train=b_train, output=output)
 
     @property
     def kernel_(self):

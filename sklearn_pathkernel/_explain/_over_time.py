@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._checks import check_index
 from ._frames import pandas
 from ._plotting import new_axes
 
@@ -88,6 +89,10 @@ class TimeAttribution:
     def plot(self, query=0, output=0, *, top=5, ax=None):
         """Stacked bars over the periods: the ``top`` groups by total absolute
         contribution, the rest summed, and the cumulative total as a line."""
+        query = check_index(query, self.values.shape[0], "query", "queries")
+        output = check_index(output, self.values.shape[3], "output", "outputs")
+        if isinstance(top, bool) or not isinstance(top, int | np.integer) or top < 1:
+            raise ValueError(f"top must be a positive int, got {top!r}.")
         ax = new_axes(ax, (7, 3.5))
         values = self.values[query, :, :, output]  # (P, G)
         order = np.argsort(-np.abs(values).sum(axis=0), kind="stable")[:top]
