@@ -27,9 +27,15 @@ exact against the float64 network at the replayed final weights, and
 """
 
 import copy
+from numbers import Integral
 
 import numpy as np
 import torch
+from sklearn.utils._param_validation import (
+    Interval,
+    StrOptions,
+    validate_parameter_constraints,
+)
 from sklearn.utils.validation import check_array
 
 from .._explain._mixin import ExplanationMixin
@@ -141,9 +147,22 @@ class Recording(ExplanationMixin):
         The training inputs the path's rows index.
     dtype : torch.dtype
         The dtype the network was trained in.
-    quadrature : str, default="exact"
-        The engine's integration rule (see ``PathKernelEngine``).
+    quadrature : {"exact", "riemann", "dpk"}, default="exact"
+        How each step's test copy is integrated, as the estimators'
+        ``quadrature``: ``"exact"`` splits the step at its kinks and certifies
+        the result; ``"riemann"`` (``n_points`` nodes) and ``"dpk"`` (one node)
+        are the paper's approximations, kept for comparison.
+    n_points : int, default=100
+        Nodes of ``quadrature="riemann"``.
     n_jobs : int or None, default=None
+        Blocks (tiles of query rows x chunks of steps) computed at once through
+        joblib, in threads by default or on any ``joblib.parallel_config``
+        backend (dask); ``None`` is one unless a joblib context says otherwise.
+        Torch's own threads multiply with it: keep ``n_jobs *
+        torch.get_num_threads()`` at most the cores.
+    verbose : int, default=0
+        Progress bars over the steps of long computations (decompositions,
+        Gram matrices, self-influence) when positive.
     link : callable or None, default=None
         ``f = link(module(x))``, the function decomposed (the recorder's).
     targets : array-like of shape (n_samples,) or (n_samples, K), default=None
@@ -155,7 +174,23 @@ class Recording(ExplanationMixin):
     module_, path_, X_train_ : as given
     n_steps_ : int
         Optimiser steps recorded.
+
+    Notes
+    -----
+    ``quadrature``, ``n_points``, ``n_jobs`` and ``verbose`` are plain
+    attributes: set them on the recording that
+    :meth:`~sklearn_pathkernel.TrainingRecorder.finish` returns
+    (``recording.n_jobs = 2``) at any time, and the next computation follows
+    them (a float32 run's float64 replay is kept). They are checked there, with
+    the estimators' rules.
     """
+
+    _option_constraints = {
+        "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
+        "n_points": [Interval(Integral, 1, None, closed="left")],
+        "n_jobs": [Integral, None],
+        "verbose": ["verbose"],
+    }
 
     def __init__(
         self,
@@ -165,7 +200,9 @@ class Recording(ExplanationMixin):
         *,
         dtype=DTYPE,
         quadrature="exact",
+        n_points=100,
         n_jobs=None,
+        verbose=0,
         link=None,
         targets=None,
     ):
@@ -176,8 +213,11 @@ class Recording(ExplanationMixin):
         self.X_train_ = X
         self.dtype = dtype
         self.quadrature = quadrature
+        self.n_points = n_points
         self.n_jobs = n_jobs
+        self.verbose = verbose
         self._engine_cache = None
+        self._replay_cache = None
 
     @property
     def n_steps_(self):
@@ -212,15 +252,25 @@ class Recording(ExplanationMixin):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_engine_cache"] = None
+        state["_replay_cache"] = None
         return state
+
+    def __setstate__(self, state):
+        # Recordings pickled before the options n_points and verbose existed.
+        self.__dict__.update({"n_points": 100, "verbose": 0, "_replay_cache": None, **state})
 
     # -- float64 evaluation ------------------------------------------------------
 
-    def _engine(self):
-        """The float64 engine of the recorded path (built once)."""
-        if self._engine_cache is None:
-            from .._engine._facade import PathKernelEngine
+    def _options(self):
+        """The engine's settings, checked (a clear error names a bad one)."""
+        options = {name: getattr(self, name) for name in self._option_constraints}
+        validate_parameter_constraints(self._option_constraints, options, "Recording")
+        return options
 
+    def _float64_run(self):
+        """The float64 module at the final weights and its path: the recorded ones
+        for a float64 run, the float64 replay of a float32 one (built once)."""
+        if self._replay_cache is None:
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
             path = self.path_
             if path.weights.dtype != DTYPE:
@@ -231,13 +281,23 @@ class Recording(ExplanationMixin):
                     for name, param in module.named_parameters():
                         if name in final:
                             param.copy_(final[name])
+            self._replay_cache = module, path
+        return self._replay_cache
+
+    def _engine(self):
+        """The float64 engine of the recorded path, rebuilt when an option changed."""
+        options = self._options()
+        cache = self._engine_cache
+        if cache is None or options != {name: getattr(cache, name) for name in options}:
+            from .._engine._facade import PathKernelEngine
+
+            module, path = self._float64_run()
             self._engine_cache = PathKernelEngine(
                 module,
                 path,
                 self.X_train_.to(DTYPE),
                 loss=ModuleOutput(self.link),
-                quadrature=self.quadrature,
-                n_jobs=self.n_jobs,
+                **options,
             )
         return self._engine_cache
 
