@@ -15,6 +15,7 @@ import torch
 
 from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
+from ._scheduling import SharedByTasks
 from ._transfer import to_host
 
 
@@ -80,7 +81,7 @@ _COVERING = {
 }
 
 
-class GramBlocks:
+class GramBlocks(SharedByTasks):
     """The blocks of one engine's Gram matrices and diagonals.
 
     Parameters

@@ -31,6 +31,7 @@ from sklearn.utils import Bunch
 from .._training._blockwise import layout_by_rules, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
+from ._scheduling import SharedByTasks
 
 
 class DecompositionPart(NamedTuple):
@@ -41,7 +42,7 @@ class DecompositionPart(NamedTuple):
     quadrature_error: np.ndarray  # (n,)
 
 
-class Decomposition:
+class Decomposition(SharedByTasks):
     """Decomposes the network's output on query rows over the training points.
 
     Parameters
