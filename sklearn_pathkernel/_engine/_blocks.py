@@ -161,7 +161,7 @@ class GramBlocks(SharedByTasks):
             q_tiles = self.planner.product_tiles(Q.shape[0])
         else:
             q_tiles = self.planner.tiles(Q.shape[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             start = self.steps.step(index).start
             metric = self.steps.metric(index, self.probes.current().rules)
             right = None
@@ -204,7 +204,7 @@ class GramBlocks(SharedByTasks):
         p_blocks = self.planner.sub_blocks(P.shape[0], row_bytes, pairs)
         q_blocks = self.planner.sub_blocks(Q.shape[0], row_bytes, pairs)
         products = [(a, b) for a in p_blocks for b in q_blocks if not prefix or b.start >= a.start]
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             start = self.steps.weights(index)
             metric = self.steps.metric(index, self.probes.current().rules)
             right = self.factors_of(start, Q)
@@ -279,7 +279,7 @@ class GramBlocks(SharedByTasks):
         diag = torch.zeros(A.shape[0], dtype=A.dtype, device=A.device)
         train = self.steps.on_device(mask.nonzero()[0])
         test = self.steps.on_device((~mask).nonzero()[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             metric = self.steps.metric(index, self.probes.current().rules)
             if train.numel():
                 factors = self.probes.current().factors(self.steps.weights(index), A[train])

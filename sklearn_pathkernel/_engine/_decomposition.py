@@ -84,7 +84,9 @@ class Decomposition(SharedByTasks):
         else:
             keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
             tasks = [partial(self._per_step, X[tile], steps) for tile, steps in keys]
-        results = self.scheduler.run(tasks)
+        results = self.scheduler.run(
+            tasks, units=len(tiles) * self.path.n_steps, desc=f"decompose {X.shape[0]} rows"
+        )
         contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
         decay = np.zeros((X.shape[0], self.n_outputs))
         quadrature_error = np.zeros(X.shape[0])
@@ -109,7 +111,7 @@ class Decomposition(SharedByTasks):
         )
         decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(X.shape[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             batch = self.steps.on_device(self.path.batches[index])
             scale = update.step_scale(index)
             gradients = self.path.output_gradients[index].to(self.steps.device)
@@ -163,7 +165,7 @@ class Decomposition(SharedByTasks):
         accumulation = update.backward(
             layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
         )
-        for index in reversed(range(self.path.n_steps)):
+        for index in self.progress.over(reversed(range(self.path.n_steps))):
             start = self.steps.step(index).start
             rules = self.probes.current().rules
             batch = self.path.batches[index]

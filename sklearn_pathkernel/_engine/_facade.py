@@ -264,7 +264,13 @@ class PathKernelEngine:
         """The decomposition step by step, and the self-influence of the training
         points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
         return StepwiseDecomposition(
-            self._probes, self._steps, self._test_copy, self.path, self.X_train, self.n_outputs
+            self._probes,
+            self._steps,
+            self._test_copy,
+            self.path,
+            self.X_train,
+            self.n_outputs,
+            verbose=self.verbose,
         )
 
     def certificate(self, X):

@@ -124,7 +124,9 @@ class Gram:
                     whole,
                 )
                 for tile, steps in keys
-            ]
+            ],
+            units=len(tiles) * self.scheduler.n_steps,
+            desc=f"{kind.name.lower()} Gram {P.shape[0]} x {Q.shape[0]}",
         )
         if len(results) == 1:
             return results[0]
@@ -144,7 +146,9 @@ class Gram:
         tiles = self.planner.query_tiles(A.shape[0], 0, self.nodes.test_test)
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
         results = self.scheduler.run(
-            [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
+            [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys],
+            units=len(tiles) * self.scheduler.n_steps,
+            desc=f"Gram diagonal of {A.shape[0]} rows",
         )
         diag = np.zeros(A.shape[0], dtype=numpy_dtype(A))
         for (tile, _), block in zip(keys, results, strict=True):

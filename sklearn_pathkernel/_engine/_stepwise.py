@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .._training._blockwise import layout_by_rules, on_layers
+from ._progress import step_progress
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
@@ -74,10 +75,14 @@ class StepwiseDecomposition:
     path : WeightPath
     X_train : torch.Tensor
     n_outputs : int
+    verbose : int, default=0
+        A bar over the steps (and tiles of rows) of :meth:`terms` and
+        :meth:`self_influence` when positive.
     """
 
-    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs):
+    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs, verbose=0):
         self.probes, self.steps, self.test_copy = probes, steps, test_copy
+        self.verbose = verbose
         self.path, self.update = path, path.update
         self.X_train, self.n_outputs = X_train, n_outputs
         self.n_train, self.device = X_train.shape[0], X_train.device
@@ -146,7 +151,8 @@ class StepwiseDecomposition:
         """
         tiles = self._tiles(X.shape[0])
         accumulations = [self.update.backward(self._layout(X.dtype)) for _ in tiles]
-        for index in reversed(range(self.path.n_steps)):
+        progress = step_progress(self.verbose, self.path.n_steps, f"terms of {X.shape[0]} rows")
+        for index in progress.over(reversed(range(self.path.n_steps))):
             batch = np.asarray(self.path.batches[index])
             gradients = self._training_gradients(index, batch)
             values = np.empty((X.shape[0], batch.size, self.n_outputs))
@@ -155,6 +161,7 @@ class StepwiseDecomposition:
                 psi = accumulation.psi(index, u)
                 values[tile] = _inner(psi, gradients).cpu().numpy()
             yield StepTerm(index, batch, values)
+        progress.close()
 
     # -- the self-influence ----------------------------------------------------
 
@@ -166,15 +173,20 @@ class StepwiseDecomposition:
         step on (the diagonal of the attribution over time, summed over those
         steps); steps before it are skipped.
         """
-        if self.update.per_step:
-            return self._self_influence_per_step(first_step)
-        return self._self_influence_accumulated(first_step)
+        steps = range(first_step, self.path.n_steps)
+        progress = step_progress(self.verbose, len(steps), "self-influence")
+        try:
+            if self.update.per_step:
+                return self._self_influence_per_step(progress.over(steps))
+            return self._self_influence_accumulated(progress.over(steps))
+        finally:
+            progress.close()
 
-    def _self_influence_per_step(self, first_step):
+    def _self_influence_per_step(self, steps):
         """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
         M, K = self.n_train, self.n_outputs
         total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
-        for index in range(first_step, self.path.n_steps):
+        for index in steps:
             batch = np.asarray(self.path.batches[index])
             scale = self.update.step_scale(index)
             for tile in self._tiles(batch.size):
@@ -187,7 +199,7 @@ class StepwiseDecomposition:
                 total.index_add_(0, self.steps.on_device(rows), diagonal)
         return total.cpu().numpy()
 
-    def _self_influence_accumulated(self, first_step):
+    def _self_influence_accumulated(self, steps):
         """Momentum, Adam: forward over the steps, with each point's own buffer.
 
         Exchanging the sums, ``c_i(x_i) = sum_s <u_s(x_i), m_s(i)>`` with ``u_s =
@@ -204,7 +216,7 @@ class StepwiseDecomposition:
         layout = self._layout(X_train.dtype)
         buffer = None  # per rule, (M, W_l)
         seen = np.zeros(M, dtype=bool)
-        for index in range(first_step, self.path.n_steps):
+        for index in steps:
             batch = np.asarray(self.path.batches[index])
             rows = self.steps.on_device(batch)
             gradients = self._training_gradients(index, batch)

@@ -45,6 +45,9 @@ def test_options_are_followed_by_the_next_computation():
     parallel = recording.decompose(queries)
     np.testing.assert_allclose(parallel.contributions, exact.contributions, rtol=1e-12, atol=1e-15)
     assert recording._engine().n_jobs == 2
+    recording.verbose = 1
+    assert recording._engine().verbose == 1
+    assert recording._engine().stepwise().verbose == 1
 
 
 def test_float32_replay_is_kept_when_options_change():
