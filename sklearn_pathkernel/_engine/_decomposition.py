@@ -77,7 +77,10 @@ class Decomposition(SharedByTasks):
             f"{self.n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
-        tiles = self.planner.query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, self.n_nodes)
+        # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step
+        # for a CNN), measured on a sample, not the nodes of one smooth piece.
+        nodes = self.test_copy.nodes_per_row(X)
+        tiles = self.planner.query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, nodes)
         if accumulated:  # the steps run backward, in order: tiles of rows only
             keys = [(tile, None) for tile in tiles]
             tasks = [partial(self._accumulated, X[tile]) for tile in tiles]
