@@ -65,8 +65,9 @@ class Decomposition(SharedByTasks):
         self.X_train, self.n_nodes, self.n_outputs = X_train, n_nodes, n_outputs
         self.n_train = X_train.shape[0]
 
-    def decompose(self, X):
-        """See ``PathKernelEngine.decompose``; ``X`` on the device."""
+    def decompose(self, X, batch_size=None):
+        """See ``PathKernelEngine.decompose``; ``X`` on the device, at most
+        ``batch_size`` rows per tile (None: the planner's tiles)."""
         accumulated = not self.path.update.per_step
         row_bytes = 8 * self.n_train * self.n_outputs
         # The features, buffer and psi of a row, materialised over the weights.
@@ -80,7 +81,9 @@ class Decomposition(SharedByTasks):
         # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step
         # for a CNN), measured on a sample, not the nodes of one smooth piece.
         nodes = self.test_copy.nodes_per_row(X)
-        tiles = self.planner.query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, nodes)
+        tiles = self.planner.query_tiles(
+            X.shape[0], 2 * row_bytes + feature_bytes, nodes, max_rows=batch_size
+        )
         if accumulated:  # the steps run backward, in order: tiles of rows only
             keys = [(tile, None) for tile in tiles]
             tasks = [partial(self._accumulated, X[tile]) for tile in tiles]

@@ -158,13 +158,14 @@ class Planner:
         and the products with the training rows come on top of the factors)."""
         return row_bytes + NODE_FACTOR_COPIES * (nodes_per_row + 1) * self.factor_row_bytes()
 
-    def query_tiles(self, n_rows, row_bytes, nodes_per_row, budget=None):
+    def query_tiles(self, n_rows, row_bytes, nodes_per_row, budget=None, max_rows=None):
         """Tiles of query rows, one per task of ``decompose`` or ``diag``: as many
         rows as the working budget (or ``budget`` bytes) holds at
-        :meth:`query_row_bytes` each, and at least one."""
+        :meth:`query_row_bytes` each, at least one, and at most ``max_rows``."""
         budget = self.working_budget() if budget is None else budget
         per_row = self.query_row_bytes(row_bytes, nodes_per_row)
-        return _even_tiles(n_rows, max(1, budget // per_row))
+        size = max(1, budget // per_row)
+        return _even_tiles(n_rows, size if max_rows is None else min(size, max_rows))
 
     def pass_rows(self):
         """Rows per forward and backward pass of the probe: as many as

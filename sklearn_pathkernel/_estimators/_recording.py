@@ -306,7 +306,7 @@ class Recording(ExplanationMixin):
         inputs' device."""
         return check_rows(X, self.X_train_.shape[1:], self.X_train_.device, name=name)
 
-    def decompose(self, X):
+    def decompose(self, X, *, batch_size=None):
         """Write the network's output on ``X`` as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals ``output``, the float64
@@ -316,6 +316,10 @@ class Recording(ExplanationMixin):
         ----------
         X : torch.Tensor or array-like of shape (n, ...)
             Query rows, shaped like the training inputs.
+        batch_size : int or None, default=None
+            Rows integrated at once, at most (None: as many as the working
+            budget holds, from the memory a row's quadrature nodes take); the
+            result, ``8 n n_train K`` bytes, is held whole either way.
 
         Returns
         -------
@@ -333,7 +337,7 @@ class Recording(ExplanationMixin):
             (zero for a float64 model).
         """
         X64 = self._rows(X)
-        parts = self._engine().decompose(X64)
+        parts = self._engine().decompose(X64, batch_size)
         engine_module = self._engine().module
         with torch.no_grad():
             link = ModuleOutput(self.link).link

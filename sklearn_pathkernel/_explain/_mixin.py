@@ -42,7 +42,11 @@ class ExplanationMixin:
             diagonal, linear in ``M``), as TracIn's cosine variant: points with
             large gradients no longer top every list.
         batch_size : int, default=64
-            Queries decomposed at a time: memory ``8 batch_size M K`` bytes.
+            Queries decomposed at a time: their contributions take ``8
+            batch_size M K`` bytes. Inside a batch, the rows integrated at
+            once follow the memory their quadrature nodes take (the engine's
+            working budget, 1 GiB or a quarter of the available memory), so a
+            large ``batch_size`` does not multiply that memory.
 
         Returns
         -------

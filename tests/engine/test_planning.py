@@ -173,3 +173,28 @@ def test_query_tiles_hold_the_nodes_rows_really_take(monkeypatch, engine_cases):
     training_row = planner.query_row_bytes(features, test_copy.nodes_per_row(X))
     assert stepwise._tile_rows(X) == 3 * per_row // training_row < X.shape[0]
     np.testing.assert_allclose(stepwise.self_influence(), influence, rtol=1e-12, atol=1e-14)
+
+
+def test_decompose_batch_size_caps_the_tiles(relu_case, engine_cases):
+    from sklearn_pathkernel import ExactPathKernelClassifier
+
+    module, path, X, y, A = relu_case
+    engine = engine_cases.engine_for(module, path, X, y)
+    expected = engine.decompose(A)
+    parts = engine.decompose(A, batch_size=2)
+    np.testing.assert_allclose(parts.contributions, expected.contributions, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(parts.quadrature_error, expected.quadrature_error, atol=1e-15)
+    with pytest.raises(ValueError, match="batch_size == 0, must be >= 1"):
+        engine.decompose(A, batch_size=0)
+    with pytest.raises(TypeError, match="batch_size must be an instance of int"):
+        engine.decompose(A, batch_size=1.5)
+    # The estimators and recordings pass it through.
+    Xn, yn = X.numpy(), y.numpy()
+    clf = ExactPathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0)
+    clf.fit(Xn, yn)
+    np.testing.assert_allclose(
+        clf.decompose(A.numpy(), batch_size=1).contributions,
+        clf.decompose(A.numpy()).contributions,
+        rtol=1e-12,
+        atol=1e-15,
+    )

@@ -86,3 +86,13 @@ def test_pickle_keeps_the_options():
     np.testing.assert_array_equal(
         clone.decompose(X[:2]).contributions, recording.decompose(X[:2]).contributions
     )
+
+
+def test_decompose_in_batches_of_rows():
+    recording, X = _recording(torch.float64)
+    whole = recording.decompose(X[:5] + 0.1)
+    batched = recording.decompose(X[:5] + 0.1, batch_size=2)
+    np.testing.assert_allclose(batched.contributions, whole.contributions, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(batched.output, whole.output)
+    with pytest.raises(ValueError, match="batch_size == 0"):
+        recording.decompose(X[:2], batch_size=0)
