@@ -108,7 +108,11 @@ class Gram:
         if kind is BlockKind.TEST:
             tiles = self.planner.tiles(P.shape[0], 8 * Q.shape[0] * pairs)
         else:
-            tiles = self.planner.task_tiles(kind, P.shape[0], Q.shape[0], pairs, self.n_outputs)
+            # Test-copy rows: the nodes they take, measured (kinks: many per step for a CNN).
+            nodes = self.blocks.test_copy.nodes_per_row(P) if kind is BlockKind.MIXED else None
+            tiles = self.planner.task_tiles(
+                kind, P.shape[0], Q.shape[0], pairs, self.n_outputs, nodes_per_row=nodes
+            )
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
         whole = symmetric and len(keys) == 1  # symmetrized by the task, on its device
         results = self.scheduler.run(

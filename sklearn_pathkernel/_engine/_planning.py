@@ -135,16 +135,21 @@ class Planner:
         """Row slices of at most ``tile_size`` rows, fewer when rows are large."""
         return _even_tiles(n, rows_per_tile(self.tile_size, row_bytes))
 
-    def task_tiles(self, kind, n_rows, n_other, pairs, n_outputs):
+    def task_tiles(self, kind, n_rows, n_other, pairs, n_outputs, nodes_per_row=None):
         """Tiles of the rows of a training or mixed block, from the working budget.
 
         A task holds its output block (``pairs`` values per pair of rows), one
-        step's factors of its rows (``kind.factor_rows``) and of the other side's
-        rows (``kind.shared_factor_rows``), and, for a mixed block on a
+        step's factors of its rows (``kind.factor_rows``; for a mixed block,
+        ``NODE_FACTOR_COPIES`` times those of ``nodes_per_row`` nodes when the
+        caller measured them, see :meth:`query_row_bytes`) and of the other
+        side's rows (``kind.shared_factor_rows``), and, for a mixed block on a
         preconditioned path, its rows' features materialised and scaled.
         """
         factor_bytes = self.factor_row_bytes()
-        per_row = 8 * n_other * pairs + factor_bytes * kind.factor_rows(self.n_nodes)
+        if nodes_per_row is None:
+            per_row = 8 * n_other * pairs + factor_bytes * kind.factor_rows(self.n_nodes)
+        else:
+            per_row = self.query_row_bytes(8 * n_other * pairs, nodes_per_row)
         if kind.materialises_preconditioned and self.path.update.preconditioners is not None:
             per_row += 16 * n_outputs * self.path.n_weights  # P_s phi_s, materialised
         shared = factor_bytes * kind.shared_factor_rows(n_other, self.tile_size)

@@ -173,6 +173,13 @@ def test_query_tiles_hold_the_nodes_rows_really_take(monkeypatch, engine_cases):
     training_row = planner.query_row_bytes(features, test_copy.nodes_per_row(X))
     assert stepwise._tile_rows(X) == 3 * per_row // training_row < X.shape[0]
     np.testing.assert_allclose(stepwise.self_influence(), influence, rtol=1e-12, atol=1e-14)
+    # The mixed Gram's query rows: tiles from their measured nodes too.
+    from sklearn_pathkernel._engine._blocks import BlockKind
+
+    gram = engine.gram(A, X, b_train=True)
+    mixed = small._planner.task_tiles(BlockKind.MIXED, A.shape[0], X.shape[0], 1, 3, nodes)
+    assert len(mixed) > 1
+    np.testing.assert_allclose(small.gram(A, X, b_train=True), gram, rtol=1e-12, atol=1e-14)
 
 
 def test_decompose_batch_size_caps_the_tiles(relu_case, engine_cases):
