@@ -109,6 +109,8 @@ class TestCopy:
         n_nodes = self.n_nodes if n_nodes is None else n_nodes
         sample = X[[0, X.shape[0] - 1]] if X.shape[0] > 1 else X
         n_steps = self.steps.path.n_steps
+        if n_steps == 0 or X.shape[0] == 0:
+            return n_nodes
         indices = np.unique(np.linspace(0, n_steps - 1, SAMPLED_STEPS).round().astype(int))
         most = n_nodes
         probe = self.probes.current()

@@ -107,16 +107,20 @@ def check_module(module, X, n_outputs, *, classifier=True):
 
 
 def _forward_one_row(module, row):
-    """The module's output on one row of ``X``; a torch error there (most often the
-    wrong input width) becomes a ValueError naming ``X``'s row shape and the first
-    layer's expected input."""
+    """The module's output on one row of ``X``; a torch error there that comes from
+    the wrong input width (the first Linear or convolution expects another) becomes
+    a ValueError naming ``X``'s row shape and the layer's expected input; other
+    errors propagate as they are."""
     try:
         return module(row)
     except RuntimeError as error:
+        mismatch = _first_layer_input(module, row)
+        if not mismatch:
+            raise
         raise ValueError(
             f"The module fails on one row of X, shape {tuple(row.shape)} "
             f"({row.shape[1] if row.ndim == 2 else tuple(row.shape[1:])} features per "
-            f"row): {_first_layer_input(module, row)}Torch's error: {error}"
+            f"row): {mismatch}Torch's error: {error}"
         ) from error
 
 
