@@ -84,7 +84,9 @@ def run(method, n, base, train, epochs):
     if base:
         command += ["--base", base]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:  # e.g. -9: killed by the kernel for want of memory
+        return done.returncode, None
     growth, cpu = done.stdout.split()[-2:]
     return float(growth), float(cpu)
 
@@ -111,7 +113,10 @@ def main():
             cells = []
             for _, base in sides:  # alternately, per row
                 growth, cpu = run(method, n, base, args.train, args.epochs)
-                cells.append(f"{growth:>9.0f} MiB {cpu:>9.1f} CPU-s")
+                if cpu is None:
+                    cells.append(f"failed, exit status {growth}")
+                else:
+                    cells.append(f"{growth:>9.0f} MiB {cpu:>9.1f} CPU-s")
             print(f"{method:<15} {n:>4}  " + "  ".join(f"{cell:>28}" for cell in cells))
 
 
