@@ -18,6 +18,10 @@ DistanceLayer
     The distance layer, for building your own networks.
 DistanceConv2d
     The convolutional distance layer (patches compared with memories), for images.
+Explainer
+    The explanations of a fitted estimator or a recording, as one object: top-k
+    proponents and opponents, self-influence, attribution over time, influence
+    matrices, by the exact contributions or the counterfactual scores.
 Explanation, SelfInfluence, TimeAttribution
     The results of the estimators' ``explain``, ``self_influence`` and
     ``explain_over_time``.
@@ -41,6 +45,7 @@ from ._estimators import (
 )
 from ._explain import (
     CounterfactualAttribution,
+    Explainer,
     Explanation,
     RetrainingCertificate,
     SelfInfluence,
@@ -59,6 +64,7 @@ __all__ = [
     "ExactPathKernel",
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
+    "Explainer",
     "Explanation",
     "PathKernelTransformer",
     "Recording",

@@ -15,6 +15,7 @@ import torch
 
 from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
+from ._scheduling import SharedByTasks
 from ._transfer import to_host
 
 
@@ -80,7 +81,7 @@ _COVERING = {
 }
 
 
-class GramBlocks:
+class GramBlocks(SharedByTasks):
     """The blocks of one engine's Gram matrices and diagonals.
 
     Parameters
@@ -160,7 +161,7 @@ class GramBlocks:
             q_tiles = self.planner.product_tiles(Q.shape[0])
         else:
             q_tiles = self.planner.tiles(Q.shape[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             start = self.steps.step(index).start
             metric = self.steps.metric(index, self.probes.current().rules)
             right = None
@@ -203,7 +204,7 @@ class GramBlocks:
         p_blocks = self.planner.sub_blocks(P.shape[0], row_bytes, pairs)
         q_blocks = self.planner.sub_blocks(Q.shape[0], row_bytes, pairs)
         products = [(a, b) for a in p_blocks for b in q_blocks if not prefix or b.start >= a.start]
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             start = self.steps.weights(index)
             metric = self.steps.metric(index, self.probes.current().rules)
             right = self.factors_of(start, Q)
@@ -278,7 +279,7 @@ class GramBlocks:
         diag = torch.zeros(A.shape[0], dtype=A.dtype, device=A.device)
         train = self.steps.on_device(mask.nonzero()[0])
         test = self.steps.on_device((~mask).nonzero()[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             metric = self.steps.metric(index, self.probes.current().rules)
             if train.numel():
                 factors = self.probes.current().factors(self.steps.weights(index), A[train])

@@ -31,6 +31,7 @@ from sklearn.utils import Bunch
 from .._path import layout_by_rules, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
+from ._scheduling import SharedByTasks
 
 
 class DecompositionPart(NamedTuple):
@@ -41,7 +42,7 @@ class DecompositionPart(NamedTuple):
     quadrature_error: np.ndarray  # (n,)
 
 
-class Decomposition:
+class Decomposition(SharedByTasks):
     """Decomposes the network's output on query rows over the training points.
 
     Parameters
@@ -64,8 +65,9 @@ class Decomposition:
         self.X_train, self.n_nodes, self.n_outputs = X_train, n_nodes, n_outputs
         self.n_train = X_train.shape[0]
 
-    def decompose(self, X):
-        """See ``PathKernelEngine.decompose``; ``X`` on the device."""
+    def decompose(self, X, batch_size=None):
+        """See ``PathKernelEngine.decompose``; ``X`` on the device, at most
+        ``batch_size`` rows per tile (None: the planner's tiles)."""
         accumulated = not self.path.update.per_step
         row_bytes = 8 * self.n_train * self.n_outputs
         # The features, buffer and psi of a row, materialised over the weights.
@@ -76,14 +78,21 @@ class Decomposition:
             f"{self.n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
-        tiles = self.planner.query_tiles(X.shape[0], 2 * row_bytes + feature_bytes, self.n_nodes)
+        # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step
+        # for a CNN), measured on a sample, not the nodes of one smooth piece.
+        nodes = self.test_copy.nodes_per_row(X)
+        tiles = self.planner.query_tiles(
+            X.shape[0], 2 * row_bytes + feature_bytes, nodes, max_rows=batch_size
+        )
         if accumulated:  # the steps run backward, in order: tiles of rows only
             keys = [(tile, None) for tile in tiles]
             tasks = [partial(self._accumulated, X[tile]) for tile in tiles]
         else:
             keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
             tasks = [partial(self._per_step, X[tile], steps) for tile, steps in keys]
-        results = self.scheduler.run(tasks)
+        results = self.scheduler.run(
+            tasks, units=len(tiles) * self.path.n_steps, desc=f"decompose {X.shape[0]} rows"
+        )
         contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
         decay = np.zeros((X.shape[0], self.n_outputs))
         quadrature_error = np.zeros(X.shape[0])
@@ -108,7 +117,7 @@ class Decomposition:
         )
         decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(X.shape[0])
-        for index in range(steps.start, steps.stop):
+        for index in self.progress.over(range(steps.start, steps.stop)):
             batch = self.steps.on_device(self.path.batches[index])
             scale = update.step_scale(index)
             gradients = self.path.output_gradients[index].to(self.steps.device)
@@ -162,7 +171,7 @@ class Decomposition:
         accumulation = update.backward(
             layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
         )
-        for index in reversed(range(self.path.n_steps)):
+        for index in self.progress.over(reversed(range(self.path.n_steps))):
             start = self.steps.step(index).start
             rules = self.probes.current().rules
             batch = self.path.batches[index]

@@ -32,7 +32,10 @@ and reused for every node of every query; blocks of (query rows, training rows,
 steps) are independent tasks for joblib.
 """
 
+from numbers import Integral
+
 import numpy as np
+from sklearn.utils import check_scalar
 
 from .._path import CERTIFICATE_TOLERANCE, IdentityLink, LogSoftmaxLink
 from ._blocks import GramBlocks
@@ -236,7 +239,7 @@ class PathKernelEngine:
         """
         return self._probes.current()
 
-    def decompose(self, X):
+    def decompose(self, X, batch_size=None):
         """Contributions of every training point to the network's output on ``X``.
 
         The update of step ``s`` is linear in the gradients of its own and earlier
@@ -252,6 +255,11 @@ class PathKernelEngine:
         ----------
         X : torch.Tensor of shape (n, ...)
             Query rows, all on the test copy.
+        batch_size : int or None, default=None
+            Query rows integrated at once, at most. None: as many as the
+            working budget holds, from the memory a row's quadrature nodes
+            take (measured on a sample of the rows); the result, ``8 n M K``
+            bytes, is held whole either way.
 
         Returns
         -------
@@ -261,13 +269,21 @@ class PathKernelEngine:
             (n,) (the quadrature's certificate, summed over steps), as float64
             numpy arrays.
         """
-        return self._decomposition.decompose(X.to(self.device))
+        if batch_size is not None:
+            check_scalar(batch_size, "batch_size", Integral, min_val=1)
+        return self._decomposition.decompose(X.to(self.device), batch_size)
 
     def stepwise(self):
         """The decomposition step by step, and the self-influence of the training
         points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
         return StepwiseDecomposition(
-            self._probes, self._steps, self._test_copy, self.path, self.X_train, self.n_outputs
+            self._probes,
+            self._steps,
+            self._test_copy,
+            self.path,
+            self.X_train,
+            self.n_outputs,
+            verbose=self.verbose,
         )
 
     def certificate(self, X):

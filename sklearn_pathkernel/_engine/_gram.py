@@ -108,7 +108,11 @@ class Gram:
         if kind is BlockKind.TEST:
             tiles = self.planner.tiles(P.shape[0], 8 * Q.shape[0] * pairs)
         else:
-            tiles = self.planner.task_tiles(kind, P.shape[0], Q.shape[0], pairs, self.n_outputs)
+            # Test-copy rows: the nodes they take, measured (kinks: many per step for a CNN).
+            nodes = self.blocks.test_copy.nodes_per_row(P) if kind is BlockKind.MIXED else None
+            tiles = self.planner.task_tiles(
+                kind, P.shape[0], Q.shape[0], pairs, self.n_outputs, nodes_per_row=nodes
+            )
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
         whole = symmetric and len(keys) == 1  # symmetrized by the task, on its device
         results = self.scheduler.run(
@@ -124,7 +128,9 @@ class Gram:
                     whole,
                 )
                 for tile, steps in keys
-            ]
+            ],
+            units=len(tiles) * self.scheduler.n_steps,
+            desc=f"{kind.name.lower()} Gram {P.shape[0]} x {Q.shape[0]}",
         )
         if len(results) == 1:
             return results[0]
@@ -144,7 +150,9 @@ class Gram:
         tiles = self.planner.query_tiles(A.shape[0], 0, self.nodes.test_test)
         keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
         results = self.scheduler.run(
-            [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys]
+            [partial(self.blocks.diag_block, A[tile], mask[tile], steps) for tile, steps in keys],
+            units=len(tiles) * self.scheduler.n_steps,
+            desc=f"Gram diagonal of {A.shape[0]} rows",
         )
         diag = np.zeros(A.shape[0], dtype=numpy_dtype(A))
         for (tile, _), block in zip(keys, results, strict=True):

@@ -27,6 +27,12 @@ PASS_BUDGET_BYTES = 12 * 2**20
 #: less leave about 60 % of the pairs, where 14 000-row products (an eighth of an
 #: H100's budget) computed 90 % at M = 16 000; 4096 x 4096 products still fill it.
 GPU_BLOCK_ROWS = 4096
+#: A query row's node factors as held at once during a step, in copies of the
+#: factors themselves (the passes' temporaries and the products come on top):
+#: on a CNN with max-pooling (2 conv layers, 11k weights, AdamW, M = 1000), one
+#: query row raised the peak memory of a decomposition by 400 MiB, 3.3 times its
+#: 178 nodes' factors (0.69 MiB each).
+NODE_FACTOR_COPIES = 4
 #: What one step-major Gram task may hold on the host (its output block and one
 #: step's factors): at most this, and at most a quarter of the available memory.
 HOST_WORKING_BYTES = 2**30
@@ -115,29 +121,42 @@ class Planner:
         """Row slices of at most ``tile_size`` rows, fewer when rows are large."""
         return _even_tiles(n, rows_per_tile(self.tile_size, row_bytes))
 
-    def task_tiles(self, kind, n_rows, n_other, pairs, n_outputs):
+    def task_tiles(self, kind, n_rows, n_other, pairs, n_outputs, nodes_per_row=None):
         """Tiles of the rows of a training or mixed block, from the working budget.
 
         A task holds its output block (``pairs`` values per pair of rows), one
-        step's factors of its rows (``kind.factor_rows``) and of the other side's
-        rows (``kind.shared_factor_rows``), and, for a mixed block on a
+        step's factors of its rows (``kind.factor_rows``; for a mixed block,
+        ``NODE_FACTOR_COPIES`` times those of ``nodes_per_row`` nodes when the
+        caller measured them, see :meth:`query_row_bytes`) and of the other
+        side's rows (``kind.shared_factor_rows``), and, for a mixed block on a
         preconditioned path, its rows' features materialised and scaled.
         """
         factor_bytes = self.factor_row_bytes()
-        per_row = 8 * n_other * pairs + factor_bytes * kind.factor_rows(self.n_nodes)
+        if nodes_per_row is None:
+            per_row = 8 * n_other * pairs + factor_bytes * kind.factor_rows(self.n_nodes)
+        else:
+            per_row = self.query_row_bytes(8 * n_other * pairs, nodes_per_row)
         if kind.materialises_preconditioned and self.path.update.preconditioners is not None:
             per_row += 16 * n_outputs * self.path.n_weights  # P_s phi_s, materialised
         shared = factor_bytes * kind.shared_factor_rows(n_other, self.tile_size)
         size = max(1, (self.working_budget() - shared) // per_row)
         return _even_tiles(n_rows, size)
 
-    def query_tiles(self, n_rows, row_bytes, nodes_per_row):
+    def query_row_bytes(self, row_bytes, nodes_per_row):
+        """Bytes one query row holds during a step: ``row_bytes`` of results and
+        the factors of its quadrature nodes (``nodes_per_row`` and the kink
+        search's row), ``NODE_FACTOR_COPIES`` times (the passes' own temporaries
+        and the products with the training rows come on top of the factors)."""
+        return row_bytes + NODE_FACTOR_COPIES * (nodes_per_row + 1) * self.factor_row_bytes()
+
+    def query_tiles(self, n_rows, row_bytes, nodes_per_row, budget=None, max_rows=None):
         """Tiles of query rows, one per task of ``decompose`` or ``diag``: as many
-        rows as the working budget holds at ``row_bytes`` of results each, plus
-        the factors of their quadrature nodes (``nodes_per_row`` and the kink
-        search's row)."""
-        per_row = row_bytes + (nodes_per_row + 1) * self.factor_row_bytes()
-        return _even_tiles(n_rows, max(1, self.working_budget() // per_row))
+        rows as the working budget (or ``budget`` bytes) holds at
+        :meth:`query_row_bytes` each, at least one, and at most ``max_rows``."""
+        budget = self.working_budget() if budget is None else budget
+        per_row = self.query_row_bytes(row_bytes, nodes_per_row)
+        size = max(1, budget // per_row)
+        return _even_tiles(n_rows, size if max_rows is None else min(size, max_rows))
 
     def pass_rows(self):
         """Rows per forward and backward pass of the probe: as many as

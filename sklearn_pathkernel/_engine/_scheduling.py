@@ -6,11 +6,79 @@ chunk per worker and runs the tasks, in order, on threads (torch releases the
 GIL in its kernels; nothing to pickle) or on any ``joblib.parallel_config``
 backend (e.g. dask, which pickles them).
 
+A task is a ``functools.partial`` of a method of an object that holds the
+engine's parts (the network, the weight path, the training rows): the *owner*.
+Through joblib the owner goes as an argument of its own, so that a backend that
+ships tasks ships it once per computation: joblib's dask backend scatters an
+argument that is large by ``dask.sizeof`` (``sys.getsizeof``, so the owner's
+``__sizeof__``, :class:`SharedByTasks`) to the cluster once per call, and the
+tasks refer to it, where a bound method would carry a copy of the path in every
+task.
+
+Threads do not oversubscribe the cores: while ``n`` joblib threads run tasks,
+torch's intra-op threads (one pool for the process) are divided between them,
+``torch.get_num_threads() // n`` each (at least one), and put back afterwards.
+
 Cost: none beyond the tasks' own, plus joblib's dispatch per task.
 """
 
+from contextlib import contextmanager
+
+import torch
 from joblib import Parallel, delayed, effective_n_jobs
+from joblib._parallel_backends import ThreadingBackend
+from joblib.parallel import get_active_backend
 from sklearn.utils import gen_even_slices
+
+from ._progress import NO_PROGRESS, step_progress
+
+
+class SharedByTasks:
+    """Mixin of a task owner: its size includes its weight path (``self.path``).
+
+    ``sys.getsizeof`` (and so ``dask.sizeof``) then reports the bytes the owner
+    pickles to, and joblib's dask backend scatters it once per call instead of
+    pickling it into every task.
+
+    ``progress`` is the bar of the computation running (set by
+    :meth:`Scheduler.run`; :data:`~._progress.NO_PROGRESS` otherwise): the
+    tasks' step loops run over ``self.progress.over(range(...))``.
+    """
+
+    progress = NO_PROGRESS
+
+    def __sizeof__(self):
+        return object.__sizeof__(self) + self.path.nbytes
+
+
+def _call(owner, name, *args, **kwargs):
+    """``owner.name(*args, **kwargs)``: a task with its owner as an argument."""
+    return getattr(owner, name)(*args, **kwargs)
+
+
+def _delayed(task):
+    """``task`` (a partial of an owner's method) as a joblib call with the owner as
+    its first argument."""
+    method = task.func
+    return delayed(_call)(method.__self__, method.__name__, *task.args, **task.keywords)
+
+
+@contextmanager
+def torch_threads_shared_by(n_workers):
+    """Torch's intra-op threads divided between ``n_workers`` joblib threads while
+    the block runs (``n_workers * threads <=`` the threads torch had, at least one
+    each); unchanged when joblib's active backend is not threads (processes and
+    dask workers have their own)."""
+    backend, _ = get_active_backend(prefer="threads")
+    before = torch.get_num_threads()
+    if n_workers <= 1 or not isinstance(backend, ThreadingBackend):
+        yield
+        return
+    torch.set_num_threads(max(1, before // n_workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Scheduler:
@@ -38,15 +106,25 @@ class Scheduler:
         n_chunks = max(1, min(self.n_steps, self.n_workers()))
         return list(gen_even_slices(self.n_steps, n_chunks))
 
-    def run(self, tasks):
-        """The results of ``tasks`` (callables without arguments, e.g.
-        ``functools.partial``), in order."""
-        if self.n_workers() == 1 or len(tasks) == 1:
-            if self.verbose:
-                from tqdm.auto import tqdm
+    def run(self, tasks, *, units=None, desc="path kernel"):
+        """The results of ``tasks`` (``functools.partial`` of bound methods of
+        :class:`SharedByTasks` owners, complete calls), in order.
 
-                tasks = tqdm(tasks, desc="path kernel blocks")
-            return [task() for task in tasks]
-        return Parallel(n_jobs=self.n_jobs, verbose=self.verbose, prefer="threads")(
-            delayed(task)() for task in tasks
-        )
+        With ``verbose``, a bar over ``units`` (tile, step) units (the tasks'
+        owners advance it step by step); without ``units``, one per task.
+        """
+        owners = {id(task.func.__self__): task.func.__self__ for task in tasks}
+        progress = step_progress(self.verbose, len(tasks) if units is None else units, desc)
+        for owner in owners.values():
+            owner.progress = progress
+        try:
+            if self.n_workers() == 1 or len(tasks) == 1:
+                return [task() for task in tasks]
+            with torch_threads_shared_by(min(self.n_workers(), len(tasks))):
+                return Parallel(n_jobs=self.n_jobs, verbose=self.verbose, prefer="threads")(
+                    _delayed(task) for task in tasks
+                )
+        finally:
+            for owner in owners.values():
+                owner.__dict__.pop("progress", None)
+            progress.close()

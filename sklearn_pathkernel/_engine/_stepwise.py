@@ -28,7 +28,8 @@ Both work on materialised features (``K W`` numbers per row and layer,
 gradients in one product per layer. Cost per step and row: the test copy (as
 ``decompose``), ``K W`` for the features, and ``|B_s| K W`` for the term
 (``K W`` for the diagonal). Memory: the self-influence holds three ``K W``
-arrays per row of a tile (``ROW_BUDGET_BYTES`` in all) and one ``W`` buffer per
+arrays and the quadrature nodes' factors per row of a tile (``ROW_BUDGET_BYTES``
+in all, the nodes counted on a sample of rows) and one ``W`` buffer per
 training point; :meth:`StepwiseDecomposition.terms` keeps the backward
 accumulation's buffer of every query row across the steps (``K W`` numbers per
 row, besides a tile's temporaries), so many queries go in batches.
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from .._path import layout_by_rules, on_layers
+from ._progress import step_progress
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
@@ -74,10 +76,14 @@ class StepwiseDecomposition:
     path : WeightPath
     X_train : torch.Tensor
     n_outputs : int
+    verbose : int, default=0
+        A bar over the steps (and tiles of rows) of :meth:`terms` and
+        :meth:`self_influence` when positive.
     """
 
-    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs):
+    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs, verbose=0):
         self.probes, self.steps, self.test_copy = probes, steps, test_copy
+        self.verbose = verbose
         self.path, self.update = path, path.update
         self.X_train, self.n_outputs = X_train, n_outputs
         self.n_train, self.device = X_train.shape[0], X_train.device
@@ -122,10 +128,18 @@ class StepwiseDecomposition:
         position = _positions(batch, rows)
         return self.path.output_gradients[index][position].to(self.device)
 
-    def _tiles(self, n_rows):
-        """Row slices whose materialised features fit ``ROW_BUDGET_BYTES``."""
+    def _tile_rows(self, X):
+        """Rows per tile for queries like ``X``: their materialised features and
+        their node factors (:meth:`~._test_copy.TestCopy.nodes_per_row`, measured
+        on ``X``'s first and last rows) within ``ROW_BUDGET_BYTES``, at least one."""
         row_bytes = 3 * 8 * self.n_outputs * self.path.n_weights
-        size = max(1, ROW_BUDGET_BYTES // row_bytes)
+        nodes = self.test_copy.nodes_per_row(X)
+        per_row = self.test_copy.planner.query_row_bytes(row_bytes, nodes)
+        return max(1, ROW_BUDGET_BYTES // per_row)
+
+    @staticmethod
+    def _tiles(n_rows, size):
+        """Consecutive row slices of ``size`` rows."""
         return [slice(begin, min(begin + size, n_rows)) for begin in range(0, n_rows, size)]
 
     # -- the terms -----------------------------------------------------------
@@ -144,9 +158,10 @@ class StepwiseDecomposition:
             Over all tiles of rows, ``values`` has every row of ``X``: the rows
             are cut into tiles of ``ROW_BUDGET_BYTES`` only inside each step.
         """
-        tiles = self._tiles(X.shape[0])
+        tiles = self._tiles(X.shape[0], self._tile_rows(X))
         accumulations = [self.update.backward(self._layout(X.dtype)) for _ in tiles]
-        for index in reversed(range(self.path.n_steps)):
+        progress = step_progress(self.verbose, self.path.n_steps, f"terms of {X.shape[0]} rows")
+        for index in progress.over(reversed(range(self.path.n_steps))):
             batch = np.asarray(self.path.batches[index])
             gradients = self._training_gradients(index, batch)
             values = np.empty((X.shape[0], batch.size, self.n_outputs))
@@ -155,6 +170,7 @@ class StepwiseDecomposition:
                 psi = accumulation.psi(index, u)
                 values[tile] = _inner(psi, gradients).cpu().numpy()
             yield StepTerm(index, batch, values)
+        progress.close()
 
     # -- the self-influence ----------------------------------------------------
 
@@ -166,18 +182,24 @@ class StepwiseDecomposition:
         step on (the diagonal of the attribution over time, summed over those
         steps); steps before it are skipped.
         """
-        if self.update.per_step:
-            return self._self_influence_per_step(first_step)
-        return self._self_influence_accumulated(first_step)
+        steps = range(first_step, self.path.n_steps)
+        size = self._tile_rows(self.X_train)
+        progress = step_progress(self.verbose, len(steps), "self-influence")
+        try:
+            if self.update.per_step:
+                return self._self_influence_per_step(progress.over(steps), size)
+            return self._self_influence_accumulated(progress.over(steps), size)
+        finally:
+            progress.close()
 
-    def _self_influence_per_step(self, first_step):
+    def _self_influence_per_step(self, steps, size):
         """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
         M, K = self.n_train, self.n_outputs
         total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
-        for index in range(first_step, self.path.n_steps):
+        for index in steps:
             batch = np.asarray(self.path.batches[index])
             scale = self.update.step_scale(index)
-            for tile in self._tiles(batch.size):
+            for tile in self._tiles(batch.size, size):
                 rows = batch[tile]
                 X = self.X_train[self.steps.on_device(rows)]
                 gradients = self._output_gradients(index, rows)
@@ -187,7 +209,7 @@ class StepwiseDecomposition:
                 total.index_add_(0, self.steps.on_device(rows), diagonal)
         return total.cpu().numpy()
 
-    def _self_influence_accumulated(self, first_step):
+    def _self_influence_accumulated(self, steps, size):
         """Momentum, Adam: forward over the steps, with each point's own buffer.
 
         Exchanging the sums, ``c_i(x_i) = sum_s <u_s(x_i), m_s(i)>`` with ``u_s =
@@ -204,7 +226,7 @@ class StepwiseDecomposition:
         layout = self._layout(X_train.dtype)
         buffer = None  # per rule, (M, W_l)
         seen = np.zeros(M, dtype=bool)
-        for index in range(first_step, self.path.n_steps):
+        for index in steps:
             batch = np.asarray(self.path.batches[index])
             rows = self.steps.on_device(batch)
             gradients = self._training_gradients(index, batch)
@@ -223,7 +245,7 @@ class StepwiseDecomposition:
             in_batch = np.full(M, -1)
             in_batch[batch] = np.arange(batch.size)
             active = np.flatnonzero(seen)
-            for tile in self._tiles(active.size):
+            for tile in self._tiles(active.size, size):
                 part = active[tile]
                 on_device = self.steps.on_device(part)
                 u, _ = self._scaled_features(index, X_train[on_device])

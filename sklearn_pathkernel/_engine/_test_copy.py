@@ -19,9 +19,14 @@ forward pass more.
 import copy
 from typing import NamedTuple
 
+import numpy as np
+
 from ._features import NodeChunk, StepFeatures
 from .integration._certificate import StepIntegral
 from .integration._link_weights import GaussWeights
+
+#: Steps at which :meth:`TestCopy.nodes_per_row` counts a sample's nodes.
+SAMPLED_STEPS = 4
 
 
 class IntegratedStep(NamedTuple):
@@ -78,6 +83,42 @@ class TestCopy:
         other = copy.copy(self)
         other.n_nodes, other.weighting = n_nodes, GaussWeights(n_nodes)
         return other
+
+    def nodes_per_row(self, X, n_nodes=None):
+        """The most quadrature nodes a row of ``X`` takes, measured on a sample.
+
+        The rule's nodes of ``X``'s first and last rows at ``SAMPLED_STEPS``
+        steps spread over the path (the kink search only: forward passes of two
+        rows). A row's factors at its nodes are what a step holds per query row
+        (``nodes x`` :meth:`~._planning.Planner.factor_row_bytes`), and the
+        exact rule's nodes follow the kinks: a few per step for an MLP, a
+        hundred or more for a convolutional network with max-pooling.
+
+        Parameters
+        ----------
+        X : torch.Tensor of shape (n, ...)
+            Query rows, on the device.
+        n_nodes : int or None, default=None
+            Nodes per smooth piece (None: the engine's).
+
+        Returns
+        -------
+        int
+            At least the rule's nodes of one piece.
+        """
+        n_nodes = self.n_nodes if n_nodes is None else n_nodes
+        sample = X[[0, X.shape[0] - 1]] if X.shape[0] > 1 else X
+        n_steps = self.steps.path.n_steps
+        if n_steps == 0 or X.shape[0] == 0:
+            return n_nodes
+        indices = np.unique(np.linspace(0, n_steps - 1, SAMPLED_STEPS).round().astype(int))
+        most = n_nodes
+        probe = self.probes.current()
+        for index in indices:
+            nodes = self.rule.row_nodes(probe, self.steps.step(int(index)), sample, n_nodes).nodes
+            counts = np.bincount(nodes.rows, minlength=sample.shape[0])
+            most = max(most, int(counts.max()))
+        return most
 
     def features(self, chunks, n_rows, outputs_per_pair=1):
         """The :class:`StepFeatures` of evaluated node ``chunks`` of ``n_rows`` rows."""

@@ -28,7 +28,7 @@ from .._engine import (
     on_host,
     resolve_device,
 )
-from .._explain import ExplanationMixin, estimator_context
+from .._explain import ExplanationMixin
 from .._training import (
     CLASSIFICATION_LOSSES,
     REGRESSION_LOSSES,
@@ -37,6 +37,7 @@ from .._training import (
     solver_constraints,
     train_module,
 )
+from ._explanation_context import estimator_context
 
 DTYPE = torch.float64
 # Attributes validate_data(reset=True) sets on the estimator.
@@ -286,7 +287,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
 
         return ExactPathKernel(self._engine())
 
-    def decompose(self, X):
+    def decompose(self, X, *, batch_size=None):
         """Write the network's output on ``X`` as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals the network's output
@@ -304,6 +305,14 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
+        batch_size : int or None, default=None
+            Rows integrated at once, at most. None: as many as the engine's
+            working budget (1 GiB, or a quarter of the available memory) holds,
+            from the memory a row's quadrature nodes take, measured on a sample
+            of the rows (a convolutional network's kinks make that hundreds of
+            nodes per step). The result, ``8 n_samples n_train n_outputs``
+            bytes, is held whole either way: for many rows, use
+            :meth:`explain` or :meth:`influence_matrix`, which stream.
 
         Returns
         -------
@@ -325,7 +334,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         X_t = as_tensor(X, self.device_)
-        parts = self._engine().decompose(X_t)
+        parts = self._engine().decompose(X_t, batch_size)
         with torch.no_grad():  # the module's own forward, at its own (final) weights
             output = self._loss.link(self.module_(X_t)).cpu().numpy()
         return self._outputs_as_fitted(checked_against(parts, output))

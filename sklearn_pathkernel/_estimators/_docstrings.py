@@ -211,8 +211,9 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
     random_state : int, RandomState instance or None, default=None
         Seeds the initial weights and the mini-batch order.
     verbose : int, default=0
-        Print the training loss per epoch and show progress of kernel
-        computations."""
+        Print the training loss per epoch and show a progress bar over the
+        steps of kernel computations (Grams, decompositions, self-influence),
+        which moves with each recorded step of each tile of rows."""
 
 FITTED_ATTRIBUTES = """module_ : torch.nn.Module
         The trained network (float64, weights ``w_S``), on ``device_``.

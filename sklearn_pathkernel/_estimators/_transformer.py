@@ -40,7 +40,11 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         :class:`ExactPathKernelClassifier`, :class:`ExactPathKernelRegressor` or
         :class:`DistanceKernelClassifier`, with any of its solvers. ``None`` uses
         ``ExactPathKernelClassifier(random_state=random_state)``. It is cloned,
-        never fitted in place.
+        never fitted in place. Nested parameters work with the default too:
+        ``set_params(estimator__max_iter=10)`` (as in a pipeline's
+        ``epk__estimator__max_iter`` or a grid search over it) first sets
+        ``estimator`` to that default classifier, then sets its parameter, and
+        ``get_params(deep=True)`` lists the default's parameters.
     random_state : int, RandomState instance or None, default=None
         Seeds the default estimator (``estimator=None``); a given estimator keeps
         its own ``random_state``.
@@ -88,11 +92,63 @@ class PathKernelTransformer(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         self.estimator = estimator
         self.random_state = random_state
 
+    @staticmethod
+    def _default_estimator(random_state):
+        from ._classifier import ExactPathKernelClassifier
+
+        return ExactPathKernelClassifier(random_state=random_state)
+
+    def get_params(self, deep=True):
+        """Get parameters for this estimator.
+
+        With ``estimator=None`` and ``deep=True`` the default estimator's
+        parameters are listed as ``estimator__<name>``, so that they can be
+        found and tuned like those of a given estimator.
+
+        Parameters
+        ----------
+        deep : bool, default=True
+            Also return the parameters of the (default) estimator.
+
+        Returns
+        -------
+        params : dict
+            Parameter names mapped to their values.
+        """
+        params = super().get_params(deep=deep)
+        if deep and self.estimator is None:
+            default = self._default_estimator(self.random_state)
+            params.update(
+                (f"estimator__{name}", value) for name, value in default.get_params().items()
+            )
+        return params
+
+    def set_params(self, **params):
+        """Set the parameters of this estimator.
+
+        A nested ``estimator__<name>`` while ``estimator`` is None first sets
+        ``estimator`` to the default,
+        ``ExactPathKernelClassifier(random_state=random_state)``.
+
+        Parameters
+        ----------
+        **params : dict
+            Estimator parameters, nested ones as ``estimator__<name>``.
+
+        Returns
+        -------
+        self : PathKernelTransformer
+            This transformer.
+        """
+        nested = any(key.startswith("estimator__") for key in params)
+        if nested and params.get("estimator", self.estimator) is None:
+            random_state = params.get("random_state", self.random_state)
+            params = {**params, "estimator": self._default_estimator(random_state)}
+        return super().set_params(**params)
+
     def _make_estimator(self):
         if self.estimator is None:
-            from ._classifier import ExactPathKernelClassifier
-
-            return ExactPathKernelClassifier(random_state=self.random_state)
+            return self._default_estimator(self.random_state)
         if not isinstance(self.estimator, BasePathEstimator):
             raise TypeError(
                 "PathKernelTransformer needs an estimator with a path kernel (a kernel_ "

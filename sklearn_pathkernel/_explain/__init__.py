@@ -5,26 +5,26 @@ Built on the engine's exact decomposition: top-k proponents and opponents
 (:class:`SelfInfluence`), attribution over training time
 (:class:`TimeAttribution`), normalised and per-class scores, streamed influence
 matrices, and the mixin that puts them on every host (:class:`ExplanationMixin`),
-which supplies its own context (:func:`estimator_context`,
-:func:`recording_context`).
+each host (an estimator, a recording) supplying its own
+:class:`ExplanationContext`, and the one object they build (:class:`Explainer`).
 """
 
+from ._context import ExplanationContext
 from ._counterfactual import CounterfactualAttribution
-from ._estimator_context import estimator_context
+from ._explainer import Explainer
 from ._explanation import Explanation
 from ._mixin import ExplanationMixin
 from ._over_time import TimeAttribution
-from ._recording_context import recording_context
 from ._retraining import RetrainingCertificate
 from ._self_influence import SelfInfluence
 
 __all__ = [
     "CounterfactualAttribution",
+    "Explainer",
+    "ExplanationContext",
     "Explanation",
     "ExplanationMixin",
     "RetrainingCertificate",
     "SelfInfluence",
     "TimeAttribution",
-    "estimator_context",
-    "recording_context",
 ]

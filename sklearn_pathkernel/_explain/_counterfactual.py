@@ -26,6 +26,7 @@ import torch
 
 from .._engine import AdjointSweep, LossTarget, MarginTarget, OutputTarget
 from ._retraining import retraining_certificate
+from ._self_influence import SelfInfluence
 from ._streaming import query_tiles
 
 #: The targets by name: (class, whether a classifier is required).
@@ -256,3 +257,23 @@ def counterfactual_outputs(context, queries, batch_size, diagonal=False, hessian
     if diagonal:
         return scores[np.arange(n), :, np.arange(n)], values
     return np.moveaxis(scores, 2, 1), values
+
+
+def counterfactual_self_influence(context, batch_size, hessian=None):
+    """The counterfactual :class:`SelfInfluence`: each training row's score for its
+    own output (a classifier's own label; every output of a regressor)."""
+    rows = context.engine.X_train
+    M, K = context.n_train, context.engine.n_outputs
+    if context.is_classifier:
+        codes = context.label_codes()
+        found = counterfactual_attribution(
+            context, rows, columns=codes, batch_size=batch_size, hessian=hessian
+        )
+        own = np.diagonal(found.scores).copy()
+        values = np.full((M, K), np.nan)
+        values[np.arange(M), codes] = own
+        scores = own
+    else:
+        values, _ = counterfactual_outputs(context, rows, batch_size, True, hessian)
+        scores = np.abs(values).sum(axis=1)
+    return SelfInfluence(values, scores, context.targets, context.output_names)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._checks import check_index
 from ._frames import pandas, pyplot
 from ._plotting import check_image_shape, draw_image, new_axes, signed_bars
 
@@ -73,11 +74,7 @@ class Explanation:
     def _output_index(self, query, output):
         if output is None:
             return int(self.predicted[query])
-        if not 0 <= output < len(self.output_names):
-            raise ValueError(
-                f"output={output} is out of range: the model has {len(self.output_names)} outputs."
-            )
-        return int(output)
+        return check_index(output, len(self.output_names), "output", "outputs")
 
     def to_frame(self):
         """A tidy ``pandas.DataFrame``: one row per query, output, side and rank.
@@ -133,10 +130,7 @@ class Explanation:
         -------
         matplotlib Figure (grid) or Axes (bars)
         """
-        if not 0 <= query < self.proponent_indices.shape[0]:
-            raise ValueError(
-                f"query={query} is out of range: {self.proponent_indices.shape[0]} queries."
-            )
+        query = check_index(query, self.proponent_indices.shape[0], "query", "queries")
         column = self._output_index(query, output)
         name = self.output_names[column]
         if image_shape is not None:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._checks import check_index
 from ._frames import pandas
 from ._plotting import new_axes
+from ._streaming import check_columns, query_tiles, result_array
 
 #: Largest result, in bytes, built without a clear error.
 MAX_RESULT_BYTES = 2 * 2**30
@@ -49,11 +51,12 @@ class TimeAttribution:
 
     Attributes
     ----------
-    values : ndarray of shape (n, P, G, K)
+    values : ndarray or numpy.memmap of shape (n, P, G, K)
         What group ``g`` (a training point, or the training points of a class)
         moved output ``k`` at query ``q`` through the gradients of period ``p``.
         ``values.sum(axis=1)`` is ``decompose(X).contributions`` (or its
-        per-class sums).
+        per-class sums). With ``columns``, ``K = 1``: query ``q``'s output
+        ``columns[q]``.
     period : str
         "step" or "epoch".
     group_names : tuple
@@ -65,6 +68,7 @@ class TimeAttribution:
     period: str
     group_names: tuple
     output_names: tuple
+    columns: np.ndarray | None = None
 
     def totals(self):
         """Per query, period and output, summed over the groups: (n, P, K)."""
@@ -88,6 +92,10 @@ class TimeAttribution:
     def plot(self, query=0, output=0, *, top=5, ax=None):
         """Stacked bars over the periods: the ``top`` groups by total absolute
         contribution, the rest summed, and the cumulative total as a line."""
+        query = check_index(query, self.values.shape[0], "query", "queries")
+        output = check_index(output, self.values.shape[3], "output", "outputs")
+        if isinstance(top, bool) or not isinstance(top, int | np.integer) or top < 1:
+            raise ValueError(f"top must be a positive int, got {top!r}.")
         ax = new_axes(ax, (7, 3.5))
         values = self.values[query, :, :, output]  # (P, G)
         order = np.argsort(-np.abs(values).sum(axis=0), kind="stable")[:top]
@@ -109,30 +117,51 @@ class TimeAttribution:
         return ax
 
 
-def attribute_over_time(context, stepwise, X, period, groups=None, group_names=None):
+def attribute_over_time(
+    context, stepwise, X, period, groups=None, group_names=None, *, columns=None,
+    filename=None, batch_size=64, norms=None,
+):  # fmt: skip
     """The :class:`TimeAttribution` of query rows ``X`` (a tensor).
 
     ``groups`` (M,) maps every training point to a group index (its class); None
-    keeps the points apart.
+    keeps the points apart. ``columns`` (n,) keeps one output per query; with
+    ``filename`` the values stream into a ``.npy`` memmap there, ``batch_size``
+    queries at a time (memory: one tile's terms besides the result); ``norms``
+    (M,) divides every training point's terms by its path norm.
     """
     period = Period.of(period)
     per_step = period.of_steps(context.epochs)
     n, K = X.shape[0], context.engine.n_outputs
+    columns = check_columns(columns, n, K)
     n_periods = int(per_step.max()) + 1 if per_step.size else 0
     n_groups = context.n_train if groups is None else len(group_names)
-    size = 8 * n * n_periods * n_groups * K
-    if size > MAX_RESULT_BYTES:
+    width = K if columns is None else 1
+    size = 8 * n * n_periods * n_groups * width
+    if filename is None and size > MAX_RESULT_BYTES:
         raise ValueError(
             f"An attribution over time of {n} queries, {n_periods} periods and "
             f"{n_groups} groups needs {size / 2**30:.1f} GiB: ask for fewer queries, "
-            "period='epoch', or by_class=True."
+            "one output per query (columns=), period='epoch', by_class=True, or a "
+            "filename= to stream it to disk."
         )
-    values = np.zeros((n, n_periods, n_groups, K))
-    for term in stepwise.terms(X):
-        target = values[:, per_step[term.step]]
-        if groups is None:
-            target[:, term.batch] += term.values  # a batch holds each point once
-        else:
-            np.add.at(target, (slice(None), groups[term.batch]), term.values)
+    values = result_array((n, n_periods, n_groups, width), filename)
+    for tile in query_tiles(n, batch_size):
+        tile_values = np.zeros((tile.stop - tile.start, n_periods, n_groups, width))
+        for term in stepwise.terms(X[tile]):
+            found = term.values
+            if norms is not None:
+                found = found / norms[term.batch][None, :, None]
+            if columns is not None:
+                picked = columns[tile][:, None, None]
+                found = np.take_along_axis(found, picked, axis=2)
+            target = tile_values[:, per_step[term.step]]
+            if groups is None:
+                target[:, term.batch] += found  # a batch holds each point once
+            else:
+                np.add.at(target, (slice(None), groups[term.batch]), found)
+        values[tile] = tile_values
+    if filename is not None:
+        values.flush()
     names = tuple(range(context.n_train)) if groups is None else tuple(group_names)
-    return TimeAttribution(values, period.value, names, context.output_names)
+    output_names = context.output_names if columns is None else ("output of columns",)
+    return TimeAttribution(values, period.value, names, output_names, columns)

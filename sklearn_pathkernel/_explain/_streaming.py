@@ -1,9 +1,9 @@
 """Influence matrices of many queries without the whole (n, M, K) array in memory.
 
-The engine decomposes a tile of queries at a time (``batch_size`` rows: ``8
+An attribution scores a tile of queries at a time (``batch_size`` rows: ``8
 batch_size M K`` bytes); each tile is reduced before the next: its top-k kept
-(:func:`stream_top_k`) or its columns written to a file-backed array
-(:func:`influence_matrix`). Cost: that of ``decompose`` on all rows; memory: one
+(:class:`StreamedTopK`) or its columns written to a file-backed array
+(:func:`influence_matrix`). Cost: that of the attribution on all rows; memory: one
 tile, plus the result.
 """
 
@@ -21,12 +21,6 @@ def query_tiles(n_rows, batch_size):
     return [slice(b, min(b + batch_size, n_rows)) for b in range(0, n_rows, batch_size)]
 
 
-def stream_decompositions(engine, X, batch_size):
-    """``(tile, engine.decompose(X[tile]))`` for consecutive tiles of query rows."""
-    for tile in query_tiles(X.shape[0], batch_size):
-        yield tile, engine.decompose(X[tile])
-
-
 class StreamedTopK:
     """Top-k proponents and opponents of every query, one tile of queries at a time.
 
@@ -35,85 +29,95 @@ class StreamedTopK:
     proponents, opponents : TopK
         (n, K, k) each; opponents' values are the most negative first.
     mass : ndarray of shape (n, K)
-        ``sum_i |c_i|`` per query and output (the denominator of the shares).
+        ``sum_i |s_i|`` per query and output (the denominator of the shares).
     total : ndarray of shape (n, K)
-        ``sum_i c_i``, what the training points moved in all.
+        ``sum_i s_i``, what the training points moved in all (before ``transform``).
     bias, decay, output : ndarray of shape (n, K)
-        As ``decompose`` returns them.
+        As the attribution's tiles give them.
     """
 
-    def __init__(self, engine, k, batch_size, transform=None):
-        self.engine, self.k, self.batch_size = engine, k, batch_size
-        self.transform = transform
+    def __init__(self, k, transform=None):
+        self.k, self.transform = k, transform
 
-    def run(self, X):
-        """Select over the rows of ``X`` (a tensor on the engine's device); returns self."""
-        n, K = X.shape[0], self.engine.n_outputs
+    def run(self, tiles, n, n_outputs):
+        """Select over ``tiles`` (``(slice, ScoreTile)`` pairs covering ``n``
+        queries); returns self."""
+        K = n_outputs
         parts = {name: [] for name in ("pro_i", "pro_v", "con_i", "con_v")}
         self.mass, self.total = np.zeros((n, K)), np.zeros((n, K))
         self.bias, self.decay, self.output = np.zeros((n, K)), np.zeros((n, K)), np.zeros((n, K))
-        for tile, parts_of_tile in stream_decompositions(self.engine, X, self.batch_size):
-            contributions = parts_of_tile.contributions
-            self.total[tile] = contributions.sum(axis=1)
-            self.bias[tile], self.decay[tile] = parts_of_tile.bias, parts_of_tile.decay
-            self.output[tile] = parts_of_tile.output
+        for tile, found in tiles:
+            scores = found.scores
+            self.total[tile] = scores.sum(axis=1)
+            self.bias[tile], self.decay[tile] = found.bias, found.decay
+            self.output[tile] = found.output
             if self.transform is not None:
-                contributions = self.transform(contributions)
-            self.mass[tile] = np.abs(contributions).sum(axis=1)
-            top, bottom = TopK.of(contributions, self.k), TopK.of(-contributions, self.k)
+                scores = self.transform(scores)
+            self.mass[tile] = np.abs(scores).sum(axis=1)
+            top, bottom = TopK.of(scores, self.k), TopK.of(-scores, self.k)
             parts["pro_i"].append(top.indices)
             parts["pro_v"].append(top.values)
             parts["con_i"].append(bottom.indices)
             parts["con_v"].append(-bottom.values)
-        joined = {name: np.concatenate(chunks) for name, chunks in parts.items()}
-        self.proponents = TopK(joined["pro_i"], joined["pro_v"])
-        self.opponents = TopK(joined["con_i"], joined["con_v"])
+        joined = {
+            name: np.concatenate(chunks) if chunks else np.zeros((0, K, self.k))
+            for name, chunks in parts.items()
+        }
+        self.proponents = TopK(joined["pro_i"].astype(np.int64), joined["pro_v"])
+        self.opponents = TopK(joined["con_i"].astype(np.int64), joined["con_v"])
         return self
 
 
-def influence_matrix(engine, X, *, columns=None, filename=None, batch_size=64, transform=None):
-    """The contributions of every training point to every query, streamed.
+def check_columns(columns, n, n_outputs):
+    """One output index per query (``columns``), checked; None stays None."""
+    if columns is None:
+        return None
+    columns = np.asarray(columns)
+    if columns.shape != (n,) or columns.dtype.kind not in "iu":
+        raise ValueError(f"columns must be {n} integer output indices, one per query.")
+    if n and (columns.min() < 0 or columns.max() >= n_outputs):
+        raise ValueError(f"columns must be output indices in [0, {n_outputs}).")
+    return columns
+
+
+def result_array(shape, filename):
+    """Zeros of ``shape`` in memory, or a new ``.npy`` memmap at ``filename``."""
+    if filename is None:
+        return np.zeros(shape)
+    return np.lib.format.open_memmap(filename, mode="w+", dtype=np.float64, shape=shape)
+
+
+def influence_matrix(tiles, n, n_train, n_outputs, *, columns=None, filename=None, transform=None):
+    """The scores of every training point for every query, streamed.
 
     Parameters
     ----------
-    engine : PathKernelEngine
-    X : torch.Tensor of shape (n, ...)
+    tiles : iterable of (slice, ScoreTile)
+        The attribution's tiles, covering ``n`` queries.
+    n, n_train, n_outputs : int
     columns : ndarray of shape (n,) or None
         One output per query (e.g. the predicted class): the result is (n, M);
         None keeps every output, (n, M, K).
     filename : path-like or None
         Write into a new ``numpy.memmap`` there (float64, C order, shape as
         returned) instead of memory.
-    batch_size : int
-        Queries per decomposition.
     transform : callable or None
-        Applied to each tile's (rows, M, K) contributions (normalisation).
+        Applied to each tile's (rows, M, K) scores (normalisation).
 
     Returns
     -------
     ndarray or numpy.memmap
     """
-    n, M, K = X.shape[0], engine.n_train, engine.n_outputs
-    if columns is not None:
-        columns = np.asarray(columns)
-        if columns.shape != (n,) or columns.dtype.kind not in "iu":
-            raise ValueError(f"columns must be {n} integer output indices, one per query.")
-        if n and (columns.min() < 0 or columns.max() >= K):
-            raise ValueError(f"columns must be output indices in [0, {K}).")
-    shape = (n, M) if columns is not None else (n, M, K)
-    if filename is None:
-        out = np.zeros(shape)
-    else:
-        out = np.lib.format.open_memmap(filename, mode="w+", dtype=np.float64, shape=shape)
-    for tile, parts in stream_decompositions(engine, X, batch_size):
-        contributions = parts.contributions
-        if transform is not None:
-            contributions = transform(contributions)
+    columns = check_columns(columns, n, n_outputs)
+    shape = (n, n_train) if columns is not None else (n, n_train, n_outputs)
+    out = result_array(shape, filename)
+    for tile, found in tiles:
+        scores = found.scores if transform is None else transform(found.scores)
         if columns is None:
-            out[tile] = contributions
+            out[tile] = scores
         else:
             picked = columns[tile]
-            out[tile] = np.take_along_axis(contributions, picked[:, None, None], axis=2)[..., 0]
+            out[tile] = np.take_along_axis(scores, picked[:, None, None], axis=2)[..., 0]
     if filename is not None:
         out.flush()
     return out

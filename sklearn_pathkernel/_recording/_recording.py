@@ -34,13 +34,20 @@ the recorded network's, and refuses otherwise (or, with
 
 import copy
 import warnings
+from numbers import Integral
 
 import numpy as np
 import torch
+from sklearn.utils._param_validation import (
+    Interval,
+    StrOptions,
+    validate_parameter_constraints,
+)
+from sklearn.utils.validation import check_array
 
 from .._engine import PathKernelEngine, checked_against
 from .._estimators import ExactPathKernel
-from .._explain import ExplanationMixin, recording_context
+from .._explain import ExplanationMixin
 from .._path import FunctionLink
 from .._training import (
     Loss,
@@ -49,6 +56,7 @@ from .._training import (
     largest_difference,
     replay_in_float64,
 )
+from ._explanation_context import recording_context
 from ._io import read_recording, save_recording
 
 DTYPE = torch.float64
@@ -57,6 +65,69 @@ DTYPE = torch.float64
 def identity(out):
     """The identity link: ``f`` is the module's output."""
     return out
+
+
+def check_rows(X, row_shape, device, *, name="X"):
+    """Query rows for a recording, validated as strictly as an estimator's ``X``.
+
+    Parameters
+    ----------
+    X : torch.Tensor or array-like of shape (n, *row_shape)
+        The rows; a tensor keeps its values (any real dtype), anything else goes
+        through scikit-learn's ``check_array`` (no sparse matrices, no strings).
+    row_shape : tuple of int
+        The shape of one training row (``X_train.shape[1:]``).
+    device : torch.device
+        Where the float64 result lives.
+    name : str, default="X"
+        The argument's name, for the messages.
+
+    Returns
+    -------
+    torch.Tensor of shape (n, *row_shape), float64 on ``device``.
+
+    Raises
+    ------
+    ValueError
+        For complex values, a shape other than ``(n, *row_shape)`` with
+        ``n >= 1``, or a NaN or infinite value (the message names the first row
+        that holds one).
+    """
+    if isinstance(X, torch.Tensor):
+        if X.is_complex():
+            raise ValueError(f"Complex data not supported: {name} has dtype {X.dtype}.")
+        X = X.detach()
+    else:
+        X = check_array(
+            X, dtype=np.float64, allow_nd=True, ensure_2d=False, ensure_all_finite=False,
+            ensure_min_samples=0, input_name=name,
+        )  # fmt: skip
+    X = torch.as_tensor(X).to(device=device, dtype=DTYPE)
+    row_shape = tuple(row_shape)
+    expected = f"(n_queries, {', '.join(map(str, row_shape))})"
+    if X.ndim == len(row_shape) and tuple(X.shape) == row_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(X.shape)}, the shape of one training row: queries "
+            f"must be {expected}; for a single query pass {name}[None] (or "
+            f"{name}.reshape(1, -1) for flat rows)."
+        )
+    if X.ndim != len(row_shape) + 1 or tuple(X.shape[1:]) != row_shape:
+        raise ValueError(
+            f"{name} has rows of shape {tuple(X.shape[1:])} (shape {tuple(X.shape)}), but "
+            f"this recording's training rows have shape {row_shape}: queries must be "
+            f"{expected}."
+        )
+    if X.shape[0] == 0:
+        raise ValueError(f"Found array with 0 sample(s) (shape {tuple(X.shape)}) in {name}.")
+    finite = torch.isfinite(X.reshape(X.shape[0], -1)).all(dim=1)
+    if not bool(finite.all()):
+        row = int(torch.nonzero(~finite)[0, 0])
+        what = "NaN" if bool(torch.isnan(X[row]).any()) else "infinity"
+        raise ValueError(
+            f"Input {name} contains {what} (first in row {row}; "
+            f"{int((~finite).sum())} of {X.shape[0]} rows are not finite)."
+        )
+    return X
 
 
 class ModuleOutput:
@@ -92,9 +163,22 @@ class Recording(ExplanationMixin):
         The training inputs the path's rows index.
     dtype : torch.dtype
         The dtype the network was trained in.
-    quadrature : str, default="exact"
-        The engine's integration rule (see ``PathKernelEngine``).
+    quadrature : {"exact", "riemann", "dpk"}, default="exact"
+        How each step's test copy is integrated, as the estimators'
+        ``quadrature``: ``"exact"`` splits the step at its kinks and certifies
+        the result; ``"riemann"`` (``n_points`` nodes) and ``"dpk"`` (one node)
+        are the paper's approximations, kept for comparison.
+    n_points : int, default=100
+        Nodes of ``quadrature="riemann"``.
     n_jobs : int or None, default=None
+        Blocks (tiles of query rows x chunks of steps) computed at once through
+        joblib, in threads by default or on any ``joblib.parallel_config``
+        backend (dask); ``None`` is one unless a joblib context says otherwise.
+        Torch's own threads multiply with it: keep ``n_jobs *
+        torch.get_num_threads()`` at most the cores.
+    verbose : int, default=0
+        Progress bars over the steps of long computations (decompositions,
+        Gram matrices, self-influence) when positive.
     link : callable or None, default=None
         ``f = link(module(x))``, the function decomposed (the recorder's).
     targets : array-like of shape (n_samples,) or (n_samples, K), default=None
@@ -123,7 +207,23 @@ class Recording(ExplanationMixin):
     model_difference_ : float
         The largest difference between a weight or constant of the user's
         module and the recorded network's (0.0 when they are the same).
+
+    Notes
+    -----
+    ``quadrature``, ``n_points``, ``n_jobs`` and ``verbose`` are plain
+    attributes: set them on the recording that
+    :meth:`~sklearn_pathkernel.TrainingRecorder.finish` returns
+    (``recording.n_jobs = 2``) at any time, and the next computation follows
+    them (a float32 run's float64 replay is kept). They are checked there, with
+    the estimators' rules.
     """
+
+    _option_constraints = {
+        "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
+        "n_points": [Interval(Integral, 1, None, closed="left")],
+        "n_jobs": [Integral, None],
+        "verbose": ["verbose"],
+    }
 
     def __init__(
         self,
@@ -133,7 +233,9 @@ class Recording(ExplanationMixin):
         *,
         dtype=DTYPE,
         quadrature="exact",
+        n_points=100,
         n_jobs=None,
+        verbose=0,
         link=None,
         targets=None,
         live_module=None,
@@ -152,8 +254,11 @@ class Recording(ExplanationMixin):
         self.X_train_ = X
         self.dtype = dtype
         self.quadrature = quadrature
+        self.n_points = n_points
         self.n_jobs = n_jobs
+        self.verbose = verbose
         self._engine_cache = None
+        self._replay_cache = None
 
     @property
     def n_steps_(self):
@@ -180,14 +285,19 @@ class Recording(ExplanationMixin):
 
     def _explanation_context(self):
         """The recording as an explanation's context (see
-        :func:`~.._explain._recording_context.recording_context`)."""
+        :func:`~._explanation_context.recording_context`)."""
         return recording_context(self)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_engine_cache"] = None
         state["_live_module"] = None  # (the user's object, not part of the recording)
+        state["_replay_cache"] = None
         return state
+
+    def __setstate__(self, state):
+        # Recordings pickled before the options n_points and verbose existed.
+        self.__dict__.update({"n_points": 100, "verbose": 0, "_replay_cache": None, **state})
 
     def final_state_dict(self):
         """The recorded network's final state: the recorded weights after the last
@@ -233,11 +343,16 @@ class Recording(ExplanationMixin):
 
     # -- float64 evaluation ------------------------------------------------------
 
-    def _engine(self):
-        """The float64 engine of the recorded path (built once), after the check of
-        the user's module."""
-        self._check_live()
-        if self._engine_cache is None:
+    def _options(self):
+        """The engine's settings, checked (a clear error names a bad one)."""
+        options = {name: getattr(self, name) for name in self._option_constraints}
+        validate_parameter_constraints(self._option_constraints, options, "Recording")
+        return options
+
+    def _float64_run(self):
+        """The float64 module at the final weights and its path: the recorded ones
+        for a float64 run, the float64 replay of a float32 one (built once)."""
+        if self._replay_cache is None:
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
             path = self.path_
             if path.weights.dtype != DTYPE:
@@ -249,21 +364,32 @@ class Recording(ExplanationMixin):
                     for name, param in module.named_parameters():
                         if name in final:
                             param.copy_(final[name])
+            self._replay_cache = module, path
+        return self._replay_cache
+
+    def _engine(self):
+        """The float64 engine of the recorded path, rebuilt when an option changed,
+        after the check of the user's module."""
+        self._check_live()
+        options = self._options()
+        cache = self._engine_cache
+        if cache is None or options != {name: getattr(cache, name) for name in options}:
+            module, path = self._float64_run()
             self._engine_cache = PathKernelEngine(
                 module,
                 path,
                 self.X_train_.to(DTYPE),
                 link=ModuleOutput(self.link).output_link,
-                quadrature=self.quadrature,
-                n_jobs=self.n_jobs,
+                **options,
             )
         return self._engine_cache
 
-    def _rows(self, X):
-        X = torch.as_tensor(X)
-        return X.to(device=self.X_train_.device, dtype=DTYPE)
+    def _rows(self, X, name="X"):
+        """Validated query rows (:func:`check_rows`) as float64 on the training
+        inputs' device."""
+        return check_rows(X, self.X_train_.shape[1:], self.X_train_.device, name=name)
 
-    def decompose(self, X):
+    def decompose(self, X, *, batch_size=None):
         """Write the network's output on ``X`` as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals ``output``, the float64
@@ -273,6 +399,10 @@ class Recording(ExplanationMixin):
         ----------
         X : torch.Tensor or array-like of shape (n, ...)
             Query rows, shaped like the training inputs.
+        batch_size : int or None, default=None
+            Rows integrated at once, at most (None: as many as the working
+            budget holds, from the memory a row's quadrature nodes take); the
+            result, ``8 n n_train K`` bytes, is held whole either way.
 
         Returns
         -------
@@ -294,7 +424,7 @@ class Recording(ExplanationMixin):
         """
         X64 = self._rows(X)
         engine = self._engine()
-        parts = engine.decompose(X64)
+        parts = engine.decompose(X64, batch_size)
         own_module = self.module_ if self._live_module is None else self._live_module
         with torch.no_grad():
             link = ModuleOutput(self.link).link
@@ -311,10 +441,9 @@ class Recording(ExplanationMixin):
         """The exact path kernel between the rows of ``A`` and ``B`` (see
         ``PathKernelEngine.gram``): ``a_train``/``b_train`` put rows on the training
         copy (the three Gram blocks: train x train, train x test, test x test)."""
-        B = None if B is None else self._rows(B)
-        return self._engine().gram(
-            self._rows(A), B, a_train=a_train, b_train=b_train, output=output
-        )
+        A = self._rows(A, "A")
+        B = None if B is None else self._rows(B, "B")
+        return self._engine().gram(A, B, a_train=a_train, b_train=b_train, output=output)
 
     @property
     def kernel_(self):

@@ -87,7 +87,7 @@ def check_module(module, X, n_outputs, *, classifier=True):
     # move the initial state: they are put back after the checks.
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(X.device)):
-        first = module(rows[:1])
+        first = _forward_one_row(module, rows[:1])
         _check_output(first, n_outputs, X.dtype, classifier)
         batch = module(rows)
         _check_batch_output(batch, rows.shape[0], n_outputs, classifier)
@@ -104,6 +104,45 @@ def check_module(module, X, n_outputs, *, classifier=True):
             saved = buffers.get(name)
             if saved is not None and saved.shape == buffer.shape:
                 buffer.copy_(saved)
+
+
+def _forward_one_row(module, row):
+    """The module's output on one row of ``X``; a torch error there that comes from
+    the wrong input width (the first Linear or convolution expects another) becomes
+    a ValueError naming ``X``'s row shape and the layer's expected input; other
+    errors propagate as they are."""
+    try:
+        return module(row)
+    except RuntimeError as error:
+        mismatch = _first_layer_input(module, row)
+        if not mismatch:
+            raise
+        raise ValueError(
+            f"The module fails on one row of X, shape {tuple(row.shape)} "
+            f"({row.shape[1] if row.ndim == 2 else tuple(row.shape[1:])} features per "
+            f"row): {mismatch}Torch's error: {error}"
+        ) from error
+
+
+def _first_layer_input(module, row):
+    """What the first Linear or convolution expects, when it does not fit ``row``."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Linear):
+            expected, given, what = layer.in_features, row.shape[-1], "features"
+        elif isinstance(layer, nn.modules.conv._ConvNd):
+            if row.ndim < 2:
+                return ""
+            expected, given, what = layer.in_channels, row.shape[1], "channels"
+        else:
+            continue
+        if expected == given:
+            return ""
+        return (
+            f"its first layer {name!r} ({type(layer).__name__}) expects {expected} input "
+            f"{what}, but X's rows have {given}. Build the module for the data's width "
+            "(the estimators also take a callable module(n_features, n_outputs)). "
+        )
+    return ""
 
 
 # -- layers recognised by their type -------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
 from sklearn_pathkernel._engine._adjoint import AdjointSweep
 from sklearn_pathkernel._engine._targets import MarginTarget, OutputTarget
-from sklearn_pathkernel._explain._estimator_context import estimator_context
+from sklearn_pathkernel._estimators._explanation_context import estimator_context
 
 #: Smooth networks, every update rule (float64): the certificate holds to 1e-6.
 SOLVERS = {

@@ -116,3 +116,28 @@ def test_disk_backed_path_is_shipped_to_workers(client, problem):
     with parallel_config(backend="dask"):
         remote = clf.kernel_(Xn)
     np.testing.assert_allclose(remote, local, rtol=RTOL, atol=RTOL * np.abs(local).max())
+
+
+@pytest.mark.slow
+def test_the_engine_is_scattered_once_per_computation(client, problem, monkeypatch):
+    """joblib's dask backend scatters the tasks' owner (network, path, training rows)
+    once per call; the tasks refer to it instead of each carrying a copy."""
+    from sklearn_pathkernel._engine._scheduling import SharedByTasks
+
+    engine, X, queries = problem
+    scattered = []
+    scatter = distributed.Client.scatter
+
+    def spy(self, data, *args, **kwargs):
+        scattered.append(data)
+        return scatter(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(distributed.Client, "scatter", spy)
+    expected = engine(2).gram(queries, X, b_train=True)
+    with distributed.get_task_stream(client) as stream, parallel_config(backend="dask"):
+        actual = engine(2).gram(queries, X, b_train=True)
+    np.testing.assert_array_equal(actual, expected)
+    owners = [data for data in scattered if isinstance(data, SharedByTasks)]
+    assert len(owners) == 1  # one scatter for all of the call's tasks
+    assert len(stream.data) > 1  # ... which were several
+    assert owners[0].__sizeof__() > engine(2).path.nbytes

@@ -204,7 +204,9 @@ def test_engine_grams_with_subspaces_match_independent_references(classifier, sp
         monkeypatch.setattr(
             Planner,
             "task_tiles",
-            lambda self, kind, n, *args: [slice(i, min(i + 10, n)) for i in range(0, n, 10)],
+            lambda self, kind, n, *args, **kwargs: [
+                slice(i, min(i + 10, n)) for i in range(0, n, 10)
+            ],
         )
     projected = []
     project = LinearRule.project_outputs

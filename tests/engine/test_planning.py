@@ -108,3 +108,100 @@ def test_a_gpu_plans_capped_products_in_place_and_the_host_keeps_its_own(monkeyp
     assert [t.stop - t.start for t in gpu.product_tiles(10000)] == [4096, 4096, 1808]
     assert host.product_tiles(1300) == host.tiles(1300)
     assert gpu.accumulates_in_place and not host.accumulates_in_place
+
+
+def _cnn_case(engine_cases):
+    from sklearn_pathkernel._training import SolverSettings
+
+    cases = engine_cases
+    module, path, X, y = cases.trained(
+        cases.SmallCNN(3), n=24, n_features=36, steps=6, solver=SolverSettings("adamw"), lr=0.05
+    )
+    return module, path, X, y, cases.queries(36, n=6)
+
+
+def test_query_tiles_hold_the_nodes_rows_really_take(monkeypatch, engine_cases):
+    """A CNN with max-pooling takes many nodes per row (one piece per kink): the
+    tiles of a decomposition and a self-influence come from the nodes measured on
+    a sample, so that a budget of two rows' node factors holds two rows, and the
+    results do not depend on the tiles."""
+    from sklearn_pathkernel._engine import _planning as _memory
+    from sklearn_pathkernel._engine import _stepwise
+
+    module, path, X, y, A = _cnn_case(engine_cases)
+    engine = engine_cases.engine_for(module, path, X, y)
+    expected = engine.decompose(A)
+    influence = engine.stepwise().self_influence()
+
+    test_copy = engine._test_copy
+    nodes = test_copy.nodes_per_row(A)
+    # Independently: the rule's nodes of the sampled rows at the path's first and last step.
+    probe = test_copy.probes.current()
+    for index in (0, path.n_steps - 1):
+        step = engine._steps.step(index)
+        counted = test_copy.rule.row_nodes(probe, step, A[[0, -1]], test_copy.n_nodes)
+        assert nodes >= np.bincount(counted.nodes.rows).max()
+    assert nodes > 2 * test_copy.n_nodes  # kinks: many pieces
+
+    planner = engine._planner
+    # What decompose holds per row on an Adam path: two (M, K) results, and the
+    # features, buffer and psi materialised over the weights.
+    row_bytes = 2 * 8 * X.shape[0] * 3 + 4 * 8 * 3 * path.n_weights
+    per_row = planner.query_row_bytes(row_bytes, nodes)
+    assert per_row >= _memory.NODE_FACTOR_COPIES * nodes * planner.factor_row_bytes()
+    tiles = planner.query_tiles(A.shape[0], row_bytes, nodes, budget=2 * per_row)
+    assert [t.stop - t.start for t in tiles] == [2, 2, 2]
+    assert len(planner.query_tiles(A.shape[0], row_bytes, nodes, budget=1)) == A.shape[0]
+
+    # The decomposition with a budget of two rows: three tiles, the same sums.
+    monkeypatch.setattr(_memory, "working_budget", lambda device, n_workers=1: 2 * per_row)
+    small = engine_cases.engine_for(module, path, X, y)
+    seen = []
+    query_tiles = small._planner.query_tiles
+    monkeypatch.setattr(
+        small._planner,
+        "query_tiles",
+        lambda *args, **kwargs: seen.append(query_tiles(*args, **kwargs)) or seen[-1],
+    )
+    parts = small.decompose(A)
+    assert [t.stop - t.start for t in seen[-1]] == [2, 2, 2]
+    np.testing.assert_allclose(parts.contributions, expected.contributions, rtol=1e-12, atol=1e-14)
+    # The self-influence's tiles: its budget over the measured per-row bytes.
+    monkeypatch.setattr(_stepwise, "ROW_BUDGET_BYTES", 3 * per_row)
+    stepwise = small.stepwise()
+    features = 3 * 8 * 3 * path.n_weights  # three K W arrays per row
+    training_row = planner.query_row_bytes(features, test_copy.nodes_per_row(X))
+    assert stepwise._tile_rows(X) == 3 * per_row // training_row < X.shape[0]
+    np.testing.assert_allclose(stepwise.self_influence(), influence, rtol=1e-12, atol=1e-14)
+    # The mixed Gram's query rows: tiles from their measured nodes too.
+    from sklearn_pathkernel._engine._blocks import BlockKind
+
+    gram = engine.gram(A, X, b_train=True)
+    mixed = small._planner.task_tiles(BlockKind.MIXED, A.shape[0], X.shape[0], 1, 3, nodes)
+    assert len(mixed) > 1
+    np.testing.assert_allclose(small.gram(A, X, b_train=True), gram, rtol=1e-12, atol=1e-14)
+
+
+def test_decompose_batch_size_caps_the_tiles(relu_case, engine_cases):
+    from sklearn_pathkernel import ExactPathKernelClassifier
+
+    module, path, X, y, A = relu_case
+    engine = engine_cases.engine_for(module, path, X, y)
+    expected = engine.decompose(A)
+    parts = engine.decompose(A, batch_size=2)
+    np.testing.assert_allclose(parts.contributions, expected.contributions, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(parts.quadrature_error, expected.quadrature_error, atol=1e-15)
+    with pytest.raises(ValueError, match="batch_size == 0, must be >= 1"):
+        engine.decompose(A, batch_size=0)
+    with pytest.raises(TypeError, match="batch_size must be an instance of int"):
+        engine.decompose(A, batch_size=1.5)
+    # The estimators and recordings pass it through.
+    Xn, yn = X.numpy(), y.numpy()
+    clf = ExactPathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0)
+    clf.fit(Xn, yn)
+    np.testing.assert_allclose(
+        clf.decompose(A.numpy(), batch_size=1).contributions,
+        clf.decompose(A.numpy()).contributions,
+        rtol=1e-12,
+        atol=1e-15,
+    )

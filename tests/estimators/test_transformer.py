@@ -138,3 +138,44 @@ def test_distance_classifier_as_estimator(data):
     assert K.shape == (30, 30)
     np.testing.assert_array_equal(transformer.transform(X), K)
     assert transformer.transform(X_new).shape == (10, 30)
+
+
+def test_nested_parameters_of_the_default_estimator(data):
+    # The README's pipeline: PathKernelTransformer() with no estimator, tuned through it.
+    from sklearn.model_selection import GridSearchCV
+    from sklearn.pipeline import Pipeline
+    from sklearn.svm import SVC
+
+    X, y, _ = data
+    transformer = PathKernelTransformer(random_state=3)
+    params = transformer.get_params()
+    assert params["estimator"] is None
+    assert params["estimator__max_iter"] == ExactPathKernelClassifier().max_iter
+    assert params["estimator__random_state"] == 3
+    transformer.set_params(estimator__max_iter=4, estimator__hidden_layer_sizes=(5,))
+    assert type(transformer.estimator) is ExactPathKernelClassifier
+    assert transformer.estimator.max_iter == 4
+    assert transformer.estimator.random_state == 3
+    assert clone(transformer).estimator.get_params() == transformer.estimator.get_params()
+    # The same training as the equivalent explicit estimator.
+    explicit = ExactPathKernelClassifier(max_iter=4, hidden_layer_sizes=(5,), random_state=3)
+    np.testing.assert_array_equal(
+        transformer.fit_transform(X, y), PathKernelTransformer(explicit).fit_transform(X, y)
+    )
+    # estimator=None given in the same call as a nested parameter still builds the default.
+    assert (
+        PathKernelTransformer().set_params(estimator=None, estimator__max_iter=2).estimator.max_iter
+        == 2
+    )
+    pipe = Pipeline([("epk", PathKernelTransformer()), ("svc", SVC(kernel="precomputed"))])
+    pipe.set_params(epk__estimator__max_iter=3, epk__estimator__hidden_layer_sizes=(4,))
+    assert pipe.fit(X, y).score(X, y) > 0.5
+    grid = GridSearchCV(
+        Pipeline(
+            [("epk", PathKernelTransformer(random_state=0)), ("svc", SVC(kernel="precomputed"))]
+        ),
+        {"epk__estimator__max_iter": [2, 4], "svc__C": [1.0]},
+        cv=2,
+    ).fit(X, y)
+    assert grid.best_params_["epk__estimator__max_iter"] in (2, 4)
+    assert grid.best_estimator_.named_steps["epk"].estimator_.random_state == 0

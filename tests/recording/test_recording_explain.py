@@ -115,7 +115,7 @@ def test_bad_queries_and_missing_targets(classifier_recording):
     wrong = r"X has rows of shape \(5,\) .* training rows have shape \(4,\)"
     with pytest.raises(ValueError, match=wrong):
         recording.explain(torch.zeros(2, 5))
-    with pytest.raises(ValueError, match=r"X has rows of shape \(\) \(shape \(4,\)\)"):
+    with pytest.raises(ValueError, match=r"X has shape \(4,\), the shape of one training row"):
         recording.explain(X[0])
     recording.targets_, targets = None, recording.targets_
     try:

@@ -482,3 +482,18 @@ def test_regressor_module_is_checked(data):
     module = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     with pytest.raises(ValueError, match=r"layer '1' \(BatchNorm1d\) is in training mode"):
         ExactPathKernelRegressor(module=module, max_iter=3).fit(X, y)
+
+
+def test_a_module_of_the_wrong_input_width_is_named(data):
+    X, y = data
+    wide = nn.Sequential(nn.Linear(N_FEATURES + 1, 8), nn.ReLU(), nn.Linear(8, N_CLASSES))
+    with pytest.raises(
+        ValueError,
+        match=r"fails on one row of X, shape \(1, 4\) \(4 features per row\): its first layer "
+        r"'0' \(Linear\) expects 5 input features, but X's rows have 4",
+    ) as caught:
+        make_clf(wide).fit(X, y)
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own error, chained
+    conv = nn.Sequential(nn.Conv2d(3, 2, 2), nn.Flatten(), nn.LazyLinear(N_CLASSES))
+    with pytest.raises(ValueError, match=r"'0' \(Conv2d\) expects 3 input channels, .* have 1"):
+        check_module(conv.double(), torch.zeros(2, 1, 4, 4, dtype=torch.float64), N_CLASSES)

@@ -6,8 +6,8 @@ from sklearn.base import clone
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .._engine import TrainingRun, as_tensor
+from .._explain import ExplanationContext
 from .._training import SolverSettings
-from ._context import ExplanationContext
 
 
 def estimator_context(estimator):

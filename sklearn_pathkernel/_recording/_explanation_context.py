@@ -8,9 +8,8 @@ output ``k`` is class ``k``); otherwise (real-valued or 2-d targets) a regressor
 """
 
 import numpy as np
-import torch
 
-from ._context import ExplanationContext
+from .._explain import ExplanationContext
 
 
 def recording_context(recording):
@@ -34,24 +33,12 @@ def recording_context(recording):
         names = tuple(str(c) for c in classes)
     else:
         names = tuple(f"output {k}" for k in range(n_outputs))
-    expected = tuple(recording.X_train_.shape[1:])
-
-    def queries(X):
-        X = torch.as_tensor(X)
-        if tuple(X.shape[1:]) != expected or X.ndim != len(expected) + 1:
-            raise ValueError(
-                f"X has rows of shape {tuple(X.shape[1:])} (shape {tuple(X.shape)}), but this "
-                f"recording's training rows have shape {expected}: queries must be "
-                f"(n_queries, {', '.join(map(str, expected))})."
-            )
-        return recording._rows(X)
-
     return ExplanationContext(
         engine=engine,
         targets=targets,
         classes=classes,
         output_names=names,
-        queries=queries,
+        queries=recording._rows,
         epochs=recording.epochs_,
     )
 
