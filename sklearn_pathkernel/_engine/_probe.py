@@ -26,7 +26,7 @@ import logging
 import torch
 from torch.func import functional_call
 
-from .._path import log_softmax, output_cotangent
+from .._path import dropout_layers, log_softmax, masks_applied, output_cotangent
 from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._jacobian import JacobianRule
@@ -76,6 +76,8 @@ class NetworkProbe:
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         module = copy.deepcopy(module)
+        for _, layer in dropout_layers(module):  # the query side: dropout is the identity
+            layer.eval()
         self.module = module
         self.path = path
         self.link = link
@@ -201,6 +203,26 @@ class NetworkProbe:
         return self.output_and_factors(
             start, X, outputs, direction=direction, t=t, cotangents=cotangents
         )[1]
+
+    def training_factors(self, start, X, outputs, masks):
+        """:meth:`factors` of training rows at a step's start with the step's
+        dropout masks applied (``masks``: layer name to the rows' masks, or None
+        without dropout); the rows are those the masks were drawn for, in order.
+
+        Raises
+        ------
+        NotImplementedError
+            With masks, when the network needs the whole-network Jacobian rule
+            (its per-row passes cannot take one mask per row).
+        """
+        self._ensure_checked(X)  # (the dry run, on one row, without the masks)
+        if masks and self.jacobian is not None:
+            raise NotImplementedError(
+                "Dropout masks need the per-layer rules, but this network falls back to "
+                f"per-sample Jacobians of the whole network ({self.fallback_reason})."
+            )
+        with masks_applied(self.module, masks):
+            return self.factors(start, X, outputs)
 
     def output_and_factors(
         self, start, X, outputs=None, *, direction=None, t=None, cotangents=None

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._path import layout_by_rules, on_layers
+from .._path import layout_by_rules, on_layers, take_rows
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
@@ -113,7 +113,9 @@ class StepwiseDecomposition:
             start = self.steps.step(index).start
             gradients = self._output_gradients(index, rows)
             X = self.X_train[self.steps.on_device(rows)]
-            factors = probe.factors(start, X, gradients)
+            batch = np.asarray(self.path.batches[index])
+            masks = take_rows(self.path.masks(index), _positions(batch, rows))
+            factors = probe.training_factors(start, X, gradients, masks)
         return [rule.materialise(f)[:, 0] for rule, f in zip(probe.rules, factors, strict=True)]
 
     def _output_gradients(self, index, rows):
@@ -181,8 +183,12 @@ class StepwiseDecomposition:
                 rows = batch[tile]
                 X = self.X_train[self.steps.on_device(rows)]
                 gradients = self._output_gradients(index, rows)
-                u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
-                train = self._training_gradients(index, rows, start_factors)
+                if self.path.masks(index):  # the training rows with their masks
+                    u, _ = self._scaled_features(index, X)
+                    train = self._training_gradients(index, rows)
+                else:
+                    u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
+                    train = self._training_gradients(index, rows, start_factors)
                 diagonal = scale * _diagonal(u, train)
                 total.index_add_(0, self.steps.on_device(rows), diagonal)
         return total.cpu().numpy()

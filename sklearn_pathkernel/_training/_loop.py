@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-from .._path import WeightPath
+from .._path import WeightPath, dropout_layers
 from ._losses import CrossEntropy
 from ._recorder import PathRecorder
 from ._solvers import SolverSettings
@@ -83,8 +83,11 @@ def train_module(
     module : torch.nn.Module
         Maps ``X`` of shape (n_samples, ...) to the outputs (n_samples, K) that
         ``loss.link`` turns into ``f`` (logits for the cross-entropy).
-        It is run in eval mode (no dropout, frozen normalisation statistics) so
-        that training and prediction evaluate one and the same function.
+        It is run in eval mode (frozen normalisation statistics) so that
+        training and prediction evaluate one and the same function, except its
+        ``nn.Dropout`` / ``nn.Dropout2d`` layers in training mode: they drop
+        units during training, with masks the recorder draws and keeps (the
+        training side of the kernel uses them); the module is left in eval mode.
         Training runs on the device of ``X``, where the module, ``y`` and
         ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)
@@ -138,7 +141,10 @@ def train_module(
         raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
     loss_fn = loss or CrossEntropy()
     optimizer = (solver or SolverSettings()).optimizer(params, learning_rate_at(learning_rate, 0))
+    dropout = [layer for _, layer in dropout_layers(module) if layer.training]
     module.eval()
+    for layer in dropout:
+        layer.train()
 
     full_batch = np.arange(n_samples)
     n_batches = (
@@ -204,6 +210,7 @@ def train_module(
         if stopping.stop(epoch_loss):
             break
 
+    module.eval()
     return TrainingResult(
         loss_curve=loss_curve,
         n_iter=len(loss_curve),
