@@ -48,7 +48,7 @@ def mlp(dtype=torch.float64, seed=0, inplace=False):
 
 def run(model, optimizer, X, y, *, epochs=3, batch_size=8, seed=1):
     """An ordinary loop with dropout in training mode, and the recorder's two lines."""
-    recorder = TrainingRecorder(model, optimizer, X)
+    recorder = TrainingRecorder(model, optimizer, X, y)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
@@ -147,9 +147,8 @@ def test_per_row_contributions_match_an_independent_reference():
         rows = torch.as_tensor(path.batches[step])
         masks = path.masks(step)["2"]
         for j, row in enumerate(rows.tolist()):
-            J = jacrev(lambda w, j=j: functional_mlp(w, X[rows[j : j + 1]], masks[j : j + 1]))(
-                start
-            )[0]  # (K, W)
+            x, mask = X[row : row + 1], masks[j : j + 1]
+            J = jacrev(lambda w, x=x, mask=mask: functional_mlp(w, x, mask))(start)[0]  # (K, W)
             gradient = J.T @ path.output_gradients[step][j]
             reference[:, row] += 0.2 * (phi @ gradient).numpy()
     parts = recording.decompose(queries)
@@ -232,7 +231,7 @@ def test_other_dropout_layers_stay_refused(layer):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), layer, nn.Linear(6, 3)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    recorder = TrainingRecorder(model, optimizer, X)
+    TrainingRecorder(model, optimizer, X)
     with pytest.raises(RecordingRefused, match=rf"'1' \({type(layer).__name__}\) is in training"):
         model.train()(X[:8])
 
@@ -282,3 +281,18 @@ def test_estimator_trains_with_dropout_exactly(solver, batch_size):
     total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
     np.testing.assert_allclose(parts.output, est.predict_log_proba(X[:5].numpy() + 0.05))
     assert np.abs(total - parts.output).max() <= 1e-9 and parts.residual.max() <= 1e-9
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_self_influence_and_attribution_over_time(name):
+    """The per-step routes (self-influence, attribution over time) use the masks too:
+    the diagonal of ``decompose(X_train)`` and the sum over periods and groups."""
+    X, y = data()
+    model = mlp()
+    recording = run(model, OPTIMIZERS[name](model.parameters()), X, y)
+    parts = recording.decompose(X)
+    diagonal = parts.contributions[np.arange(30), np.arange(30)]
+    assert np.abs(recording.self_influence().values - diagonal).max() <= 1e-12
+    over_time = recording.explain_over_time(X[:4])
+    summed = over_time.values.sum(axis=(1, 2))
+    assert np.abs(summed - parts.contributions[:4].sum(axis=1)).max() <= 1e-12

@@ -1,8 +1,9 @@
 """The checks of a user's module at fit: exact, or refused with the reason.
 
 Each refusal must name the cause and, where there is one, the layer (its
-qualified name and type); dropout other than nn.Dropout and nn.Dropout2d (whose masks are recorded) is disabled with a warning; the user's module
-is never changed by fit.
+qualified name and type); dropout other than nn.Dropout and nn.Dropout2d (whose
+masks are recorded) is disabled with a warning; the user's module is never
+changed by fit.
 """
 
 import warnings
