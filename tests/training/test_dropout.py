@@ -296,3 +296,16 @@ def test_self_influence_and_attribution_over_time(name):
     over_time = recording.explain_over_time(X[:4])
     summed = over_time.values.sum(axis=(1, 2))
     assert np.abs(summed - parts.contributions[:4].sum(axis=1)).max() <= 1e-12
+
+
+def test_saved_and_loaded_with_its_masks(tmp_path):
+    X, y = data()
+    model = mlp()
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), X, y)
+    recording.save(tmp_path / "run")
+    loaded = type(recording).load(tmp_path / "run", mlp(), X)
+    for saved, read in zip(recording.path_.dropout_masks, loaded.path_.dropout_masks, strict=True):
+        assert saved.keys() == read.keys()
+        assert all(torch.equal(saved[name], read[name]) for name in saved)
+    mine, theirs = recording.decompose(X[:4]), loaded.decompose(X[:4])
+    np.testing.assert_array_equal(mine.contributions, theirs.contributions)
