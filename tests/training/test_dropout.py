@@ -309,3 +309,26 @@ def test_saved_and_loaded_with_its_masks(tmp_path):
         assert all(torch.equal(saved[name], read[name]) for name in saved)
     mine, theirs = recording.decompose(X[:4]), loaded.decompose(X[:4])
     np.testing.assert_array_equal(mine.contributions, theirs.contributions)
+
+
+class SharedLinear(nn.Module):
+    """One linear layer applied twice, with dropout between: the engine's
+    whole-network Jacobian route."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.dropout, self.head = nn.Linear(4, 4), nn.Dropout(0.3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(self.dropout(torch.tanh(self.inner(x))))))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_whole_network_jacobian_route(name):
+    X, y = data()
+    torch.manual_seed(0)
+    model = SharedLinear().double()
+    recording = run(model, OPTIMIZERS[name](model.parameters()), X, y)
+    assert recording._engine().probe.jacobian is not None
+    error, parts = identity_error(recording, X[:4] - 0.2)
+    assert error <= 1e-9 and parts.residual.max() <= 1e-9
