@@ -332,3 +332,28 @@ def test_whole_network_jacobian_route(name):
     assert recording._engine().probe.jacobian is not None
     error, parts = identity_error(recording, X[:4] - 0.2)
     assert error <= 1e-9 and parts.residual.max() <= 1e-9
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(F.dropout(torch.tanh(self.first(x)), 0.5, training=self.training))
+
+
+def test_functional_dropout_is_caught_at_the_first_step():
+    """``F.dropout`` is not a module the recorder sees: the first step's gradient,
+    recomputed from the recorded rows, differs from the run's."""
+    X, y = data()
+    torch.manual_seed(0)
+    model = FunctionalDropout().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X)
+    optimizer.zero_grad()
+    out = model.train()(X[:10])
+    recorder.rows(np.arange(10))
+    F.cross_entropy(out, y[:10]).backward()
+    with pytest.raises(RecordingRefused, match="Step 0: the gradient of .* is not the backward"):
+        optimizer.step()
