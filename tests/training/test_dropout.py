@@ -11,6 +11,7 @@ eval-mode output.
 """
 
 import copy
+import pickle
 import warnings
 
 import numpy as np
@@ -357,3 +358,36 @@ def test_functional_dropout_is_caught_at_the_first_step():
     F.cross_entropy(out, y[:10]).backward()
     with pytest.raises(RecordingRefused, match="Step 0: the gradient of .* is not the backward"):
         optimizer.step()
+
+
+def test_early_stopping_keeps_the_first_steps_masks():
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    saved = None
+    for step in range(6):
+        rows = torch.arange(step % 3 * 10, step % 3 * 10 + 10)
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+        if step == 3:
+            saved = copy.deepcopy(model.state_dict())
+    model.load_state_dict(saved)
+    recording = recorder.finish(at_step=4)
+    assert len(recording.path_.dropout_masks) == 4
+    error, parts = identity_error(recording, X[:4])
+    assert error <= 1e-9 and parts.residual.max() <= 1e-9
+
+
+def test_a_pickled_estimator_keeps_its_masks():
+    X, y = data()
+    est = ExactPathKernelClassifier(module=mlp(), max_iter=3, batch_size=10, random_state=0)
+    est.fit(X.numpy(), y.numpy())
+    again = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(
+        again.decompose(X[:3].numpy()).contributions, est.decompose(X[:3].numpy()).contributions
+    )
