@@ -128,33 +128,57 @@ def test_the_recorded_masks_are_the_run_s():
         assert (move + 0.2 * gradient).abs().max() <= 1e-15
 
 
-def test_per_row_contributions_match_an_independent_reference():
-    """Plain SGD on a tanh network: ``c_i(x) = sum_s lr <phi_s(x), J_i(w_s; m_{s,i})^T
-    e_{s,i}>``, ``phi_s`` the eval-mode Jacobian integrated by Gauss-Legendre."""
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["sgd", "momentum"])
+def test_per_row_contributions_match_an_independent_reference(momentum):
+    """SGD (and heavy-ball momentum, ``b_s = mu b_{s-1} + G_s``) on a tanh network:
+    row ``i``'s gradient of step ``r`` moves every later step ``s`` by ``lr mu^(s-r)``
+    times it, so ``c_i(x) = sum_{r <= s} lr mu^(s-r) <phi_s(x), J_i(w_r; m_{r,i})^T
+    e_{r,i}>``, ``phi_s`` the eval-mode Jacobian integrated by Gauss-Legendre."""
     X, y = data()
     model = mlp()
-    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2), X, y)
+    lr = 0.2 if momentum == 0 else 0.05
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), X, y)
     path = recording.path_
     queries = X[:5] - 0.1
     nodes, weights = np.polynomial.legendre.leggauss(24)
     nodes, weights = (nodes + 1) / 2, weights / 2
-    reference = np.zeros((queries.shape[0], X.shape[0], 3))
+    phis = []
     for step in range(path.n_steps):
         start, end = path.weights[step], path.weights[step + 1]
-        phi = sum(
-            nu * jacrev(lambda w: functional_mlp(w, queries, None))(start + t * (end - start))
-            for t, nu in zip(nodes, weights, strict=True)
+        phis.append(
+            sum(
+                nu * jacrev(lambda w: functional_mlp(w, queries, None))(start + t * (end - start))
+                for t, nu in zip(nodes, weights, strict=True)
+            )
         )  # (n, K, W)
+    reference = np.zeros((queries.shape[0], X.shape[0], 3))
+    for step in range(path.n_steps):
+        start = path.weights[step]
         rows = torch.as_tensor(path.batches[step])
         masks = path.masks(step)["2"]
         for j, row in enumerate(rows.tolist()):
             x, mask = X[row : row + 1], masks[j : j + 1]
             J = jacrev(lambda w, x=x, mask=mask: functional_mlp(w, x, mask))(start)[0]  # (K, W)
             gradient = J.T @ path.output_gradients[step][j]
-            reference[:, row] += 0.2 * (phi @ gradient).numpy()
+            for later in range(step, path.n_steps):
+                rate = lr * momentum ** (later - step)
+                reference[:, row] += rate * (phis[later] @ gradient).numpy()
     parts = recording.decompose(queries)
+    assert np.abs(reference).max() > 0.05
     assert np.abs(parts.contributions - reference).max() <= 1e-9
     assert np.abs(parts.decay).max() == 0.0
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float32_runs(name):
+    """A float32 run is exact for its float64 replay, which uses the run's masks."""
+    X, y = data(dtype=torch.float32)
+    model = mlp(torch.float32)
+    recording = run(model, OPTIMIZERS[name](model.parameters()), X, y)
+    parts = recording.decompose(X[:4] + 0.05)
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    assert np.abs(total - parts.output).max() <= 1e-9 and parts.residual.max() <= 1e-9
+    assert 0 < parts.model_gap.max() <= 1e-5
 
 
 def test_in_place_dropout_and_float32():
