@@ -25,10 +25,14 @@ class MaskDraws:
     module : torch.nn.Module
         The recorded module; its dropout layers get a forward pre-hook and a
         forward hook (removed by :meth:`close`).
+    generator : torch.Generator or None, default=None
+        Where the masks are drawn from (on the inputs' device); None: torch's
+        default generator, as the layers themselves.
     """
 
-    def __init__(self, module):
+    def __init__(self, module, generator=None):
         self.layers = dropout_layers(module)
+        self.generator = generator
         self._pass = {}  # layer name -> mask drawn in the current forward pass
         self._inputs = {}
         self._replay = None
@@ -88,7 +92,7 @@ class MaskDraws:
                         "recorder keeps one mask per layer and pass."
                     )
                 draw = torch.empty(shape, dtype=value.dtype, device=value.device)
-                mask = draw.bernoulli_(1.0 - layer.p).bool()
+                mask = draw.bernoulli_(1.0 - layer.p, generator=self.generator).bool()
                 self._pass[name] = mask
             return value * (mask.to(value.dtype) / (1.0 - layer.p))
 

@@ -110,7 +110,7 @@ def train_module(
         Stop when the epoch loss has not improved by ``tol`` for
         ``n_iter_no_change`` epochs. ``tol=None`` always runs ``max_iter`` epochs.
     random_state : int, RandomState or None
-        Seeds the batch order.
+        Seeds the batch order (and the dropout masks, when the module has dropout).
     verbose : int
     path_storage : "memory", "disk" or path-like
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
@@ -158,6 +158,7 @@ def train_module(
         max_steps=max_iter * n_batches,
         link=loss_fn.link,
         storage=path_storage,
+        generator=_mask_generator(dropout, rng, X.device),
     )
     stopping = _EarlyStopping(tol, n_iter_no_change)
     loss_curve = []
@@ -218,6 +219,14 @@ def train_module(
         path=_closed(recorder),
         fit_time=time.perf_counter() - start,
     )
+
+
+def _mask_generator(dropout, rng, device):
+    """The generator of the dropout masks, seeded from ``rng`` (a fit is
+    reproducible), or None without dropout (``rng`` is not drawn from then)."""
+    if not dropout:
+        return None
+    return torch.Generator(device=device).manual_seed(int(rng.randint(2**31 - 1)))
 
 
 def _closed(recorder):

@@ -118,6 +118,7 @@ class PathRecorder:
         link=None,
         storage="memory",
         on_mismatch="refuse",
+        generator=None,
     ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
@@ -148,7 +149,7 @@ class PathRecorder:
         ]
         self._open, self._done, self._rows = [], [], None
         self._saved, self._stale, self._own_forward = {}, False, False
-        self._dropout = MaskDraws(module)
+        self._dropout = MaskDraws(module, generator)
         self._handles = [
             module.register_forward_pre_hook(self._dropout.start_pass),
             module.register_forward_hook(self._on_forward),

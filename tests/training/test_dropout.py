@@ -415,3 +415,19 @@ def test_a_pickled_estimator_keeps_its_masks():
     np.testing.assert_array_equal(
         again.decompose(X[:3].numpy()).contributions, est.decompose(X[:3].numpy()).contributions
     )
+
+
+def test_an_estimator_fit_is_reproducible():
+    """The masks are drawn from a generator seeded by ``random_state``."""
+    X, y = data()
+    fits = [
+        ExactPathKernelClassifier(module=mlp(), max_iter=3, batch_size=10, random_state=3).fit(
+            X.numpy(), y.numpy()
+        )
+        for _ in range(2)
+    ]
+    torch.manual_seed(123)  # (the global generator is not the masks')
+    third = ExactPathKernelClassifier(module=mlp(), max_iter=3, batch_size=10, random_state=3)
+    third.fit(X.numpy(), y.numpy())
+    for est in fits[1:] + [third]:
+        assert torch.equal(est.path_.weights, fits[0].path_.weights)
