@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
-from .._path import layout_by_rules, weighted
+from .._path import layout_by_rules, take_rows, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
@@ -121,22 +121,27 @@ class Decomposition(SharedByTasks):
             batch = self.steps.on_device(self.path.batches[index])
             scale = update.step_scale(index)
             gradients = self.path.output_gradients[index].to(self.steps.device)
+            masks = self.path.masks(index)
             integrated = self.test_copy.integrate(
                 index,
                 X,
                 outputs_per_pair=self.n_outputs,
-                with_rows=(self.X_train[batch], gradients),
+                # (with dropout masks, the training rows take a pass of their own)
+                with_rows=None if masks else (self.X_train[batch], gradients),
                 measure_error=True,
             )
+            start_factors = integrated.start_factors
+            if masks:
+                start_factors = self.probes.current().training_factors(
+                    self.steps.step(index).start, self.X_train[batch], gradients, masks
+                )
             quadrature_error += integrated.quadrature_error
             step_block = torch.zeros(
                 (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
             )
             # (n, batch, K, 1): a training row's factors hold the gradient of
             # sum_k e_{s,i,k} f_k (its output gradient as the cotangent)
-            integrated.features.add_inner(
-                integrated.start_factors, OutputMode.PAIRS, step_block.unsqueeze(-1)
-            )
+            integrated.features.add_inner(start_factors, OutputMode.PAIRS, step_block.unsqueeze(-1))
             step_block *= scale
             if batch.numel() == self.n_train and torch.equal(
                 batch, torch.arange(self.n_train, device=batch.device)
@@ -178,7 +183,8 @@ class Decomposition(SharedByTasks):
             gradients = self.path.output_gradients[index].to(self.steps.device)
             # The batch's factors from the nodes' passes when its materialised
             # gradients fit one tile (as decompose does for plain SGD), else by tiles.
-            shared = len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            masks = self.path.masks(index)
+            shared = not masks and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
             integrated = self.test_copy.integrate(
                 index,
                 X,
@@ -211,7 +217,9 @@ class Decomposition(SharedByTasks):
                 continue
             for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
                 rows = self.steps.on_device(batch[part])
-                train = self.probes.current().factors(start, self.X_train[rows], gradients[part])
+                train = self.probes.current().training_factors(
+                    start, self.X_train[rows], gradients[part], take_rows(masks, part)
+                )
                 contributions.index_add_(1, rows, self._batch_inner(psi, train))
         return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
 

@@ -26,7 +26,7 @@ import logging
 import torch
 from torch.func import functional_call
 
-from .._path import log_softmax, output_cotangent
+from .._path import dropout_layers, log_softmax, masks_applied, output_cotangent, take_rows
 from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._jacobian import JacobianRule
@@ -76,6 +76,8 @@ class NetworkProbe:
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         module = copy.deepcopy(module)
+        for _, layer in dropout_layers(module):  # the query side: dropout is the identity
+            layer.eval()
         self.module = module
         self.path = path
         self.link = link
@@ -201,6 +203,26 @@ class NetworkProbe:
         return self.output_and_factors(
             start, X, outputs, direction=direction, t=t, cotangents=cotangents
         )[1]
+
+    def training_factors(self, start, X, outputs, masks):
+        """:meth:`factors` of training rows at a step's start with the step's
+        dropout masks applied (``masks``: layer name to the rows' masks, or None
+        without dropout); the rows are those the masks were drawn for, in order.
+
+        With the per-layer rules the batch takes one pass, as without masks. With
+        the whole-network Jacobian rule every row takes a pass of its own (its
+        mask cannot ride along a ``vmap`` over rows): the same numbers, one
+        Python-level call per training row and step.
+        """
+        self._ensure_checked(X)  # (the dry run, on one row, without the masks)
+        if not masks or self.jacobian is None:
+            with masks_applied(self.module, masks):
+                return self.factors(start, X, outputs)
+        parts = []
+        for i in range(X.shape[0]):
+            with masks_applied(self.module, take_rows(masks, slice(i, i + 1))):
+                parts.append(self.factors(start, X[i : i + 1], outputs[i : i + 1])[0])
+        return [type(parts[0]).cat(parts)]
 
     def output_and_factors(
         self, start, X, outputs=None, *, direction=None, t=None, cotangents=None

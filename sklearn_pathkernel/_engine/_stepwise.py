@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._path import layout_by_rules, on_layers
+from .._path import layout_by_rules, on_layers, take_rows
 from ._progress import step_progress
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
@@ -119,7 +119,9 @@ class StepwiseDecomposition:
             start = self.steps.step(index).start
             gradients = self._output_gradients(index, rows)
             X = self.X_train[self.steps.on_device(rows)]
-            factors = probe.factors(start, X, gradients)
+            batch = np.asarray(self.path.batches[index])
+            masks = take_rows(self.path.masks(index), _positions(batch, rows))
+            factors = probe.training_factors(start, X, gradients, masks)
         return [rule.materialise(f)[:, 0] for rule, f in zip(probe.rules, factors, strict=True)]
 
     def _output_gradients(self, index, rows):
@@ -203,8 +205,12 @@ class StepwiseDecomposition:
                 rows = batch[tile]
                 X = self.X_train[self.steps.on_device(rows)]
                 gradients = self._output_gradients(index, rows)
-                u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
-                train = self._training_gradients(index, rows, start_factors)
+                if self.path.masks(index):  # the training rows with their masks
+                    u, _ = self._scaled_features(index, X)
+                    train = self._training_gradients(index, rows)
+                else:
+                    u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
+                    train = self._training_gradients(index, rows, start_factors)
                 diagonal = scale * _diagonal(u, train)
                 total.index_add_(0, self.steps.on_device(rows), diagonal)
         return total.cpu().numpy()

@@ -19,6 +19,7 @@ from ._blockwise import (
     to_plain,
     weighted,
 )
+from ._dropout import MASKED_DROPOUT, dropout_layers, mask_shape, masks_applied, take_rows
 from ._links import (
     CERTIFICATE_TOLERANCE,
     FunctionLink,
@@ -40,6 +41,7 @@ from ._weights import (
 )
 
 __all__ = [
+    "MASKED_DROPOUT",
     "CERTIFICATE_TOLERANCE",
     "PATH_STORAGES",
     "BackwardAccumulation",
@@ -51,6 +53,10 @@ __all__ = [
     "LogSoftmaxLink",
     "UpdateRecord",
     "WeightPath",
+    "dropout_layers",
+    "mask_shape",
+    "masks_applied",
+    "take_rows",
     "allocate_weights",
     "available_memory",
     "block_values",

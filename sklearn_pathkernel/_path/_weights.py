@@ -49,6 +49,10 @@ class WeightPath:
         How the optimiser turned each step's gradient into the weight change.
     param_names, param_shapes : list
         How a flat weight vector splits into the module's parameters.
+    dropout_masks : list of dict or None
+        Per step, the masks its dropout layers drew in training mode: layer name
+        to a boolean tensor (|B_s|, ...) of the batch's rows (see
+        :func:`masks_applied`); None when the network has no dropout in training.
     storage : str
         Where ``weights`` lives: ``"memory"``, or the directory of the
         memory-mapped file holding it (see :func:`allocate_weights`).
@@ -68,6 +72,7 @@ class WeightPath:
     param_shapes: list = field(default_factory=list)
     storage: str = "memory"
     update: UpdateRecord = None
+    dropout_masks: list = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -79,6 +84,7 @@ class WeightPath:
 
     def __setstate__(self, state):
         state.setdefault("storage", "memory")
+        state.setdefault("dropout_masks", None)
         self.__dict__.update(state)
 
     @property
@@ -102,6 +108,11 @@ class WeightPath:
                 total += batch.nbytes
             total += coef.element_size() * coef.nelement()
         return total
+
+    def masks(self, step):
+        """Step ``step``'s dropout masks (layer name to (|B_s|, ...) booleans), or
+        None without dropout."""
+        return None if self.dropout_masks is None else self.dropout_masks[step]
 
     def unflatten(self, flat):
         """Split a flat weight vector into a ``{name: tensor}`` parameter dict (views)."""

@@ -78,6 +78,7 @@ def save_recording(recording, directory):
     }
     if update.preconditioners is not None:
         arrays["preconditioners"] = _numpy(update.preconditioners)
+    arrays.update(_mask_arrays(path))
     if recording.targets_ is not None:
         arrays["targets"] = recording.targets_
     trained = set(path.param_names)
@@ -231,6 +232,7 @@ def read_recording(directory, module, X, link=None):
         [tuple(s) for s in manifest["param_shapes"]],
         "memory",
         update,
+        _read_masks(arrays, offsets),
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
@@ -244,6 +246,42 @@ def read_recording(directory, module, X, link=None):
         mismatch=manifest.get("model_mismatch"),
         model_difference=manifest.get("model_difference", 0.0),
     )
+
+
+def _mask_arrays(path):
+    """The dropout masks as arrays: per layer, the masked steps' rows one after the
+    other (``dropout/<layer>``), and which steps have masks (``dropout_steps``)."""
+    if path.dropout_masks is None:
+        return {}
+    masked = [masks is not None for masks in path.dropout_masks]
+    names = next(masks for masks in path.dropout_masks if masks is not None)
+    arrays = {"dropout_steps": np.asarray(masked)}
+    for name in names:
+        parts = [masks[name] for masks in path.dropout_masks if masks is not None]
+        arrays[f"dropout/{name}"] = torch.cat(parts).numpy()
+    return arrays
+
+
+def _read_masks(arrays, offsets):
+    """The dropout masks saved by :func:`_mask_arrays`, or None."""
+    masked = arrays.get("dropout_steps")
+    if masked is None:
+        return None
+    prefix = "dropout/"
+    layers = {
+        key.removeprefix(prefix): torch.from_numpy(value)
+        for key, value in arrays.items()
+        if key.startswith(prefix)
+    }
+    masks, start = [], 0
+    for step, on in enumerate(masked):
+        if not on:
+            masks.append(None)
+            continue
+        size = int(offsets[step + 1] - offsets[step])
+        masks.append({name: mask[start : start + size] for name, mask in layers.items()})
+        start += size
+    return masks
 
 
 def _set_final_state(module, path, arrays):

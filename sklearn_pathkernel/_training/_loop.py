@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-from .._path import WeightPath
+from .._path import WeightPath, dropout_layers
 from ._losses import CrossEntropy
 from ._recorder import PathRecorder
 from ._solvers import SolverSettings
@@ -83,8 +83,11 @@ def train_module(
     module : torch.nn.Module
         Maps ``X`` of shape (n_samples, ...) to the outputs (n_samples, K) that
         ``loss.link`` turns into ``f`` (logits for the cross-entropy).
-        It is run in eval mode (no dropout, frozen normalisation statistics) so
-        that training and prediction evaluate one and the same function.
+        It is run in eval mode (frozen normalisation statistics) so that
+        training and prediction evaluate one and the same function, except its
+        ``nn.Dropout`` / ``nn.Dropout2d`` layers in training mode: they drop
+        units during training, with masks the recorder draws and keeps (the
+        training side of the kernel uses them); the module is left in eval mode.
         Training runs on the device of ``X``, where the module, ``y`` and
         ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)
@@ -107,7 +110,7 @@ def train_module(
         Stop when the epoch loss has not improved by ``tol`` for
         ``n_iter_no_change`` epochs. ``tol=None`` always runs ``max_iter`` epochs.
     random_state : int, RandomState or None
-        Seeds the batch order.
+        Seeds the batch order (and the dropout masks, when the module has dropout).
     verbose : int
     path_storage : "memory", "disk" or path-like
         Where the recorded weights ``(max_iter * batches per epoch + 1, W)``
@@ -138,7 +141,10 @@ def train_module(
         raise ValueError("The module has no trainable parameters (all have requires_grad=False).")
     loss_fn = loss or CrossEntropy()
     optimizer = (solver or SolverSettings()).optimizer(params, learning_rate_at(learning_rate, 0))
+    dropout = [layer for _, layer in dropout_layers(module) if layer.training]
     module.eval()
+    for layer in dropout:
+        layer.train()
 
     full_batch = np.arange(n_samples)
     n_batches = (
@@ -152,6 +158,7 @@ def train_module(
         max_steps=max_iter * n_batches,
         link=loss_fn.link,
         storage=path_storage,
+        generator=_mask_generator(dropout, rng, X.device),
     )
     stopping = _EarlyStopping(tol, n_iter_no_change)
     loss_curve = []
@@ -204,6 +211,7 @@ def train_module(
         if stopping.stop(epoch_loss):
             break
 
+    module.eval()
     return TrainingResult(
         loss_curve=loss_curve,
         n_iter=len(loss_curve),
@@ -211,6 +219,14 @@ def train_module(
         path=_closed(recorder),
         fit_time=time.perf_counter() - start,
     )
+
+
+def _mask_generator(dropout, rng, device):
+    """The generator of the dropout masks, seeded from ``rng`` (a fit is
+    reproducible), or None without dropout (``rng`` is not drawn from then)."""
+    if not dropout:
+        return None
+    return torch.Generator(device=device).manual_seed(int(rng.randint(2**31 - 1)))
 
 
 def _closed(recorder):

@@ -8,7 +8,8 @@ turns into a clear error (or, for dropout, a warning):
 - it couples the rows of a batch (BatchNorm in training mode, a batch mean in
   ``forward``): one row's output depends on the others, so it has no per-sample
   gradient;
-- it is random (dropout, noise): two evaluations disagree;
+- it is random (noise, dropout other than ``nn.Dropout`` and ``nn.Dropout2d``,
+  whose masks are recorded): two evaluations disagree;
 - its output is not float64 logits (or, for a regressor, predictions) of shape
   (n_samples, n_outputs), or is not
   finite at the initial weights.
@@ -27,7 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._path import nested_tensors
+from .._path import MASKED_DROPOUT, dropout_layers, nested_tensors
 
 # Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
 N_CHECK_ROWS = 4
@@ -49,7 +50,10 @@ def check_module(module, X, n_outputs, *, classifier=True):
 
     Runs at fit on the estimator's own (built or copied) module, before
     training. Leaves the module in eval mode, the mode it is trained and
-    evaluated in; its parameters and buffers are not changed.
+    evaluated in, except its ``nn.Dropout`` and ``nn.Dropout2d`` layers that
+    were in training mode: they are trained with dropout, their masks recorded
+    (the path kernel evaluates the training side with them, the query side in
+    eval mode). Its parameters and buffers are not changed.
 
     Parameters
     ----------
@@ -76,11 +80,13 @@ def check_module(module, X, n_outputs, *, classifier=True):
     Warns
     -----
     UserWarning
-        If the module has dropout (or RReLU) layers in training mode: they are
-        disabled, since the network is trained and evaluated in eval mode.
+        If the module has other dropout layers (``AlphaDropout``,
+        ``FeatureAlphaDropout``, ``Dropout1d``, ``Dropout3d``) or RReLU layers in
+        training mode: they are disabled, since their masks are not recorded.
     """
     _check_batch_norm(module)
     _warn_random_layers(module)
+    dropout = [layer for _, layer in dropout_layers(module) if layer.training]
     module.eval()
     rows = _distinct_rows(X)
     # A forward pass that updates buffers (a custom running statistic) must not
@@ -104,6 +110,8 @@ def check_module(module, X, n_outputs, *, classifier=True):
             saved = buffers.get(name)
             if saved is not None and saved.shape == buffer.shape:
                 buffer.copy_(saved)
+    for layer in dropout:  # trained with dropout: the masks are recorded
+        layer.train()
 
 
 def _forward_one_row(module, row):
@@ -191,6 +199,7 @@ def _warn_random_layers(module):
         + (f", p={layer.p:g})" if isinstance(layer, _DropoutNd) else ")")
         for name, layer in module.named_modules()
         if layer.training
+        and type(layer) not in MASKED_DROPOUT
         and ((isinstance(layer, _DropoutNd) and layer.p > 0) or isinstance(layer, nn.RReLU))
     ]
     if random_layers:

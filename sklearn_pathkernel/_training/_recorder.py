@@ -47,7 +47,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._path import flatten_parameters
+from .._path import MASKED_DROPOUT, flatten_parameters
+from ._dropout import MaskDraws
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
@@ -117,6 +118,7 @@ class PathRecorder:
         link=None,
         storage="memory",
         on_mismatch="refuse",
+        generator=None,
     ):
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}.")
@@ -147,7 +149,9 @@ class PathRecorder:
         ]
         self._open, self._done, self._rows = [], [], None
         self._saved, self._stale, self._own_forward = {}, False, False
+        self._dropout = MaskDraws(module, generator)
         self._handles = [
+            module.register_forward_pre_hook(self._dropout.start_pass),
             module.register_forward_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -306,6 +310,7 @@ class PathRecorder:
         if not self._finished:
             for handle in self._handles:
                 handle.remove()
+            self._dropout.close()
             self._finished = True
 
     def path(self):
@@ -331,15 +336,21 @@ class PathRecorder:
                 "evaluates the recorded weights in float64, not the reduced-precision forward."
             )
         for name, layer in self._layers:
-            if layer.training and not (isinstance(layer, _DropoutNd) and layer.p == 0):
+            if (
+                layer.training
+                and not (isinstance(layer, _DropoutNd) and layer.p == 0)
+                and type(layer) not in MASKED_DROPOUT
+            ):
                 step = self.n_steps
                 raise RecordingRefused(
                     f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
                     "(batch statistics or randomness): one row's output is not a deterministic "
-                    "function of that row. Put it in eval mode (module.eval()) for training."
+                    "function of that row. Put it in eval mode (module.eval()) for training "
+                    "(nn.Dropout and nn.Dropout2d are recorded with their masks)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
         batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
+        batch.masks = self._dropout.take()
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -423,9 +434,10 @@ class PathRecorder:
         else:
             rows = np.concatenate([b.rows for b in batches])
             gradient = torch.cat([b.output_gradient for b in batches])
+        masks = _step_masks(step, batches)
         if self.check == "every" or (self.check == "first" and step == 0):
             self._verify(step, batches, active)
-        self._pending = (rows, gradient, active)
+        self._pending = (rows, gradient, active, masks)
 
     def _check_gradients(self, step, active):
         if self._stale:
@@ -452,7 +464,9 @@ class PathRecorder:
         params = [p for p, on in zip(self._params, active, strict=True) if on]
         self._own_forward = True
         try:
-            total = _recomputed_gradient(self.module, self.X, self.link, batches, params)
+            total = _recomputed_gradient(
+                self.module, self.X, self.link, batches, params, self._dropout.replaying
+            )
         finally:
             self._own_forward = False
         tolerance = 1e-9 if self._dtype == torch.float64 else 1e-4
@@ -472,11 +486,11 @@ class PathRecorder:
 
     def _after_step(self, optimizer, args, kwargs):
         step = self.n_steps
-        rows, gradient, active = self._pending
+        rows, gradient, active, masks = self._pending
         weights = self._weights.flat_views()
         scales = self._rule.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._rule.groups())
-        self._log.append(weights, rows, gradient, scales, lr)
+        self._log.append(weights, rows, gradient, scales, lr, masks)
         self._weights.after_step()
         self._leftover = self._saved
         self._open, self._done, self._saved, self._rows = [], [], {}, None
@@ -598,14 +612,32 @@ def _fingerprint(check, grad):
     return id(grad), grad._version
 
 
-def _recomputed_gradient(module, X, link, batches, params):
+def _step_masks(step, batches):
+    """The step's dropout masks in the order of its rows (its micro-batches'
+    masks joined), or None without dropout in training mode."""
+    names = {name for batch in batches for name in batch.masks}
+    if not names:
+        return None
+    for batch in batches:
+        if set(batch.masks) != names:
+            raise RecordingRefused(
+                f"Step {step}: the step's forward passes used different dropout layers in "
+                "training mode; keep each layer's mode fixed within a step."
+            )
+    if len(batches) == 1:
+        return batches[0].masks
+    return {name: torch.cat([batch.masks[name] for batch in batches]) for name in names}
+
+
+def _recomputed_gradient(module, X, link, batches, params, replaying):
     """A step's gradient with respect to ``params``, recomputed from its micro-batches'
     recorded rows and output gradients: :math:`\\sum_b J_b^T (-e_b)` (one forward and
     one backward pass per micro-batch)."""
     total = [torch.zeros_like(p) for p in params]
     with torch.enable_grad():
         for batch in batches:
-            out = module(X[torch.as_tensor(batch.rows, device=X.device)])
+            with replaying(batch.masks):
+                out = module(X[torch.as_tensor(batch.rows, device=X.device)])
             if link is not None:
                 out = link(out)
             grads = torch.autograd.grad(

@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from torch.func import functional_call
 
-from .._path import allocate_weights
+from .._path import allocate_weights, masks_applied
 
 DTYPE = torch.float64
 
@@ -81,7 +81,9 @@ def replay_in_float64(path, module, X, link):
     for step in range(path.n_steps):
         params = {k: v.requires_grad_(True) for k, v in path.unflatten(w.clone()).items()}
         rows = torch.as_tensor(recorded.batches[step], device=device)
-        out = link(functional_call(module, {**constants, **params}, (X64[rows],), tie_weights=tied))
+        with masks_applied(module, path.masks(step)):  # the step's dropout masks
+            out = functional_call(module, {**constants, **params}, (X64[rows],), tie_weights=tied)
+        out = link(out)
         e = recorded.output_gradients[step].to(device)
         grads = torch.autograd.grad(out, list(params.values()), grad_outputs=-e, allow_unused=True)
         gradient = torch.cat(

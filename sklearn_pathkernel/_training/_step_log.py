@@ -49,6 +49,7 @@ class MicroBatch:
     versions: list
     output_gradient: torch.Tensor = None
     explicit: bool = False
+    masks: dict = None  # the dropout masks of the pass (layer name -> booleans)
     started: object = None  # called first by each gradient hook (the recorder's)
 
     def take_from(self, output):
@@ -121,6 +122,7 @@ def truncated_path(path, n_steps):
         output_gradients=path.output_gradients[:n_steps],
         learning_rates=path.learning_rates[:n_steps],
         update=path.update.truncated(n_steps),
+        dropout_masks=None if path.dropout_masks is None else path.dropout_masks[:n_steps],
     )
 
 
@@ -220,6 +222,7 @@ class StepLog:
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
         self._finished_rows = 0  # rows of _scales already turned into P_s
         self._batches, self._gradients = [], []
+        self._masks = []  # per step: its dropout masks, or None
         self._decays, self._learning_rates = [], []
 
     @property
@@ -234,13 +237,14 @@ class StepLog:
         """The last recorded weights (a view of their row)."""
         return self._weights.last()
 
-    def append(self, weights, rows, output_gradient, step_scales, learning_rate):
+    def append(self, weights, rows, output_gradient, step_scales, learning_rate, masks=None):
         """Record one step: the parameters after it, its rows and output gradients, its
         :class:`~._optimizers.StepScales` and a learning rate (the largest of the
         groups, for display). Cost: one copy of the weights (and of a
         per-coordinate scale) into the host arrays."""
         self._weights.write(weights, self._numels)
         self._batches.append(rows)
+        self._masks.append(masks)
         # (the recorder's own tensor, from the backward hook: no copy on the host)
         self._gradients.append(output_gradient if output_gradient.is_cpu else output_gradient.cpu())
         scales = step_scales.scales
@@ -330,4 +334,5 @@ class StepLog:
             list(shapes),
             storage,
             update,
+            None if all(m is None for m in self._masks) else list(self._masks),
         )

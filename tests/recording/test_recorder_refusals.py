@@ -228,7 +228,7 @@ def test_penalty_in_the_loss():
     "layer, match",
     [
         (nn.BatchNorm1d(6), "'1' \\(BatchNorm1d\\) is in training mode"),
-        (nn.Dropout(0.5), "'1' \\(Dropout\\) is in training mode"),
+        (nn.AlphaDropout(0.5), "'1' \\(AlphaDropout\\) is in training mode"),
     ],
 )
 def test_training_mode_layers(layer, match):

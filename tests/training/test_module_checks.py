@@ -1,8 +1,9 @@
 """The checks of a user's module at fit: exact, or refused with the reason.
 
 Each refusal must name the cause and, where there is one, the layer (its
-qualified name and type); dropout is disabled with a warning; the user's module
-is never changed by fit.
+qualified name and type); dropout other than nn.Dropout and nn.Dropout2d (whose
+masks are recorded) is disabled with a warning; the user's module is never
+changed by fit.
 """
 
 import warnings
@@ -253,7 +254,7 @@ def test_batch_output_with_the_wrong_number_of_rows(data):
 
 
 @pytest.mark.parametrize(
-    "layer", [nn.Dropout(0.5), nn.AlphaDropout(0.2), nn.FeatureAlphaDropout(0.2), nn.RReLU()]
+    "layer", [nn.AlphaDropout(0.2), nn.FeatureAlphaDropout(0.2), nn.Dropout1d(0.2), nn.RReLU()]
 )
 def test_random_layers_in_training_mode_warn_and_are_disabled(data, layer):
     X, y = data
@@ -275,6 +276,17 @@ def test_random_layers_in_training_mode_warn_and_are_disabled(data, layer):
     np.testing.assert_array_equal(clf.predict_proba(X), reference.predict_proba(X))
     for key, value in reference.module_.state_dict().items():
         assert torch.equal(clf.module_.state_dict()[key], value)
+
+
+def test_recorded_dropout_stays_in_training_mode(data):
+    """nn.Dropout and nn.Dropout2d are trained with dropout (their masks recorded):
+    no warning, the checks leave them in training mode and the rest in eval mode."""
+    X, _ = data
+    module = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Dropout(0.5), linear_head()).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_module(module, torch.as_tensor(X, dtype=torch.float64), N_CLASSES)
+    assert module[1].training and not module[0].training
 
 
 @pytest.mark.parametrize(

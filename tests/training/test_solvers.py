@@ -81,9 +81,11 @@ def test_settings_take_defaults_and_refuse_unknown_names():
     assert type(sgd) is torch.optim.SGD
     assert sgd.defaults["momentum"] == 0.7 and sgd.defaults["nesterov"]
     # torch (like MLPClassifier) applies Nesterov only with momentum
-    assert not SolverSettings("sgd", nesterovs_momentum=True).optimizer(params, 0.1).defaults[
-        "nesterov"
-    ]
+    assert (
+        not SolverSettings("sgd", nesterovs_momentum=True)
+        .optimizer(params, 0.1)
+        .defaults["nesterov"]
+    )
     with pytest.raises(TypeError, match="Unknown solver hyperparameters.*'betas'"):
         SolverSettings("adam", betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="Unknown solver 'lbfgs'"):

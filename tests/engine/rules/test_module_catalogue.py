@@ -221,7 +221,9 @@ EXACT = {
     "layer-norm": (lambda: normalised(nn.LayerNorm(8)), PER_LAYER, None),
     "group-norm": (lambda: normalised(nn.GroupNorm(2, 8)), PER_LAYER, None),
     "batch-norm-eval": (batch_norm_eval, PER_LAYER, None),
-    "dropout": (lambda: normalised(nn.Dropout(0.3)), FACTORED, "Dropout is disabled"),
+    # trained with dropout, its masks recorded (the training side), the query side in eval
+    "dropout": (lambda: normalised(nn.Dropout(0.3)), FACTORED, None),
+    "alpha-dropout": (lambda: normalised(nn.AlphaDropout(0.3)), FACTORED, "Dropout is disabled"),
     "conv1d": (Conv1dNet, PER_LAYER, None),
     "conv2d": (Conv2dNet, FACTORED, None),
     "distance-rbf": (lambda: distance_net("rbf"), FACTORED, None),
