@@ -86,22 +86,15 @@ class GramBlocks(SharedByTasks):
 
     Parameters
     ----------
-    probes : ThreadProbes
-    steps : PathSteps
-    planner : Planner
+    fitted : FittedPath
+        The path and what the engine reads of it.
     test_copy : TestCopy
-    rule : QuadratureRule
-    nodes : NodeCounts
-        Nodes per smooth piece: ``nodes.test_test`` for the test x test blocks
-        and the test copy's diagonal (products of two gradients).
-    n_outputs : int
-    path : WeightPath
     """
 
-    def __init__(self, probes, steps, planner, test_copy, rule, nodes, n_outputs, path):
-        self.probes, self.steps, self.planner = probes, steps, planner
-        self.test_copy, self.rule = test_copy, rule
-        self.nodes, self.n_outputs, self.path = nodes, n_outputs, path
+    def __init__(self, fitted, test_copy):
+        self.probes, self.steps, self.planner = fitted.probes, fitted.steps, fitted.planner
+        self.test_copy, self.rule = test_copy, fitted.rule
+        self.nodes, self.n_outputs, self.path = fitted.nodes, fitted.n_outputs, fitted.path
 
     def inner(self, left, right, mode, metric):
         """``sum_layers <g_left, P g_right>`` of two factor lists (``metric`` None: P = 1).

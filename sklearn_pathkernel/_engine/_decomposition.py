@@ -47,23 +47,16 @@ class Decomposition(SharedByTasks):
 
     Parameters
     ----------
-    probes : ThreadProbes
-    steps : PathSteps
-    planner : Planner
-    scheduler : Scheduler
+    fitted : FittedPath
+        The path and what the engine reads of it.
     test_copy : TestCopy
-    path : WeightPath
-    X_train : torch.Tensor
-    n_nodes, n_outputs : int
     """
 
-    def __init__(
-        self, probes, steps, planner, scheduler, test_copy, path, X_train, n_nodes, n_outputs
-    ):
-        self.probes, self.steps, self.planner = probes, steps, planner
-        self.scheduler, self.test_copy, self.path = scheduler, test_copy, path
-        self.X_train, self.n_nodes, self.n_outputs = X_train, n_nodes, n_outputs
-        self.n_train = X_train.shape[0]
+    def __init__(self, fitted, test_copy):
+        self.probes, self.steps, self.planner = fitted.probes, fitted.steps, fitted.planner
+        self.scheduler, self.test_copy, self.path = fitted.scheduler, test_copy, fitted.path
+        self.X_train, self.n_nodes = fitted.X_train, fitted.nodes.per_piece
+        self.n_outputs, self.n_train = fitted.n_outputs, fitted.n_train
 
     def decompose(self, X, batch_size=None):
         """See ``PathKernelEngine.decompose``; ``X`` on the device, at most

@@ -41,6 +41,7 @@ from .._path import CERTIFICATE_TOLERANCE, IdentityLink, LogSoftmaxLink
 from ._blocks import GramBlocks
 from ._decomposition import Decomposition
 from ._device import loadable_device, on_host
+from ._fitted import FittedPath
 from ._gram import Gram
 from ._modes import OutputMode
 from ._planning import Planner
@@ -53,7 +54,16 @@ from .integration._degree import path_degree
 from .integration._quadrature import Quadrature
 
 #: The parts built from the settings (rebuilt on unpickling, never pickled).
-_PARTS = ("_probes", "_steps", "_scheduler", "_planner", "_test_copy", "_decomposition", "_gram")
+_PARTS = (
+    "_probes",
+    "_steps",
+    "_scheduler",
+    "_planner",
+    "_fitted",
+    "_test_copy",
+    "_decomposition",
+    "_gram",
+)
 
 
 class PathKernelEngine:
@@ -173,41 +183,21 @@ class PathKernelEngine:
 
     def _build_computations(self):
         """The parts that compute: the test copy, the decomposition, the Grams."""
-        certificate = Certificate(self._probes, self._steps, self.certificate_tolerance)
-        self._test_copy = TestCopy(
-            self._probes,
-            self._steps,
-            self._planner,
-            self._rule,
-            certificate,
-            self.nodes.per_piece,
-            self.n_outputs,
-            self._weighting,
-        )
-        self._decomposition = Decomposition(
-            self._probes,
-            self._steps,
-            self._planner,
-            self._scheduler,
-            self._test_copy,
+        self._fitted = FittedPath(
             self.path,
             self.X_train,
-            self.nodes.per_piece,
-            self.n_outputs,
-        )
-        blocks = GramBlocks(
             self._probes,
             self._steps,
+            self._scheduler,
             self._planner,
-            self._test_copy,
             self._rule,
             self.nodes,
             self.n_outputs,
-            self.path,
         )
-        self._gram = Gram(
-            blocks, self._planner, self._scheduler, self._steps, self.nodes, self.n_outputs
-        )
+        certificate = Certificate(self._probes, self._steps, self.certificate_tolerance)
+        self._test_copy = TestCopy(self._fitted, certificate, self._weighting)
+        self._decomposition = Decomposition(self._fitted, self._test_copy)
+        self._gram = Gram(self._fitted, GramBlocks(self._fitted, self._test_copy))
 
     def __deepcopy__(self, memo):
         return self  # immutable: copies share it (sklearn's clone deep-copies params)
@@ -276,15 +266,7 @@ class PathKernelEngine:
     def stepwise(self):
         """The decomposition step by step, and the self-influence of the training
         points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
-        return StepwiseDecomposition(
-            self._probes,
-            self._steps,
-            self._test_copy,
-            self.path,
-            self.X_train,
-            self.n_outputs,
-            verbose=self.verbose,
-        )
+        return StepwiseDecomposition(self._fitted, self._test_copy, verbose=self.verbose)
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""

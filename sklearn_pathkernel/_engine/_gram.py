@@ -38,18 +38,14 @@ class Gram:
 
     Parameters
     ----------
+    fitted : FittedPath
+        The path and what the engine reads of it.
     blocks : GramBlocks
-    planner : Planner
-    scheduler : Scheduler
-    steps : PathSteps
-    nodes : NodeCounts
-        Nodes per smooth piece (``nodes.test_test`` plans the diagonal's tiles).
-    n_outputs : int
     """
 
-    def __init__(self, blocks, planner, scheduler, steps, nodes, n_outputs):
-        self.blocks, self.planner, self.scheduler = blocks, planner, scheduler
-        self.steps, self.nodes, self.n_outputs = steps, nodes, n_outputs
+    def __init__(self, fitted, blocks):
+        self.blocks, self.planner, self.scheduler = blocks, fitted.planner, fitted.scheduler
+        self.steps, self.nodes, self.n_outputs = fitted.steps, fitted.nodes, fitted.n_outputs
 
     def gram(self, A, B, a_train, b_train, mode):
         """The Gram of ``A`` and ``B`` (None: ``A`` with ``a_train``) in ``mode``

@@ -70,23 +70,19 @@ class StepwiseDecomposition:
 
     Parameters
     ----------
-    probes : ThreadProbes
-    steps : PathSteps
+    fitted : FittedPath
+        The path and what the engine reads of it.
     test_copy : TestCopy
-    path : WeightPath
-    X_train : torch.Tensor
-    n_outputs : int
     verbose : int, default=0
-        A bar over the steps (and tiles of rows) of :meth:`terms` and
-        :meth:`self_influence` when positive.
+        Show the progress over steps.
     """
 
-    def __init__(self, probes, steps, test_copy, path, X_train, n_outputs, verbose=0):
-        self.probes, self.steps, self.test_copy = probes, steps, test_copy
+    def __init__(self, fitted, test_copy, verbose=0):
+        self.probes, self.steps, self.test_copy = fitted.probes, fitted.steps, test_copy
         self.verbose = verbose
-        self.path, self.update = path, path.update
-        self.X_train, self.n_outputs = X_train, n_outputs
-        self.n_train, self.device = X_train.shape[0], X_train.device
+        self.path, self.update = fitted.path, fitted.path.update
+        self.X_train, self.n_outputs = fitted.X_train, fitted.n_outputs
+        self.n_train, self.device = fitted.n_train, fitted.X_train.device
 
     # -- the pieces ----------------------------------------------------------
 

@@ -53,14 +53,10 @@ class TestCopy:
 
     Parameters
     ----------
-    probes : ThreadProbes
-    steps : PathSteps
-    planner : Planner
-    rule : QuadratureRule
+    fitted : FittedPath
+        The path, its probes, steps, plans, quadrature rule, node counts (Gauss-Legendre
+        nodes per smooth piece: ``fitted.nodes.per_piece``) and outputs.
     certificate : Certificate
-    n_nodes : int
-        Gauss-Legendre nodes per smooth piece (exact rule).
-    n_outputs : int
     weighting : NodeWeighting or None, default=None
         How the nodes weight the backward pass
         (:mod:`.integration._link_weights`); None: their Gauss weights.
@@ -68,13 +64,11 @@ class TestCopy:
 
     __test__ = False  # not a pytest class
 
-    def __init__(
-        self, probes, steps, planner, rule, certificate, n_nodes, n_outputs, weighting=None
-    ):
-        self.probes, self.steps, self.planner = probes, steps, planner
-        self.rule, self.certificate = rule, certificate
-        self.n_nodes, self.n_outputs = n_nodes, n_outputs
-        self.weighting = GaussWeights(n_nodes) if weighting is None else weighting
+    def __init__(self, fitted, certificate, weighting=None):
+        self.probes, self.steps, self.planner = fitted.probes, fitted.steps, fitted.planner
+        self.rule, self.certificate = fitted.rule, certificate
+        self.n_nodes, self.n_outputs = fitted.nodes.per_piece, fitted.n_outputs
+        self.weighting = GaussWeights(self.n_nodes) if weighting is None else weighting
 
     def with_gauss_weights(self, n_nodes):
         """This test copy with ``n_nodes`` Gauss-Legendre nodes per piece and

@@ -89,9 +89,7 @@ class Attribution(ABC):
                 f"normalize=True is for method='contributions' only, not {self.name!r}."
             )
         if not self.decomposes and first_epoch != 0:
-            raise ValueError(
-                f"first_epoch is for method='contributions' only, not {self.name!r}."
-            )
+            raise ValueError(f"first_epoch is for method='contributions' only, not {self.name!r}.")
 
 
 @register_attribution("contributions")
