@@ -119,6 +119,23 @@ def test_inner_and_directional_equal_materialised_gradients(kernel, bias):
 
 
 @pytest.mark.parametrize("kernel", FACTORED_KERNELS)
+@pytest.mark.parametrize("moving", [False, True])
+def test_row_sums_of_node_gradients(kernel, moving):
+    """``materialise_sums``: each row's weighted sum of its nodes' gradients, nodes
+    in any order (a node on a memory among them), against summed per-sample
+    gradients of torch.func."""
+    layer = make_layer(kernel)
+    local, params, steps = path_of(layer)
+    x, delta, t = rows(layer, 7, seed=3)
+    rule, factors, grads = side(layer, local, params, steps, x, delta, t, moving)
+    node_rows = torch.tensor([2, 0, 2, 1, 0, 2, 0])
+    weights = torch.rand(7, dtype=DT, generator=torch.Generator().manual_seed(4))
+    expected = torch.zeros(4, *grads.shape[1:], dtype=DT)
+    expected.index_add_(0, node_rows, weights[:, None, None] * grads)
+    assert_close(rule.materialise_sums(node_rows, weights, factors, 4), expected)
+
+
+@pytest.mark.parametrize("kernel", FACTORED_KERNELS)
 def test_only_the_parameters_in_the_path(kernel):
     layer = make_layer(kernel)
     subsets = [["memories"], ["bias"]] + (
