@@ -135,6 +135,20 @@ def test_row_sums_of_node_gradients(kernel, moving):
     assert_close(rule.materialise_sums(node_rows, weights, factors, 4), expected)
 
 
+@pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
+@pytest.mark.parametrize("n_dense", [1, 4])
+def test_dense_inner_with_one_output_per_row(kernel, n_dense):
+    """The decomposition's training side (one output per row, a row on a memory):
+    the factored form for few dense rows (n K <= D), the materialised one beyond."""
+    layer = make_layer(kernel)
+    local, params, steps = path_of(layer)
+    x, delta, t = rows(layer, 6, seed=5)
+    rule, factors, grads = side(layer, local, params, steps, x, delta[:, :1], t, False)
+    assert rule.family.has_dense_form(factors, torch.zeros(n_dense, 2, 1)) == (n_dense == 1)
+    dense = torch.randn(n_dense, 2, grads.shape[2], dtype=DT)
+    assert_close(rule.dense_inner(dense, factors, "pairs"), contract(dense, grads, "pairs"))
+
+
 @pytest.mark.parametrize("kernel", FACTORED_KERNELS)
 def test_only_the_parameters_in_the_path(kernel):
     layer = make_layer(kernel)

@@ -69,8 +69,9 @@ class KernelFamily(ABC):
         parts = [] if memory_sums is None else [memory_sums.flatten(2)]
         return torch.cat([*parts, *extra_sums], 2)
 
-    def has_dense_form(self, factors):
-        """Whether :meth:`dense_inner` can contract without materialising ``factors``."""
+    def has_dense_form(self, factors, dense):
+        """Whether :meth:`dense_inner` contracts ``dense`` (n, K, W) with ``factors``
+        without materialising them, at lower cost."""
         return False
 
     def has_metric_form(self, left, right):

@@ -140,7 +140,7 @@ class DistanceRule(PerRowWeights):
     def dense_inner(self, dense, factors, mode):
         """``contract(dense, materialise(factors), mode)``, without materialising the
         factors where the family can (``SquaredDistanceFamily.dense_inner``)."""
-        if self.family.has_dense_form(factors):
+        if self.family.has_dense_form(factors, dense):
             return self.family.dense_inner(dense, factors, mode)
         return contract(dense, self.materialise(factors), mode)
 

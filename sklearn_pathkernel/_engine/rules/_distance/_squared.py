@@ -240,11 +240,16 @@ class SquaredDistanceFamily(KernelFamily):
         extra = [row_sums(rows, weights, values, n_rows) for values in factors.extra_coefficients]
         return self._assemble(sums.transpose(1, 2), extra, n_rows)
 
-    def has_dense_form(self, factors):
-        """Node or row factors with several outputs (one output: both forms take
-        about the same products, and the materialised one fewer passes)."""
+    def has_dense_form(self, factors, dense):
+        """Node or row factors with several outputs, or with one output when the
+        dense rows are few: both forms take the same matrix product, and the
+        factored one passes over (n, K, J, m) dots where the materialised one
+        forms (m, K', J, D) gradients, so it is taken when ``n K <= K' D``."""
         sigma = factors.sigma
-        return factors.sigma_t is None and sigma is not None and sigma.shape[1] > 1
+        if factors.sigma_t is not None or sigma is None:
+            return False
+        n_outputs = sigma.shape[1]
+        return n_outputs > 1 or dense.shape[0] * dense.shape[1] <= n_outputs * factors.x.shape[1]
 
     def dense_inner(self, dense, factors, mode):
         """``contract(dense, materialise(factors), mode)`` without materialising the factors.
