@@ -10,6 +10,7 @@ Usage::
     python benchmarks/bench_matrix.py --cells cnn/sgd/mini/reg --base 119e29d
     python benchmarks/bench_matrix.py --images --train-gram --base 57855f5   # issue 37
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
+    python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -468,8 +469,11 @@ def main():
     sizes = args.sizes or config.get("sizes")
     if args.images:
         runs = [IMAGE_CELLS[0]] if args.quick else list(IMAGE_CELLS)
-        if args.sizes:
-            runs = [(cell, size) for cell, _ in runs for size in args.sizes]
+        if args.sizes:  # each image network at these sizes
+            networks = list(dict.fromkeys(cell for cell, _ in runs))
+            runs = [(cell, size) for cell in networks for size in args.sizes]
+        if args.cells:  # some of them
+            runs = [(cell, size) for cell, size in runs if "/".join(cell[:3]) in args.cells]
     elif args.cells:
         cells = [tuple(cell.split("/")) for cell in args.cells]
         cells = [cell if len(cell) == 4 else (*cell, "clf") for cell in cells]
