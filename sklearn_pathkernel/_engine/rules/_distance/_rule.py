@@ -140,7 +140,7 @@ class DistanceRule(PerRowWeights):
     def dense_inner(self, dense, factors, mode):
         """``contract(dense, materialise(factors), mode)``, without materialising the
         factors where the family can (``SquaredDistanceFamily.dense_inner``)."""
-        if self.family.has_dense_form(factors):
+        if self.family.has_dense_form(factors, dense):
             return self.family.dense_inner(dense, factors, mode)
         return contract(dense, self.materialise(factors), mode)
 
@@ -175,3 +175,12 @@ class DistanceRule(PerRowWeights):
     def materialise(self, factors):
         """Per-example gradients (n, K, W) in the order memories, bias, log_gamma."""
         return self.family.materialise(factors)
+
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' gradients (n_rows, K, W), from the
+        factors where the family can (``SquaredDistanceFamily.materialise_sums``:
+        no per-node gradient formed), else by materialising the nodes."""
+        sums = self.family.materialise_sums(rows, weights, factors, n_rows)
+        if sums is None:
+            return super().materialise_sums(rows, weights, factors, n_rows)
+        return sums

@@ -19,7 +19,7 @@ import torch
 from ..._modes import OutputMode
 from ..._planning import rows_per_tile
 from .._contract import contract, weighted
-from .._rows import first_of_rows, padded_row_sums
+from .._rows import first_of_rows, padded_row_sums, row_outer_sums, row_sums
 from ._factors import SquaredDistanceFactors
 from ._family import KernelFamily
 from ._geometry import memory_dots, pair_sq_distances, sq_distances, squared_norm
@@ -197,11 +197,59 @@ class SquaredDistanceFamily(KernelFamily):
         if factors.sigma_t is not None:  # integrated: S (x - m) - T dm
             grads.sub_(factors.sigma_t[..., None] * factors.memories.dm)
 
-    def has_dense_form(self, factors):
-        """Node or row factors with several outputs (one output: both forms take
-        about the same products, and the materialised one fewer passes)."""
+    def materialise_sums(self, rows, weights, factors, n_rows):
+        """Each row's weighted sum of its nodes' gradients, node ``e`` (row
+        ``rows[e]``, weight ``w_e``) at its own memories ``mu_ej = m_j + t_e dm_j``:
+
+            sum_e w_e sigma_ekj (x_e - mu_ej)
+              = sum_e (w_e sigma_ekj) (x_e - c) - S_kj (m_j - c) - T_kj dm_j,
+
+        with ``S = sum_e w_e sigma_e``, ``T = sum_e w_e t_e sigma_e`` and ``c`` the
+        mean memory: one zero-padded (J K, nodes) x (nodes, D) product per row
+        (``row_outer_sums``) instead of (E, K, J, D) node gradients scaled and
+        scattered. The node pairs where the expansion cancels (the factors'
+        ``near`` mask) are left out of it and summed from explicit differences.
+        None for integrated factors or without the memories in the path.
+        """
         sigma = factors.sigma
-        return factors.sigma_t is None and sigma is not None and sigma.shape[1] > 1
+        if sigma is None or factors.sigma_t is not None:
+            return None
+        memories = factors.memories
+        x, t, near = factors.x, factors.t, factors.near
+        m, dm, centre = memories.m, memories.dm, memories.centre
+        (n_nodes, n_outputs, n_memories), width = sigma.shape, x.shape[1]
+        weighted_sigma = weights[:, None, None] * sigma  # (E, K, J)
+        far = weighted_sigma.masked_fill(near[:, None, :], 0.0)
+        by_memory = far.transpose(1, 2).reshape(n_nodes, -1)  # (E, J K)
+        sums = row_outer_sums(rows, by_memory, x - centre, n_rows)
+        sums = sums.view(n_rows, n_memories, n_outputs, width)
+        scalars = [far] if t is None else [far, far * t[:, None, None]]
+        totals = padded_row_sums(rows, weights.new_ones(n_nodes), torch.stack(scalars, 1), n_rows)
+        sums -= totals[:, 0].transpose(1, 2)[..., None] * (m - centre)[None, :, None]
+        if t is not None and dm is not None:
+            sums -= totals[:, 1].transpose(1, 2)[..., None] * dm[None, :, None]
+        near_nodes, near_memories = torch.nonzero(near, as_tuple=True)
+        if near_nodes.numel():
+            mu = m[near_memories]
+            if t is not None and dm is not None:
+                mu = mu + t[near_nodes, None] * dm[near_memories]
+            exact = (
+                weighted_sigma[near_nodes, :, near_memories, None] * (x[near_nodes] - mu)[:, None]
+            )
+            sums.index_put_((rows[near_nodes], near_memories), exact, accumulate=True)
+        extra = [row_sums(rows, weights, values, n_rows) for values in factors.extra_coefficients]
+        return self._assemble(sums.transpose(1, 2), extra, n_rows)
+
+    def has_dense_form(self, factors, dense):
+        """Node or row factors with several outputs, or with one output when the
+        dense rows are few: both forms take the same matrix product, and the
+        factored one passes over (n, K, J, m) dots where the materialised one
+        forms (m, K', J, D) gradients, so it is taken when ``n K <= K' D``."""
+        sigma = factors.sigma
+        if factors.sigma_t is not None or sigma is None:
+            return False
+        n_outputs = sigma.shape[1]
+        return n_outputs > 1 or dense.shape[0] * dense.shape[1] <= n_outputs * factors.x.shape[1]
 
     def dense_inner(self, dense, factors, mode):
         """``contract(dense, materialise(factors), mode)`` without materialising the factors.
