@@ -212,28 +212,10 @@ class PathRecorder:
         return rows
 
     def finish_run(self, at_step=None):
-        """Detach the hooks and return the :class:`RecordedRun`.
-
-        The network the user holds must be the recorded one: its trained
-        parameters bitwise the weights after the last step (or after step
-        ``at_step``) and its constants (frozen parameters, buffers) as they were
-        when the recorder was created; otherwise see ``on_mismatch``.
-
-        Parameters
-        ----------
-        at_step : int or None, default=None
-            Early stopping that restored earlier weights: the recording of the
-            first ``at_step`` steps, whose network is the weights after them
-            (those the module must hold). None: all recorded steps.
-
-        Raises
-        ------
-        RecordingRefused
-            If the module's weights or constants are not the recorded network's
-            (with ``on_mismatch="refuse"``), naming the tensor, the size of the
-            difference and, when the weights are those of another recorded
-            step, that step.
-        """
+        """Detach the hooks, check that the user's module is the recorded network
+        after ``at_step`` steps (all when None), and return the :class:`RecordedRun`
+        (see ``TrainingRecorder.finish``, its public face, for the parameter and the
+        refusals)."""
         n_steps = self.n_steps
         if at_step is None:
             at_step = n_steps
