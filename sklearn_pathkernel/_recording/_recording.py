@@ -50,7 +50,6 @@ from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin
 from .._path import FunctionLink
 from .._training import (
-    Loss,
     RecordingRefused,
     check_replay,
     largest_difference,
@@ -130,24 +129,9 @@ def check_rows(X, row_shape, device, *, name="X"):
     return X
 
 
-class ModuleOutput:
-    """The link of a recording: ``f = link(module(x))``, the module's output itself
-    by default.
-
-    The engine reads a loss' ``link`` and ``certificate_tolerance`` only; the
-    output gradients are the recorded ones, whatever the user's loss was.
-    """
-
-    certificate_tolerance = Loss.certificate_tolerance
-    classifies = False
-
-    def __init__(self, link=None):
-        self.link = identity if link is None else link
-
-    @property
-    def output_link(self):
-        """The link as an object, without a closed-form Jacobian (any callable)."""
-        return FunctionLink(self.link)
+def output_function(link):
+    """``f`` of a recording's module output: ``link``, or the identity when None."""
+    return identity if link is None else link
 
 
 class Recording(ExplanationMixin):
@@ -356,7 +340,7 @@ class Recording(ExplanationMixin):
             module = copy.deepcopy(self.module_).to(DTYPE).eval()
             path = self.path_
             if path.weights.dtype != DTYPE:
-                link = ModuleOutput(self.link).link
+                link = output_function(self.link)
                 path = replay_in_float64(path, module, self.X_train_, link)
                 check_replay(self.path_, path)
                 final = path.unflatten(path.weights[-1])
@@ -379,7 +363,7 @@ class Recording(ExplanationMixin):
                 module,
                 path,
                 self.X_train_.to(DTYPE),
-                link=ModuleOutput(self.link).output_link,
+                link=FunctionLink(output_function(self.link)),
                 **options,
             )
         return self._engine_cache
@@ -427,7 +411,7 @@ class Recording(ExplanationMixin):
         parts = engine.decompose(X64, batch_size)
         own_module = self.module_ if self._live_module is None else self._live_module
         with torch.no_grad():
-            link = ModuleOutput(self.link).link
+            link = output_function(self.link)
             output = link(engine.module(X64)).cpu().numpy()
             own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
         return checked_against(

@@ -19,7 +19,8 @@ from torch.func import functional_call
 
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._recording._recording import ModuleOutput
+from sklearn_pathkernel._path import FunctionLink
+from sklearn_pathkernel._recording._recording import output_function
 from sklearn_pathkernel._training._optimizers import RecordingRefused
 from sklearn_pathkernel._training._replay import (
     ROUNDING_STEPS,
@@ -87,7 +88,7 @@ def test_float64_run_is_unchanged():
         copy.deepcopy(recording.module_).eval(),
         recording.path_,
         recording.X_train_,
-        link=ModuleOutput(recording.link).output_link,
+        link=FunctionLink(output_function(recording.link)),
     )
     queries = X[:4] - 0.1
     parts, expected = recording.decompose(queries), before.decompose(queries)

@@ -22,8 +22,8 @@ from test_recorder import data, mlp, replay
 
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
-from sklearn_pathkernel._path import Blockwise
-from sklearn_pathkernel._recording._recording import ModuleOutput, Recording
+from sklearn_pathkernel._path import Blockwise, FunctionLink
+from sklearn_pathkernel._recording._recording import Recording, output_function
 
 
 def three_groups(model, first, second, biases):
@@ -223,7 +223,7 @@ def test_contributions_match_the_brute_force_reference(name):
     module = copy.deepcopy(recording.module_).eval()
     path = recording.path_
     fast = PathKernelEngine(
-        module, path, X, link=ModuleOutput().output_link, quadrature="gauss", n_points=24
+        module, path, X, link=FunctionLink(output_function(None)), quadrature="gauss", n_points=24
     )
     reference = NaivePathKernelEngine(
         module, path, X, link=lambda out: out, quadrature="gauss", n_points=24

@@ -3,7 +3,7 @@
 By the chain rule, ``<phi_s(x), w_{s+1} - w_s> = f(x; w_{s+1}) - f(x; w_s)``
 exactly; a quadrature's features miss it by their integration error. Per row,
 :meth:`Certificate.check` measures ``max_k |f(w_{s+1}) - f(w_s) - <phi_s,
-w_{s+1} - w_s>|`` and holds it to the loss's ``certificate_tolerance``, or to
+w_{s+1} - w_s>|`` and holds it to the engine's ``certificate_tolerance``, or to
 the rounding floor of the logits where that is larger (and, in float32, at
 least the rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
 (:class:`._quadrature.KinkSplittingRule`) then integrates the failing rows again
@@ -91,7 +91,7 @@ class Certificate:
     probes : ThreadProbes
     steps : PathSteps
     tolerance : float
-        The loss's ``certificate_tolerance``, in units of ``f``.
+        The engine's ``certificate_tolerance``, in units of ``f``.
     """
 
     def __init__(self, probes, steps, tolerance):
