@@ -151,7 +151,8 @@ def counterfactual_attribution(
         raise ValueError(
             "Counterfactual attribution needs the training loss, targets, sample weights "
             "and optimiser, which this model does not hold (a recording of a user's own "
-            "loop does not know its loss)."
+            "loop does not know its loss: state it, TrainingRecorder(module, optimizer, X, "
+            "y=y, loss='log_loss'), or recording.loss = ...)."
         )
     _check_settings(certify, h, hessian)
     run = context.training_run()

@@ -1,8 +1,10 @@
 """The :class:`~._context.ExplanationContext` of a recorded training run.
 
 A :class:`~sklearn_pathkernel.Recording` knows its training targets only if the
-recorder was given them (``TrainingRecorder(..., y=...)``). It is a classifier
-when those targets are integer labels of a network with ``K >= 2`` outputs, each
+recorder was given them (``TrainingRecorder(..., y=...)``), and its loss only if the
+user states it (``loss=``: then counterfactual attribution and its retraining
+certificate follow, :mod:`._counterfactual`; a regression loss makes a regressor).
+It is a classifier when those targets are integer labels of a network with ``K >= 2`` outputs, each
 label an output index in ``[0, K)`` (the convention of ``torch.nn.CrossEntropyLoss``:
 output ``k`` is class ``k``); otherwise (real-valued or 2-d targets) a regressor.
 """
@@ -10,6 +12,8 @@ output ``k`` is class ``k``); otherwise (real-valued or 2-d targets) a regressor
 import numpy as np
 
 from .._explain import ExplanationContext
+from .._training import resolve_loss
+from ._counterfactual import stated_run
 
 
 def recording_context(recording):
@@ -29,6 +33,9 @@ def recording_context(recording):
             f"The recording holds {targets.shape[0]} targets for {engine.n_train} training rows."
         )
     classes = class_indices(targets, n_outputs)
+    stated = recording.loss is not None
+    if stated and not resolve_loss(recording.loss).classifies:
+        classes = None  # (a regression loss stated: the targets are values)
     if classes is not None:
         names = tuple(str(c) for c in classes)
     else:
@@ -40,6 +47,14 @@ def recording_context(recording):
         output_names=names,
         queries=recording._rows,
         epochs=recording.epochs_,
+        training_run=(lambda: stated_run(recording).run) if stated else None,
+        refit=(
+            lambda sample_weight=None, loss_scale=1.0: stated_run(recording).refit(
+                sample_weight, loss_scale
+            )
+        )
+        if stated
+        else None,
     )
 
 

@@ -3,10 +3,12 @@
 The recording itself (hooks, per-step checks, the step log) is the training floor's
 :class:`~sklearn_pathkernel._training.PathRecorder`, the one the estimators' loop
 uses too; this public face adds :meth:`TrainingRecorder.finish`, which hands the
-run to a :class:`~._recording.Recording`.
+run to a :class:`~._recording.Recording`, and keeps what counterfactual attribution
+needs beyond the path: the loss the user states and the optimiser's settings at every
+step (:class:`~sklearn_pathkernel._training.SettingsLog`, hooked beside the recorder's).
 """
 
-from .._training import PathRecorder
+from .._training import PathRecorder, SettingsLog, resolve_loss
 from ._recording import Recording
 
 
@@ -28,7 +30,17 @@ class TrainingRecorder(PathRecorder):
         must equal ``X[rows]`` exactly (a randomly augmented batch is refused).
     y : array-like or torch.Tensor, default=None
         The training targets, kept with the recording (for explanations that
-        group training points by class); not used by the kernel.
+        group training points by class, and counterfactual attribution); not
+        used by the kernel.
+    loss : str, Loss or None, default=None
+        The loss the loop minimises, on ``f`` (the module's output, or ``link``'s),
+        averaged over each step's rows: a registered loss name, ``"log_loss"``
+        (``torch.nn.functional.cross_entropy(f, y)``) or ``"squared_error"``
+        (``0.5 * torch.nn.functional.mse_loss(f, y)``), or a ``Loss`` instance.
+        Counterfactual attribution (``recording.counterfactual``,
+        ``method="counterfactual"``) needs it and ``y``; it is checked against
+        the recorded output gradients of every step, not trusted. Not used by the
+        kernel.
     check : {"first", "every", "none"}, default="first"
         Recompute a step's gradient from its recorded rows and output gradients
         (one extra forward and backward pass) and compare it with the
@@ -68,6 +80,22 @@ class TrainingRecorder(PathRecorder):
     previous step's result; the inputs are not copied.
     """
 
+    def __init__(self, module, optimizer, X, y=None, *, loss=None, check="first",
+                 max_steps=None, link=None, storage="memory", on_mismatch="refuse",
+                 generator=None):  # fmt: skip
+        if loss is not None:
+            resolve_loss(loss)  # (an unknown name is refused now, not after the run)
+        super().__init__(
+            module, optimizer, X, y, check=check, max_steps=max_steps, link=link,
+            storage=storage, on_mismatch=on_mismatch, generator=generator,
+        )  # fmt: skip
+        self.loss = loss
+        self._settings = SettingsLog(self._rule)
+        self._handles += [
+            optimizer.register_step_pre_hook(self._settings.before_step),
+            optimizer.register_step_post_hook(self._settings.after_step),
+        ]
+
     def finish(self, at_step=None):
         """Detach the hooks and return the :class:`Recording` of the run.
 
@@ -95,4 +123,6 @@ class TrainingRecorder(PathRecorder):
             difference and, when the weights are those of another recorded
             step, that step.
         """
-        return Recording(**self.finish_run(at_step).arguments())
+        run = self.finish_run(at_step)
+        settings = self._settings.settings(run.path.n_steps)
+        return Recording(**run.arguments(), loss=self.loss, optimizer_settings=settings)

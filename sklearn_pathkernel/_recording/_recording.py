@@ -179,6 +179,14 @@ class Recording(ExplanationMixin):
         (``on_mismatch="record"``).
     model_difference : float, default=0.0
         The largest difference of a weight or constant behind ``mismatch``.
+    loss : str, Loss or None, default=None
+        The loss the loop minimised, on ``f`` (the recorder's ``loss``): a
+        registered name (``"log_loss"``, ``"squared_error"``) or a ``Loss``;
+        counterfactual attribution needs it. A plain attribute: set it later
+        (``recording.loss = "log_loss"``) to state it after the run.
+    optimizer_settings : OptimizerSettings or None, default=None
+        The optimiser's settings at every step (kept by the recorder), which
+        counterfactual attribution and its retraining need.
 
     Attributes
     ----------
@@ -191,6 +199,8 @@ class Recording(ExplanationMixin):
     model_difference_ : float
         The largest difference between a weight or constant of the user's
         module and the recorded network's (0.0 when they are the same).
+    optimizer_settings_ : OptimizerSettings or None
+        As given.
 
     Notes
     -----
@@ -226,8 +236,12 @@ class Recording(ExplanationMixin):
         on_mismatch="refuse",
         mismatch=None,
         model_difference=0.0,
+        loss=None,
+        optimizer_settings=None,
     ):
         self.link = link
+        self.loss = loss
+        self.optimizer_settings_ = optimizer_settings
         self._live_module = live_module
         self.on_mismatch = on_mismatch
         self.model_mismatch_ = mismatch
@@ -243,6 +257,7 @@ class Recording(ExplanationMixin):
         self.verbose = verbose
         self._engine_cache = None
         self._replay_cache = None
+        self._stated_cache = None
 
     @property
     def n_steps_(self):
@@ -277,11 +292,15 @@ class Recording(ExplanationMixin):
         state["_engine_cache"] = None
         state["_live_module"] = None  # (the user's object, not part of the recording)
         state["_replay_cache"] = None
+        state["_stated_cache"] = None
         return state
 
     def __setstate__(self, state):
         # Recordings pickled before the options n_points and verbose existed.
-        self.__dict__.update({"n_points": 100, "verbose": 0, "_replay_cache": None, **state})
+        defaults = {"n_points": 100, "verbose": 0, "_replay_cache": None, "_stated_cache": None}
+        # (and before counterfactual attribution: no loss, no optimiser settings)
+        defaults.update(loss=None, optimizer_settings_=None)
+        self.__dict__.update({**defaults, **state})
 
     def final_state_dict(self):
         """The recorded network's final state: the recorded weights after the last

@@ -16,6 +16,7 @@ from ._losses import (
     register_loss,
 )
 from ._module_checks import check_module
+from ._optimizer_settings import OptimizerSettings, SettingsLog
 from ._optimizers import SOLVERS, RecordingRefused
 from ._recorder import PathRecorder, RecordedRun
 from ._replay import check_replay, replay_in_float64
@@ -25,6 +26,13 @@ from ._solvers import (
     solver_hyperparameters,
     solvers_taking,
 )
+from ._stated_loss import (
+    StatedLoss,
+    check_output_gradients,
+    loss_targets,
+    resolve_loss,
+    retrain,
+)
 from ._weight_watch import largest_difference
 
 __all__ = [
@@ -33,12 +41,19 @@ __all__ = [
     "SOLVERS",
     "CrossEntropy",
     "Loss",
+    "OptimizerSettings",
     "RecordingRefused",
+    "SettingsLog",
+    "StatedLoss",
     "SolverSettings",
     "SquaredError",
     "PathRecorder",
     "RecordedRun",
     "check_module",
+    "check_output_gradients",
+    "loss_targets",
+    "resolve_loss",
+    "retrain",
     "check_replay",
     "largest_difference",
     "register_loss",

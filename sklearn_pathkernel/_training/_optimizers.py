@@ -209,6 +209,26 @@ class OptimizerRule(ABC):
         self._had_state = [False] * len(params)
         self._skipped = [False] * len(params)
 
+    @classmethod
+    def step_values(cls, group):
+        """The differentiable step of a recorded loop's parameter group: its
+        :class:`~._update_maps.UpdateMap` class and the values it takes (estimator
+        names, learning rate aside) of ``group``'s settings, for counterfactual
+        attribution; or :class:`RecordingRefused` naming the setting it cannot take."""
+        raise RecordingRefused(
+            f"Counterfactual attribution has no differentiable step (step_map) for "
+            f"torch.optim.{cls.optimizer_class.__name__}."
+        )
+
+    def used_groups(self):
+        """The indices (into ``param_groups``) of the groups that hold recorded
+        parameters, and each recorded parameter's position among them."""
+        return list(self._used), [self._used.index(k) for k in self.group_of]
+
+    def skipped_names(self):
+        """The recorded parameters some step skipped (no gradient), by name."""
+        return [name for name, skipped in zip(self.names, self._skipped, strict=True) if skipped]
+
     def groups(self):
         """The parameter groups that hold recorded parameters."""
         return [self.optimizer.param_groups[k] for k in self._used]
@@ -349,6 +369,14 @@ class SGDRule(OptimizerRule):
             "weight_decay": float(values["weight_decay"]),
         }
 
+    @classmethod
+    def step_values(cls, group):
+        return SGDMap, {
+            "momentum": _number(group["momentum"]),
+            "nesterovs_momentum": bool(group["nesterov"]) and _number(group["momentum"]) > 0,
+            "weight_decay": _number(group["weight_decay"]),
+        }
+
     def check_options(self, step):
         for group in self.groups():
             if group.get("maximize", False):
@@ -410,6 +438,21 @@ class AdamRule(OptimizerRule):
             "betas": (float(values["beta_1"]), float(values["beta_2"])),
             "eps": float(values["epsilon"]),
             "weight_decay": float(values["weight_decay"]),
+        }
+
+    @classmethod
+    def step_values(cls, group):
+        if group["amsgrad"]:
+            raise RecordingRefused(
+                "Counterfactual attribution has no differentiable step for Adam with "
+                "amsgrad=True (the running maximum of the second moments)."
+            )
+        decoupled = cls.decoupled_decay or bool(group.get("decoupled_weight_decay", False))
+        return AdamWMap if decoupled else AdamMap, {
+            "beta_1": _number(group["betas"][0]),
+            "beta_2": _number(group["betas"][1]),
+            "epsilon": _number(group["eps"]),
+            "weight_decay": _number(group["weight_decay"]),
         }
 
     def _decoupled(self, group):

@@ -40,6 +40,10 @@ terms :math:`10^5` times the others'), linear only over perturbations far smalle
 a training row's. So Adam's default cuts the Hessian term (``hessian=False`` in
 :mod:`._adjoint`).
 
+Parameter groups (a user's own loop, :mod:`._optimizer_settings`): every
+hyperparameter, and every step's learning rate, may be a number or a tensor of one
+value per weight (its group's), and the maps compute elementwise with it.
+
 A rule family's map is one :class:`UpdateMap` subclass, named by the
 optimiser's rule (``OptimizerRule.step_map`` in :mod:`._optimizers`): the rule
 describes the optimiser once, its step as a differentiable function included.
@@ -61,17 +65,19 @@ class UpdateMap(ABC):
     ----------
     values : mapping of str to object
         The solver hyperparameters the run was trained with, by their estimator
-        names (``SolverSettings.values``).
-    learning_rates : ndarray of shape (n_steps,)
-        The learning rate of every step, as recorded.
+        names (``SolverSettings.values``): numbers, or (parameter groups that
+        differ) tensors of one value per weight.
+    learning_rates : sequence of length n_steps
+        The learning rate of every step, as recorded: numbers, or tensors of one
+        value per weight.
     """
 
     #: Whether the exact adjoint is the default (else the Hessian term is cut).
     stable_adjoint = True
 
     def __init__(self, values, learning_rates):
-        self.weight_decay = float(values["weight_decay"])
-        self.learning_rates = [float(lr) for lr in learning_rates]
+        self.weight_decay = coefficient(values["weight_decay"])
+        self.learning_rates = [coefficient(lr) for lr in learning_rates]
 
     @property
     @abstractmethod
@@ -113,22 +119,30 @@ class SGDMap(UpdateMap):
 
     def __init__(self, values, learning_rates):
         super().__init__(values, learning_rates)
-        self.momentum = float(values["momentum"])
-        # torch (like MLPClassifier) applies Nesterov only with momentum.
-        self.nesterov = bool(values["nesterovs_momentum"]) and self.momentum > 0
+        self.momentum = coefficient(values["momentum"])
+        nesterov = values["nesterovs_momentum"]
+        if isinstance(nesterov, torch.Tensor):  # per weight (parameter groups)
+            self.nesterov = nesterov.bool() & (self.momentum > 0)
+        else:
+            # torch (like MLPClassifier) applies Nesterov only with momentum.
+            self.nesterov = bool(nesterov) and self.momentum > 0
 
     @property
     def n_state(self):
-        return 1 if self.momentum > 0 else 0
+        return 1 if _nonzero(self.momentum) else 0
 
     def __call__(self, step, weights, state, gradient):
         lr = self.learning_rates[step]
-        g = gradient + self.weight_decay * weights if self.weight_decay else gradient
-        if self.momentum == 0:
+        g = gradient + self.weight_decay * weights if _nonzero(self.weight_decay) else gradient
+        if not _nonzero(self.momentum):
             return weights - lr * g, ()
         (buffer,) = state
+        # (a group without momentum: its buffer is its gradient, as torch's direction)
         buffer = self.momentum * buffer + g
-        direction = g + self.momentum * buffer if self.nesterov else buffer
+        if isinstance(self.nesterov, torch.Tensor):
+            direction = torch.where(self.nesterov, g + self.momentum * buffer, buffer)
+        else:
+            direction = g + self.momentum * buffer if self.nesterov else buffer
         return weights - lr * direction, (buffer,)
 
     def loss_scaling(self, scale, parameters):
@@ -149,8 +163,8 @@ class AdamMap(UpdateMap):
 
     def __init__(self, values, learning_rates):
         super().__init__(values, learning_rates)
-        self.beta_1, self.beta_2 = float(values["beta_1"]), float(values["beta_2"])
-        self.epsilon = float(values["epsilon"])
+        self.beta_1, self.beta_2 = coefficient(values["beta_1"]), coefficient(values["beta_2"])
+        self.epsilon = coefficient(values["epsilon"])
 
     def __call__(self, step, weights, state, gradient):
         lr = self.learning_rates[step]
@@ -158,7 +172,7 @@ class AdamMap(UpdateMap):
             weights = weights * (1.0 - lr * self.weight_decay)
             g = gradient
         else:
-            g = gradient + self.weight_decay * weights if self.weight_decay else gradient
+            g = gradient + self.weight_decay * weights if _nonzero(self.weight_decay) else gradient
         m, v = state
         m = self.beta_1 * m + (1.0 - self.beta_1) * g
         v = self.beta_2 * v + (1.0 - self.beta_2) * g * g
@@ -174,6 +188,17 @@ class AdamMap(UpdateMap):
         if not self.decoupled_decay:
             changed["weight_decay"] = parameters["weight_decay"] / scale
         return changed
+
+
+def coefficient(value):
+    """A hyperparameter as the maps use it: a float, or a tensor of one value per
+    weight (kept as it is)."""
+    return value if isinstance(value, torch.Tensor) else float(value)
+
+
+def _nonzero(value):
+    """Whether a coefficient (a number or a per-weight tensor) is anywhere nonzero."""
+    return bool((value != 0).any()) if isinstance(value, torch.Tensor) else value != 0
 
 
 class _ScaledSchedule:

@@ -1,0 +1,242 @@
+"""A user's loop with its loss stated: the loss on the recorded output, its check
+against the recorded output gradients, and the run trained again by ``torch.optim``.
+
+A recording of a user's loop holds each step's output gradients
+:math:`e_{s,i} = -\\partial L_s / \\partial f(x_i; w_s)` exactly as the user's loss
+produced them, but not the loss itself. Stated by the user (a registered loss, see
+:mod:`._losses`, applied to the recording's output ``f``: the module's output, or the
+recorder's link of it), with the training targets, it is checked, not trusted:
+:func:`check_output_gradients` recomputes every step's
+
+.. math::
+
+    \\hat e_{s,i} = -a_{s,i} \\frac{\\partial l(f(x_i; w_s), y_i)}{\\partial f},
+    \\qquad a_{s,i} = 1 / |B_s|
+
+(the mean over the step's rows) at the recorded weights and refuses the statement
+where it differs from the recorded :math:`e_{s,i}` beyond rounding: a wrong loss or
+wrong targets, label smoothing, class weights, a sum reduction or unaveraged
+gradient accumulation. :func:`retrain` then trains the run again, with a fresh
+optimiser of the recorded settings (:mod:`._optimizer_settings`), the recorded
+batches and learning rates, and any rows' weights moved: real retraining, the
+independent check of counterfactual scores.
+"""
+
+import copy
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from ._losses import CLASSIFICATION_LOSSES, REGRESSION_LOSSES, Loss
+from ._optimizers import RecordingRefused
+from ._replay import ROUNDING_STEPS
+
+DTYPE = torch.float64
+
+
+class StatedLoss(Loss):
+    """A loss applied to a recording's output ``f``: ``l(loss.link(f), y)``.
+
+    Parameters
+    ----------
+    loss : Loss
+        The stated loss (``log_loss``: the cross-entropy of ``log_softmax(f)``,
+        ``torch.nn.functional.cross_entropy`` on ``f``; ``squared_error``:
+        ``|f - y|^2 / (2K)``, half of ``torch.nn.functional.mse_loss``).
+    link : callable
+        The recording's ``f`` of the module's output (the identity, or the
+        recorder's ``link``).
+    """
+
+    def __init__(self, loss, link):
+        self.loss, self._link = loss, link
+        self.classifies = loss.classifies
+        self.summary = loss.summary
+
+    def link(self, out):
+        return self._link(out)
+
+    def per_sample(self, f, targets):
+        return self.loss.per_sample(self.loss.link(f), targets)
+
+
+def resolve_loss(loss):
+    """The :class:`Loss` of a recording's ``loss``: a registered name (the
+    estimators' ``loss`` values) or a ``Loss`` instance; else a clear error."""
+    if isinstance(loss, Loss):
+        return loss
+    names = {**CLASSIFICATION_LOSSES, **REGRESSION_LOSSES}
+    if isinstance(loss, str) and loss in names:
+        if loss in CLASSIFICATION_LOSSES and loss in REGRESSION_LOSSES:
+            raise ValueError(f"The loss name {loss!r} is registered twice; pass a Loss instance.")
+        return names[loss]()
+    raise ValueError(
+        f"loss must be a registered loss name {sorted(names)} or a Loss instance, got {loss!r}."
+    )
+
+
+def loss_targets(targets, loss, n_outputs, device):
+    """The training targets as ``loss`` takes them: class codes (M,) int64 in
+    ``[0, K)``, or values (M, K) float64; else a clear error."""
+    if targets is None:
+        raise ValueError(
+            "Counterfactual attribution of a recording needs its training targets: "
+            "TrainingRecorder(module, optimizer, X, y=y, loss=...)."
+        )
+    targets = np.asarray(targets)
+    if loss.classifies:
+        if targets.ndim != 1 or targets.dtype.kind not in "iu":
+            raise ValueError(
+                f"A classification loss needs integer class labels (M,); the recording's "
+                f"targets have shape {targets.shape} and dtype {targets.dtype}."
+            )
+        if targets.size and (targets.min() < 0 or targets.max() >= n_outputs):
+            raise ValueError(
+                f"A classification loss needs labels in [0, {n_outputs}) (output k is class "
+                f"k); the recording's are in [{targets.min()}, {targets.max()}]."
+            )
+        return torch.as_tensor(targets, dtype=torch.int64, device=device)
+    values = targets.astype(np.float64)
+    values = values.reshape(-1, 1) if values.ndim == 1 else values
+    if values.ndim != 2 or values.shape[1] != n_outputs:
+        raise ValueError(
+            f"A regression loss needs target values of shape (M, {n_outputs}) (or (M,) for "
+            f"one output); the recording's have shape {targets.shape}."
+        )
+    return torch.as_tensor(values, dtype=DTYPE, device=device)
+
+
+def check_output_gradients(path, module, X, y, loss, dtype):
+    """Refuse a stated loss whose output gradients are not the recorded ones.
+
+    Parameters
+    ----------
+    path : WeightPath
+        The recorded path, in the training dtype (its weights and output gradients).
+    module : torch.nn.Module
+        The float64 network.
+    X : torch.Tensor
+        The float64 training inputs.
+    y : torch.Tensor
+        The targets as ``loss`` takes them (:func:`loss_targets`).
+    loss : StatedLoss
+    dtype : torch.dtype
+        The training dtype. The output gradients are compared as the cotangents
+        they send into the module's output (through the recording's link); the
+        tolerance is ``ROUNDING_STEPS`` of the dtype's unit roundoff (the replay's
+        rounding allowance, :func:`~._replay.replay_bound`), relative to the step's
+        scale ``max(|e|, |e_hat|, a (1 + |f|))``.
+
+    Returns
+    -------
+    float
+        The largest relative difference over the steps.
+
+    Raises
+    ------
+    RecordingRefused
+        Naming the first step beyond the tolerance, the size of the difference and
+        the ratio of the recorded to the stated output gradients.
+    """
+    tolerance = ROUNDING_STEPS * torch.finfo(dtype).eps / 2
+    largest = 0.0
+    for step in range(path.n_steps):
+        rows = torch.as_tensor(path.batches[step], device=X.device)
+        weights = path.unflatten(path.weights[step].to(device=X.device, dtype=DTYPE))
+        with torch.enable_grad():
+            out = functional_call(module, weights, (X[rows],)).detach().requires_grad_(True)
+            f = loss.link(out)
+        shares = torch.full((rows.shape[0],), 1.0 / rows.shape[0], dtype=DTYPE, device=X.device)
+        stated = loss.output_gradient(f, y[rows], shares)
+        recorded = path.output_gradients[step].to(device=X.device, dtype=DTYPE)
+        if recorded.shape != stated.shape:
+            raise RecordingRefused(
+                f"Step {step}: the recorded output gradients have shape "
+                f"{tuple(recorded.shape)}, the stated loss's {tuple(stated.shape)}."
+            )
+        # both as cotangents of the module's output (a link's null space, e.g. the
+        # constant shift of log_softmax, moves no weight)
+        recorded, stated = (
+            torch.autograd.grad(f, out, grad_outputs=e, retain_graph=True)[0]
+            for e in (recorded, stated)
+        )
+        f = f.detach()
+        scale = max(
+            float(recorded.abs().max()),
+            float(stated.abs().max()),
+            float(1.0 + f.abs().max()) / rows.shape[0],
+        )
+        difference = float((recorded - stated).abs().max()) / scale
+        largest = max(largest, difference)
+        if not difference <= tolerance:
+            ratio = float((recorded * stated).sum() / (stated * stated).sum().clamp_min(1e-300))
+            raise RecordingRefused(
+                f"Step {step}: the recorded output gradients are not those of the stated "
+                f"loss ({loss.summary or type(loss.loss).__name__}, the mean over the "
+                f"step's {rows.shape[0]} rows) on the recorded targets: they differ by "
+                f"{difference:.3g} relative to the step's scale (rounding allows "
+                f"{tolerance:.3g}); the recorded ones are {ratio:.4g} times the stated "
+                "ones on average. Another loss or other targets, label smoothing, class "
+                "weights, a sum reduction or gradient accumulation without averaging "
+                "make another run: state the loss the loop minimised."
+            )
+    return largest
+
+
+def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scale=1.0,
+            every_step=False):  # fmt: skip
+    """The recorded run trained again in float64 by a fresh ``torch.optim`` optimiser.
+
+    From the recorded :math:`w_0`, with the recorded batches, learning rates and
+    optimiser settings, each step minimising ``loss_scale`` times the step's loss
+    :math:`\\sum_{i \\in B_s} \\omega_i l_i / \\sum_{j \\in B_s} \\omega_j`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The float64 network (copied; its constants are kept).
+    path : WeightPath
+    X, y : torch.Tensor
+        The float64 training inputs, the targets as ``loss`` takes them.
+    loss : StatedLoss
+    settings : OptimizerSettings
+    sample_weight : ndarray of shape (M,) or None
+        The rows' weights (None: ones, the recorded run's mean).
+    loss_scale : float, default=1.0
+    every_step : bool, default=False
+        Return the weights of every step (S + 1, W), else the final ones (W,).
+
+    Returns
+    -------
+    torch.Tensor
+        On the host, float64.
+    """
+    module = copy.deepcopy(module)
+    start = path.unflatten(path.weights[0].to(device=X.device, dtype=DTYPE))
+    params = []
+    with torch.no_grad():
+        for name in path.param_names:
+            param = module.get_parameter(name)
+            param.copy_(start[name].reshape(param.shape))
+            param.requires_grad_(True)
+            params.append(param)
+    optimizer = settings.optimizer(params)
+    weight = torch.ones(X.shape[0], dtype=DTYPE, device=X.device)
+    if sample_weight is not None:
+        weight = torch.as_tensor(np.asarray(sample_weight), dtype=DTYPE, device=X.device)
+    steps = [torch.cat([p.detach().reshape(-1) for p in params]).cpu()] if every_step else None
+    for step in range(path.n_steps):
+        settings.set_step(optimizer, step)
+        optimizer.zero_grad()
+        rows = torch.as_tensor(path.batches[step], device=X.device)
+        total = weight[rows].sum()
+        shares = weight[rows] / total if total > 0 else torch.zeros_like(weight[rows])
+        f = loss.link(module(X[rows]))
+        (loss_scale * (shares * loss.per_sample(f, y[rows])).sum()).backward()
+        optimizer.step()
+        if every_step:
+            steps.append(torch.cat([p.detach().reshape(-1) for p in params]).cpu())
+    if every_step:
+        return torch.stack(steps)
+    return torch.cat([p.detach().reshape(-1) for p in params]).cpu()
