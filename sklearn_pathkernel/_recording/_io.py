@@ -4,7 +4,9 @@ Layout of a recording directory (format version :data:`FORMAT_VERSION`)::
 
     manifest.json   format name and version, dtype, the parameters' names and
                     shapes, the linear form's constants, the module's and the
-                    training data's fingerprints, the SHA-256 of every array
+                    training data's fingerprints, the SHA-256 of every array, and
+                    (for counterfactual attribution) the stated loss's name and
+                    the optimiser's settings at every step
     arrays.npz      weights (S+1, W), preconditioners (S, W) if any, the steps'
                     rows and output gradients (concatenated, with offsets),
                     the per-step rates, the training targets if given, and the
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from .._path import UpdateRecord, WeightPath, from_plain, steps_to_plain, to_plain
-from .._training import RecordedRun, RecordingRefused
+from .._training import OPTIMIZER_RULES, OptimizerSettings, RecordedRun, RecordingRefused
 
 FORMAT = "sklearn_pathkernel.recording"
 FORMAT_VERSION = 1
@@ -105,6 +107,9 @@ def save_recording(recording, directory):
         # (on_mismatch="record": how the user's module differed from the recorded one)
         "model_mismatch": recording.model_mismatch_,
         "model_difference": recording.model_difference_,
+        # a registered loss's name (a Loss instance is code: state it again after loading)
+        "loss": recording.loss if isinstance(recording.loss, str) else None,
+        "optimizer": _settings_to_plain(recording.optimizer_settings_),
         "sha256": {name: _digest(a) for name, a in arrays.items()},
     }
     np.savez(os.path.join(directory, ARRAYS), **arrays)
@@ -246,6 +251,66 @@ def read_recording(directory, module, X, link=None):
         mismatch=manifest.get("model_mismatch"),
         model_difference=manifest.get("model_difference", 0.0),
     )
+
+
+def _plain_value(value):
+    """A setting as JSON: numbers, flags, None, strings, and lists of them (a
+    one-number tensor as its number); else a ``TypeError``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, list | tuple):
+        return [_plain_value(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _settings_to_plain(settings):
+    """:class:`OptimizerSettings` as JSON, or None (none kept, or a setting JSON
+    cannot hold: a loaded recording then refuses counterfactual attribution)."""
+    if settings is None:
+        return None
+    try:
+        groups = [{key: _plain_value(v) for key, v in group.items()} for group in settings.groups]
+    except TypeError:
+        return None
+    return {
+        "class": settings.optimizer_class.__name__,
+        "groups": groups,
+        "learning_rates": settings.learning_rates.tolist(),
+        "group_of": list(settings.group_of),
+        "numels": list(settings.numels),
+        "refusal": settings.refusal,
+    }
+
+
+def _settings_from_plain(plain):
+    """The :class:`OptimizerSettings` of :func:`_settings_to_plain` (None stays None)."""
+    if plain is None:
+        return None
+    classes = {cls.__name__: cls for cls in OPTIMIZER_RULES}
+    if plain["class"] not in classes:
+        return None
+    groups = tuple(
+        {key: tuple(v) if isinstance(v, list) else v for key, v in group.items()}
+        for group in plain["groups"]
+    )
+    rates = np.asarray(plain["learning_rates"], dtype=float).reshape(-1, max(1, len(groups)))
+    return OptimizerSettings(
+        optimizer_class=classes[plain["class"]],
+        groups=groups,
+        learning_rates=rates,
+        group_of=tuple(plain["group_of"]),
+        numels=tuple(plain["numels"]),
+        refusal=plain["refusal"],
+    )
+
+
+def read_stated(directory):
+    """The stated loss (a name or None) and the :class:`OptimizerSettings` (or None)
+    saved with the recording in ``directory``."""
+    manifest = _read_manifest(os.fspath(directory))
+    return manifest.get("loss"), _settings_from_plain(manifest.get("optimizer"))
 
 
 def _mask_arrays(path):

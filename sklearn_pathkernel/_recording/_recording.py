@@ -56,7 +56,7 @@ from .._training import (
     replay_in_float64,
 )
 from ._explanation_context import recording_context
-from ._io import read_recording, save_recording
+from ._io import read_recording, read_stated, save_recording
 
 DTYPE = torch.float64
 
@@ -465,8 +465,12 @@ class Recording(ExplanationMixin):
         """Load a recording saved by :meth:`save` (see
         :func:`~._io.read_recording`): needs the module (its structure; its
         weights are set from the recording), the training inputs and, if the
-        recorder had one, its ``link``."""
-        return cls(**read_recording(directory, module, X, link=link).arguments())
+        recorder had one, its ``link``. A registered loss name comes back with the
+        optimiser's settings (counterfactual attribution); a ``Loss`` instance is
+        code, not stored: set ``recording.loss`` again."""
+        loss, settings = read_stated(directory)
+        run = read_recording(directory, module, X, link=link)
+        return cls(**run.arguments(), loss=loss, optimizer_settings=settings)
 
 
 def _state(module):

@@ -17,7 +17,7 @@ from ._losses import (
 )
 from ._module_checks import check_module
 from ._optimizer_settings import OptimizerSettings, SettingsLog
-from ._optimizers import SOLVERS, RecordingRefused
+from ._optimizers import OPTIMIZER_RULES, SOLVERS, RecordingRefused
 from ._recorder import PathRecorder, RecordedRun
 from ._replay import check_replay, replay_in_float64
 from ._solvers import (
@@ -37,6 +37,7 @@ from ._weight_watch import largest_difference
 
 __all__ = [
     "CLASSIFICATION_LOSSES",
+    "OPTIMIZER_RULES",
     "REGRESSION_LOSSES",
     "SOLVERS",
     "CrossEntropy",

@@ -161,3 +161,28 @@ def test_targets_and_epochs(recording, tmp_path):
     recording.save(tmp_path)
     loaded = Recording.load(tmp_path, build, data()[0])
     np.testing.assert_array_equal(loaded.targets_, recording.targets_)
+
+
+def test_counterfactual_after_loading(tmp_path):
+    """The stated loss's name and the optimiser's settings (groups, per-step learning
+    rates) come back: the same scores; a Loss instance is code, stated again."""
+    from test_recording_counterfactual import tanh_mlp, user_loop
+
+    from sklearn_pathkernel._training import CrossEntropy
+
+    recording, X = user_loop("adamw-groups", epochs=1)
+    before = recording.counterfactual(X[:2], output=1)
+    recording.save(tmp_path)
+    loaded = Recording.load(tmp_path, tanh_mlp, X)
+    assert loaded.loss == "log_loss"
+    assert loaded.optimizer_settings_.groups[0]["betas"] == (0.8, 0.95)
+    after = loaded.counterfactual(X[:2], output=1)
+    np.testing.assert_array_equal(after.scores, before.scores)
+    recording.loss = CrossEntropy()
+    recording.save(tmp_path / "instance")
+    loaded = Recording.load(tmp_path / "instance", tanh_mlp, X)
+    assert loaded.loss is None
+    with pytest.raises(ValueError, match="does not know its loss: state it"):
+        loaded.counterfactual(X[:1])
+    loaded.loss = CrossEntropy()
+    np.testing.assert_array_equal(loaded.counterfactual(X[:2], output=1).scores, before.scores)
