@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._optimizers import OPTIMIZER_RULES, RecordingRefused
+from ._update_maps import PerWeight
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,11 @@ class OptimizerSettings:
             name: self._per_weight([v[name] for _, v in found], dtype, device)
             for name in found[0][1]
         }
-        rates = [self._per_weight(list(row), dtype, device) for row in self.learning_rates]
+        rates = self.learning_rates
+        if (rates == rates[:, :1]).all():
+            rates = rates[:, 0]
+        else:  # (expanded per weight step by step: S W numbers are a path's worth)
+            rates = PerWeight(rates, self.group_of, self.numels, dtype, device)
         return found[0][0](values, rates)
 
     def optimizer(self, params):

@@ -67,9 +67,10 @@ class UpdateMap(ABC):
         The solver hyperparameters the run was trained with, by their estimator
         names (``SolverSettings.values``): numbers, or (parameter groups that
         differ) tensors of one value per weight.
-    learning_rates : sequence of length n_steps
-        The learning rate of every step, as recorded: numbers, or tensors of one
-        value per weight.
+    learning_rates : sequence of length n_steps, or PerWeight
+        The learning rate of every step, as recorded: numbers, or (parameter
+        groups whose rates differ) a :class:`PerWeight` that expands each step's
+        group rates to one per weight when the step asks.
     """
 
     #: Whether the exact adjoint is the default (else the Hessian term is cut).
@@ -77,7 +78,10 @@ class UpdateMap(ABC):
 
     def __init__(self, values, learning_rates):
         self.weight_decay = coefficient(values["weight_decay"])
-        self.learning_rates = [coefficient(lr) for lr in learning_rates]
+        if isinstance(learning_rates, PerWeight):
+            self.learning_rates = learning_rates
+        else:
+            self.learning_rates = [coefficient(lr) for lr in learning_rates]
 
     @property
     @abstractmethod
@@ -188,6 +192,37 @@ class AdamMap(UpdateMap):
         if not self.decoupled_decay:
             changed["weight_decay"] = parameters["weight_decay"] / scale
         return changed
+
+
+class PerWeight:
+    """Per-step values of parameter groups, one tensor of one value per weight when
+    step ``s`` asks (``values[s]``); memory: the groups' values, not ``S W`` numbers.
+
+    Parameters
+    ----------
+    values : ndarray of shape (n_steps, n_groups)
+    group_of : sequence of int
+        Per parameter (in the flat weights' order), its group.
+    numels : sequence of int
+        Per parameter, its number of weights.
+    dtype : torch.dtype
+    device : torch.device or None
+    """
+
+    def __init__(self, values, group_of, numels, dtype=torch.float64, device=None):
+        self.values = values
+        self._index = torch.repeat_interleave(
+            torch.as_tensor(list(group_of), device=device),
+            torch.as_tensor(list(numels), device=device),
+        )
+        self.dtype, self.device = dtype, device
+
+    def __len__(self):
+        return len(self.values)
+
+    def __getitem__(self, step):
+        row = torch.as_tensor(self.values[step], dtype=self.dtype, device=self.device)
+        return row[self._index]
 
 
 def coefficient(value):
