@@ -1,7 +1,9 @@
 """Counterfactual attribution of a recording: the run it differentiates and retrains.
 
 A recording of a user's loop does not know its loss; stated by the user
-(``TrainingRecorder(..., y=y, loss=...)``, or ``recording.loss`` later), it is
+(``TrainingRecorder(..., y=y, loss=...)``, or ``recording.loss`` later; with
+``sample_weight=`` for a loop whose batch loss is the sample-weighted mean
+:math:`\\sum_{i \\in B_s} \\omega_i l_i / \\sum_{j \\in B_s} \\omega_j`), it is
 checked against the recorded output gradients (every step, to the run's rounding:
 :func:`~sklearn_pathkernel._training.check_output_gradients`) and, with the
 optimiser's settings the recorder kept, makes the
@@ -25,6 +27,7 @@ from .._training import (
     StatedLoss,
     check_output_gradients,
     check_replay,
+    check_sample_weight,
     loss_targets,
     resolve_loss,
     retrain,
@@ -40,7 +43,9 @@ class StatedRun:
     Attributes
     ----------
     loss_spec : str or Loss
-        The recording's ``loss`` as stated (the cache's key).
+        The recording's ``loss`` as stated (with ``weights_spec``, the cache's key).
+    weights_spec : array-like or None
+        The recording's ``sample_weight`` as stated.
     run : TrainingRun
         The run the adjoint sweep differentiates.
     settings : OptimizerSettings
@@ -51,15 +56,18 @@ class StatedRun:
     """
 
     loss_spec: object
+    weights_spec: object
     run: TrainingRun
     settings: object
     gradient_difference: float
 
     def refit(self, sample_weight=None, loss_scale=1.0):
         """The run trained again by ``torch.optim`` with the rows' ``sample_weight``
-        (None: ones) and every loss scaled by ``loss_scale``: the final flat weights
-        and the number of steps (the ``refit`` of the explanation context)."""
+        (None: the run's) and every loss scaled by ``loss_scale``: the final flat
+        weights and the number of steps (the ``refit`` of the explanation context)."""
         run = self.run
+        if sample_weight is None:
+            sample_weight = run.sample_weight.cpu().numpy()
         final = retrain(
             run.module, run.path, run.X, run.y, run.loss, self.settings,
             sample_weight=sample_weight, loss_scale=loss_scale,
@@ -74,7 +82,11 @@ def _identity(out):
 def stated_run(recording):
     """The :class:`StatedRun` of ``recording`` (built and checked once per stated loss)."""
     cached = recording._stated_cache
-    if cached is not None and cached.loss_spec is recording.loss:
+    if (
+        cached is not None
+        and cached.loss_spec is recording.loss
+        and cached.weights_spec is recording.sample_weight
+    ):
         return cached
     if recording.loss is None:
         raise ValueError(
@@ -101,10 +113,15 @@ def stated_run(recording):
     loss = StatedLoss(resolve_loss(recording.loss), link)
     n_outputs = recording._engine().n_outputs
     y = loss_targets(recording.targets_, loss, n_outputs, X.device)
-    difference = check_output_gradients(path, module, X, y, loss, recording.dtype)
+    sample_weight = check_sample_weight(recording.sample_weight, X.shape[0])
+    difference = check_output_gradients(
+        path, module, X, y, loss, recording.dtype, sample_weight=sample_weight
+    )
     update = settings.update_map(DTYPE, X.device)
     if path.weights.dtype != DTYPE:
-        weights = retrain(module, replayed, X, y, loss, settings, every_step=True)
+        weights = retrain(
+            module, replayed, X, y, loss, settings, sample_weight=sample_weight, every_step=True
+        )
         replayed = replace(replayed, weights=weights, storage="memory")
         check_replay(path, replayed)
     run = TrainingRun(
@@ -113,9 +130,13 @@ def stated_run(recording):
         X=X,
         y=y,
         loss=loss,
-        sample_weight=torch.ones(X.shape[0], dtype=DTYPE, device=X.device),
+        sample_weight=(
+            torch.ones(X.shape[0], dtype=DTYPE, device=X.device)
+            if sample_weight is None
+            else torch.as_tensor(sample_weight, device=X.device)
+        ),
         update=update,
     )
-    stated = StatedRun(recording.loss, run, settings, difference)
+    stated = StatedRun(recording.loss, recording.sample_weight, run, settings, difference)
     recording._stated_cache = stated
     return stated

@@ -109,6 +109,9 @@ def save_recording(recording, directory):
         "model_difference": recording.model_difference_,
         # a registered loss's name (a Loss instance is code: state it again after loading)
         "loss": recording.loss if isinstance(recording.loss, str) else None,
+        "sample_weight": None
+        if recording.sample_weight is None
+        else np.asarray(recording.sample_weight, dtype=float).tolist(),
         "optimizer": _settings_to_plain(recording.optimizer_settings_),
         "sha256": {name: _digest(a) for name, a in arrays.items()},
     }
@@ -307,10 +310,15 @@ def _settings_from_plain(plain):
 
 
 def read_stated(directory):
-    """The stated loss (a name or None) and the :class:`OptimizerSettings` (or None)
-    saved with the recording in ``directory``."""
+    """The stated loss (a name or None), sample weights (an array or None) and the
+    :class:`OptimizerSettings` (or None) saved with the recording in ``directory``."""
     manifest = _read_manifest(os.fspath(directory))
-    return manifest.get("loss"), _settings_from_plain(manifest.get("optimizer"))
+    weights = manifest.get("sample_weight")
+    return (
+        manifest.get("loss"),
+        None if weights is None else np.asarray(weights, dtype=float),
+        _settings_from_plain(manifest.get("optimizer")),
+    )
 
 
 def _mask_arrays(path):

@@ -8,7 +8,9 @@ needs beyond the path: the loss the user states and the optimiser's settings at 
 step (:class:`~sklearn_pathkernel._training.SettingsLog`, hooked beside the recorder's).
 """
 
-from .._training import PathRecorder, SettingsLog, resolve_loss
+import torch
+
+from .._training import PathRecorder, SettingsLog, check_sample_weight, resolve_loss
 from ._recording import Recording
 
 
@@ -41,6 +43,11 @@ class TrainingRecorder(PathRecorder):
         ``method="counterfactual"``) needs it and ``y``; it is checked against
         the recorded output gradients of every step, not trusted. Not used by the
         kernel.
+    sample_weight : array-like of shape (n_samples,) or None, default=None
+        With ``loss``: the rows' weights when each batch's loss is their weighted
+        mean, ``(w[rows] * l).sum() / w[rows].sum()`` (the estimators'
+        convention); None for the plain mean. Counterfactual scores are then with
+        respect to these weights.
     check : {"first", "every", "none"}, default="first"
         Recompute a step's gradient from its recorded rows and output gradients
         (one extra forward and backward pass) and compare it with the
@@ -80,16 +87,19 @@ class TrainingRecorder(PathRecorder):
     previous step's result; the inputs are not copied.
     """
 
-    def __init__(self, module, optimizer, X, y=None, *, loss=None, check="first",
+    def __init__(self, module, optimizer, X, y=None, *, loss=None, sample_weight=None,
+                 check="first",
                  max_steps=None, link=None, storage="memory", on_mismatch="refuse",
                  generator=None):  # fmt: skip
         if loss is not None:
             resolve_loss(loss)  # (an unknown name is refused now, not after the run)
+        if isinstance(X, torch.Tensor):
+            sample_weight = check_sample_weight(sample_weight, X.shape[0])
         super().__init__(
             module, optimizer, X, y, check=check, max_steps=max_steps, link=link,
             storage=storage, on_mismatch=on_mismatch, generator=generator,
         )  # fmt: skip
-        self.loss = loss
+        self.loss, self.sample_weight = loss, sample_weight
         self._settings = SettingsLog(self._rule)
         self._handles += [
             optimizer.register_step_pre_hook(self._settings.before_step),
@@ -125,4 +135,9 @@ class TrainingRecorder(PathRecorder):
         """
         run = self.finish_run(at_step)
         settings = self._settings.settings(run.path.n_steps)
-        return Recording(**run.arguments(), loss=self.loss, optimizer_settings=settings)
+        return Recording(
+            **run.arguments(),
+            loss=self.loss,
+            sample_weight=self.sample_weight,
+            optimizer_settings=settings,
+        )

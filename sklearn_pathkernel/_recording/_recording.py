@@ -184,6 +184,9 @@ class Recording(ExplanationMixin):
         registered name (``"log_loss"``, ``"squared_error"``) or a ``Loss``;
         counterfactual attribution needs it. A plain attribute: set it later
         (``recording.loss = "log_loss"``) to state it after the run.
+    sample_weight : array-like of shape (n_samples,) or None, default=None
+        The rows' weights in each batch's weighted mean loss (the recorder's);
+        None for the plain mean. A plain attribute, as ``loss``.
     optimizer_settings : OptimizerSettings or None, default=None
         The optimiser's settings at every step (kept by the recorder), which
         counterfactual attribution and its retraining need.
@@ -237,10 +240,12 @@ class Recording(ExplanationMixin):
         mismatch=None,
         model_difference=0.0,
         loss=None,
+        sample_weight=None,
         optimizer_settings=None,
     ):
         self.link = link
         self.loss = loss
+        self.sample_weight = sample_weight
         self.optimizer_settings_ = optimizer_settings
         self._live_module = live_module
         self.on_mismatch = on_mismatch
@@ -299,7 +304,7 @@ class Recording(ExplanationMixin):
         # Recordings pickled before the options n_points and verbose existed.
         defaults = {"n_points": 100, "verbose": 0, "_replay_cache": None, "_stated_cache": None}
         # (and before counterfactual attribution: no loss, no optimiser settings)
-        defaults.update(loss=None, optimizer_settings_=None)
+        defaults.update(loss=None, sample_weight=None, optimizer_settings_=None)
         self.__dict__.update({**defaults, **state})
 
     def final_state_dict(self):
@@ -468,9 +473,11 @@ class Recording(ExplanationMixin):
         recorder had one, its ``link``. A registered loss name comes back with the
         optimiser's settings (counterfactual attribution); a ``Loss`` instance is
         code, not stored: set ``recording.loss`` again."""
-        loss, settings = read_stated(directory)
+        loss, sample_weight, settings = read_stated(directory)
         run = read_recording(directory, module, X, link=link)
-        return cls(**run.arguments(), loss=loss, optimizer_settings=settings)
+        return cls(
+            **run.arguments(), loss=loss, sample_weight=sample_weight, optimizer_settings=settings
+        )
 
 
 def _state(module):

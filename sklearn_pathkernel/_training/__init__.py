@@ -29,6 +29,7 @@ from ._solvers import (
 from ._stated_loss import (
     StatedLoss,
     check_output_gradients,
+    check_sample_weight,
     loss_targets,
     resolve_loss,
     retrain,
@@ -52,6 +53,7 @@ __all__ = [
     "RecordedRun",
     "check_module",
     "check_output_gradients",
+    "check_sample_weight",
     "loss_targets",
     "resolve_loss",
     "retrain",

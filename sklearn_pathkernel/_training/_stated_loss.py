@@ -107,7 +107,40 @@ def loss_targets(targets, loss, n_outputs, device):
     return torch.as_tensor(values, dtype=DTYPE, device=device)
 
 
-def check_output_gradients(path, module, X, y, loss, dtype):
+def batch_shares(weights, rows):
+    """The rows' shares of their batch's weight, ``w[rows] / w[rows].sum()`` (zeros
+    for a batch of weight 0)."""
+    weight = weights[rows]
+    total = weight.sum()
+    return weight / total if total > 0 else torch.zeros_like(weight)
+
+
+def check_sample_weight(sample_weight, n):
+    """A user's stated sample weights as a float64 array (n,), or None; a clear error
+    for another shape, negative or non-finite values."""
+    if sample_weight is None:
+        return None
+    if isinstance(sample_weight, torch.Tensor):
+        sample_weight = sample_weight.detach().cpu().numpy()
+    weights = np.asarray(sample_weight, dtype=np.float64)
+    if weights.shape != (n,):
+        raise ValueError(
+            f"sample_weight must hold one weight per training row, shape ({n},); got "
+            f"{weights.shape}."
+        )
+    if not np.isfinite(weights).all() or (weights < 0).any():
+        raise ValueError("sample_weight must be finite and non-negative.")
+    return weights
+
+
+def as_weights(sample_weight, n, device):
+    """The rows' sample weights as a float64 tensor (M,) (ones for None)."""
+    if sample_weight is None:
+        return torch.ones(n, dtype=DTYPE, device=device)
+    return torch.as_tensor(np.asarray(sample_weight, dtype=np.float64), device=device)
+
+
+def check_output_gradients(path, module, X, y, loss, dtype, sample_weight=None):
     """Refuse a stated loss whose output gradients are not the recorded ones.
 
     Parameters
@@ -127,6 +160,8 @@ def check_output_gradients(path, module, X, y, loss, dtype):
         tolerance is ``ROUNDING_STEPS`` of the dtype's unit roundoff (the replay's
         rounding allowance, :func:`~._replay.replay_bound`), relative to the step's
         scale ``max(|e|, |e_hat|, a (1 + |f|))``.
+    sample_weight : ndarray of shape (M,) or None
+        The rows' weights in each batch's weighted mean (None: the plain mean).
 
     Returns
     -------
@@ -140,6 +175,7 @@ def check_output_gradients(path, module, X, y, loss, dtype):
         the ratio of the recorded to the stated output gradients.
     """
     tolerance = ROUNDING_STEPS * torch.finfo(dtype).eps / 2
+    weights_of_rows = as_weights(sample_weight, X.shape[0], X.device)
     largest = 0.0
     for step in range(path.n_steps):
         rows = torch.as_tensor(path.batches[step], device=X.device)
@@ -147,7 +183,7 @@ def check_output_gradients(path, module, X, y, loss, dtype):
         with torch.enable_grad():
             out = functional_call(module, weights, (X[rows],)).detach().requires_grad_(True)
             f = loss.link(out)
-        shares = torch.full((rows.shape[0],), 1.0 / rows.shape[0], dtype=DTYPE, device=X.device)
+        shares = batch_shares(weights_of_rows, rows)
         stated = loss.output_gradient(f, y[rows], shares)
         recorded = path.output_gradients[step].to(device=X.device, dtype=DTYPE)
         if recorded.shape != stated.shape:
@@ -165,7 +201,7 @@ def check_output_gradients(path, module, X, y, loss, dtype):
         scale = max(
             float(recorded.abs().max()),
             float(stated.abs().max()),
-            float(1.0 + f.abs().max()) / rows.shape[0],
+            float((1.0 + f.abs().max()) * shares.max()),
         )
         difference = float((recorded - stated).abs().max()) / scale
         largest = max(largest, difference)
@@ -173,7 +209,8 @@ def check_output_gradients(path, module, X, y, loss, dtype):
             ratio = float((recorded * stated).sum() / (stated * stated).sum().clamp_min(1e-300))
             raise RecordingRefused(
                 f"Step {step}: the recorded output gradients are not those of the stated "
-                f"loss ({loss.summary or type(loss.loss).__name__}, the mean over the "
+                f"loss ({loss.summary or type(loss.loss).__name__}, the "
+                f"{'weighted ' if sample_weight is not None else ''}mean over the "
                 f"step's {rows.shape[0]} rows) on the recorded targets: they differ by "
                 f"{difference:.3g} relative to the step's scale (rounding allows "
                 f"{tolerance:.3g}); the recorded ones are {ratio:.4g} times the stated "
@@ -202,7 +239,7 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
     loss : StatedLoss
     settings : OptimizerSettings
     sample_weight : ndarray of shape (M,) or None
-        The rows' weights (None: ones, the recorded run's mean).
+        The rows' weights (None: ones, the plain mean).
     loss_scale : float, default=1.0
     every_step : bool, default=False
         Return the weights of every step (S + 1, W), else the final ones (W,).
@@ -222,16 +259,13 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
             param.requires_grad_(True)
             params.append(param)
     optimizer = settings.optimizer(params)
-    weight = torch.ones(X.shape[0], dtype=DTYPE, device=X.device)
-    if sample_weight is not None:
-        weight = torch.as_tensor(np.asarray(sample_weight), dtype=DTYPE, device=X.device)
+    weight = as_weights(sample_weight, X.shape[0], X.device)
     steps = [torch.cat([p.detach().reshape(-1) for p in params]).cpu()] if every_step else None
     for step in range(path.n_steps):
         settings.set_step(optimizer, step)
         optimizer.zero_grad()
         rows = torch.as_tensor(path.batches[step], device=X.device)
-        total = weight[rows].sum()
-        shares = weight[rows] / total if total > 0 else torch.zeros_like(weight[rows])
+        shares = batch_shares(weight, rows)
         f = loss.link(module(X[rows]))
         (loss_scale * (shares * loss.per_sample(f, y[rows])).sum()).backward()
         optimizer.step()

@@ -327,3 +327,58 @@ def test_float32_loop_with_another_loss_is_refused():
     )  # fmt: skip
     with pytest.raises(RecordingRefused, match="rounding allows 6.1"):
         recording.counterfactual(X[:1])
+
+
+def weighted_loop(weights, stated_weights, make_optimizer, est):
+    """The estimator's run by hand with its sample weights: each batch's weighted mean."""
+    X, y = blobs()
+    Xt, yt = torch.tensor(X), torch.tensor(y)
+    model = est.module_
+    with torch.no_grad():
+        for name, value in est.path_.unflatten(est.path_.weights[0]).items():
+            model.get_parameter(name).copy_(value)
+    model.requires_grad_(True)
+    optimizer = make_optimizer(model.parameters())
+    recorder = TrainingRecorder(
+        model, optimizer, Xt, y=yt, loss="log_loss", link=log_softmax, sample_weight=stated_weights
+    )
+    w = torch.tensor(weights)
+    for rows in est.path_.batches:
+        optimizer.zero_grad()
+        out = log_softmax(model(Xt[rows]))
+        recorder.rows(rows, output=out)
+        per_row = F.nll_loss(out, yt[rows], reduction="none")
+        ((w[rows] * per_row).sum() / w[rows].sum()).backward()
+        optimizer.step()
+    return recorder.finish(), Xt
+
+
+def test_sample_weighted_loop_is_the_estimators_weighted_fit():
+    """A loop whose batch loss is the sample-weighted mean, its weights stated: the
+    scores (d T / d log w_i) of the estimator fitted with those sample weights
+    (<= 1e-10), certified by retraining; unstated, the loop is refused."""
+    X, y = blobs()
+    weights = np.random.RandomState(3).uniform(0.2, 2.0, len(y))
+    settings, make_optimizer = SOLVERS["momentum"]
+    est = ExactPathKernelClassifier(
+        hidden_layer_sizes=(6,), activation="tanh", max_iter=3, random_state=0,
+        batch_size=10, **settings,
+    ).fit(X, y, sample_weight=weights)  # fmt: skip
+    recording, Xt = weighted_loop(weights, weights, make_optimizer, est)
+    assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14
+    theirs = est.counterfactual(X[:2], target="margin")
+    mine = recording.counterfactual(Xt[:2], target="margin", certify=2)
+    assert np.abs(mine.scores - theirs.scores).max() <= 1e-10 * np.abs(theirs.scores).max()
+    assert mine.certificate.error <= 1e-6
+    unstated, _ = weighted_loop(weights, None, make_optimizer, clone_fit(est, X, y, weights))
+    with pytest.raises(RecordingRefused, match="Step 0: the recorded output gradients"):
+        unstated.counterfactual(Xt[:1])
+    with pytest.raises(ValueError, match=r"one weight per training row, shape \(40,\)"):
+        TrainingRecorder(est.module_, torch.optim.SGD(est.module_.parameters(), lr=0.1), Xt,
+                         y=torch.tensor(y), loss="log_loss", sample_weight=weights[:3])  # fmt: skip
+
+
+def clone_fit(est, X, y, weights):
+    from sklearn.base import clone
+
+    return clone(est).fit(X, y, sample_weight=weights)

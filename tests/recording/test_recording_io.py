@@ -186,3 +186,11 @@ def test_counterfactual_after_loading(tmp_path):
         loaded.counterfactual(X[:1])
     loaded.loss = CrossEntropy()
     np.testing.assert_array_equal(loaded.counterfactual(X[:2], output=1).scores, before.scores)
+    loaded.sample_weight = np.full(X.shape[0], 2.0)  # (uniform: the plain mean still)
+    loaded.save(tmp_path / "weights")
+    again = Recording.load(tmp_path / "weights", tanh_mlp, X)
+    np.testing.assert_array_equal(again.sample_weight, np.full(X.shape[0], 2.0))
+    again.loss = CrossEntropy()
+    np.testing.assert_allclose(
+        again.counterfactual(X[:2], output=1).scores, before.scores, rtol=1e-12, atol=1e-15
+    )
