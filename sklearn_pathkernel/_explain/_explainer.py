@@ -315,7 +315,8 @@ class Explainer:
             Training rows to check by real retraining (central differences of
             their sample weight, ``h``), and the sum of the scores by retraining
             with every loss scaled: ``2 certify + 3`` fits. Needs an int
-            ``random_state`` and ``tol=None`` at fit.
+            ``random_state`` and ``tol=None`` at fit (an estimator); a recording
+            retrains its recorded run with a fresh ``torch.optim`` optimiser.
         h : float, default=1e-4
             Relative step of the finite differences.
         random_state : int, default=0

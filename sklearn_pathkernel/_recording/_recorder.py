@@ -84,7 +84,10 @@ class TrainingRecorder(PathRecorder):
     Cost per step: copies of the weights ``W`` (and, for Adam, of ``P_s``, ``W``
     more numbers) and of the output gradients (``|B_s| K``) to the host, the
     step's row indices, and one bitwise comparison of the weights with the
-    previous step's result; the inputs are not copied.
+    previous step's result; the inputs are not copied. The optimiser's settings
+    (for counterfactual attribution): one learning rate per parameter group, and a
+    comparison of the other settings with the first step's (3 to 4 microseconds a
+    step, measured).
     """
 
     def __init__(self, module, optimizer, X, y=None, *, loss=None, sample_weight=None,

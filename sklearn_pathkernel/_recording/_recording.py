@@ -9,7 +9,9 @@ It offers what a fitted estimator offers: :meth:`decompose`, :meth:`gram`, and
 :class:`~.._explain._mixin.ExplanationMixin` (``explain``, ``self_influence``,
 ``explain_over_time``, ``class_contributions``, ``influence_matrix``; these need
 the training targets, ``TrainingRecorder(..., y=y)``: integer labels in ``[0, K)``
-make a classifier whose output ``k`` is class ``k``, other targets a regressor),
+make a classifier whose output ``k`` is class ``k``, other targets a regressor;
+``counterfactual`` and ``method="counterfactual"`` also need the loss the loop
+minimised, ``TrainingRecorder(..., loss=...)``, see :mod:`._counterfactual`),
 and :meth:`final_state_dict`, the recorded network's state (to audit or restore).
 
 The function decomposed is the module's own output ``f(x) = module(x)`` (the
