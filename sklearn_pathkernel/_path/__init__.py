@@ -19,6 +19,17 @@ from ._blockwise import (
     to_plain,
     weighted,
 )
+from ._batchnorm import (
+    BATCH_NORMS,
+    RunningStatistics,
+    averaging_factor,
+    batch_norm_layers,
+    differentiable_statistics,
+    row_shares,
+    statistics_factors,
+    statistics_names,
+    with_running_statistics,
+)
 from ._dropout import MASKED_DROPOUT, dropout_layers, mask_shape, masks_applied, take_rows
 from ._links import (
     CERTIFICATE_TOLERANCE,
@@ -41,6 +52,15 @@ from ._weights import (
 )
 
 __all__ = [
+    "BATCH_NORMS",
+    "RunningStatistics",
+    "averaging_factor",
+    "batch_norm_layers",
+    "differentiable_statistics",
+    "row_shares",
+    "statistics_factors",
+    "statistics_names",
+    "with_running_statistics",
     "MASKED_DROPOUT",
     "CERTIFICATE_TOLERANCE",
     "PATH_STORAGES",

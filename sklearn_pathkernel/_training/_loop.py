@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-from .._path import WeightPath, dropout_layers
+from .._path import WeightPath, batch_norm_layers, dropout_layers
 from ._losses import CrossEntropy
 from ._recorder import PathRecorder
 from ._solvers import SolverSettings
@@ -142,8 +142,9 @@ def train_module(
     loss_fn = loss or CrossEntropy()
     optimizer = (solver or SolverSettings()).optimizer(params, learning_rate_at(learning_rate, 0))
     dropout = [layer for _, layer in dropout_layers(module) if layer.training]
+    batch_norms = [layer for _, layer in batch_norm_layers(module)]
     module.eval()
-    for layer in dropout:
+    for layer in [*dropout, *batch_norms]:  # (masks recorded; batch statistics followed)
         layer.train()
 
     full_batch = np.arange(n_samples)
