@@ -25,22 +25,23 @@ from .._path import (
 from ._optimizers import RecordingRefused
 
 
-def refuse_unsupported(name, layer, where="The module's"):
-    """Raise ``RecordingRefused`` for a BatchNorm layer in training mode the kernel
-    cannot follow (another type than BatchNorm1d/2d, no running statistics)."""
+def refuse_unsupported(name, layer, where="The module's", training=True):
+    """Raise ``RecordingRefused`` for a BatchNorm layer the kernel cannot follow: one
+    without running statistics, or (in training mode) of another type than
+    BatchNorm1d/2d."""
     subject = f"{where} layer {name!r} ({type(layer).__name__})"
-    if type(layer) not in BATCH_NORMS:
-        raise RecordingRefused(
-            f"{subject} is a BatchNorm in training mode of a type whose running statistics "
-            "the recorder does not follow (only nn.BatchNorm1d and nn.BatchNorm2d are "
-            "supported in training mode). Put it in eval mode, or use one of those."
-        )
     if layer.running_mean is None or layer.running_var is None:
         raise RecordingRefused(
             f"{subject} has track_running_stats=False: it normalises by the batch's "
             "statistics in eval mode too, so the evaluated network's output on one row "
             "depends on the rows evaluated with it and no per-row kernel reproduces it. "
             "Build it with track_running_stats=True."
+        )
+    if training and type(layer) not in BATCH_NORMS:
+        raise RecordingRefused(
+            f"{subject} is a BatchNorm in training mode of a type whose running statistics "
+            "the recorder does not follow (only nn.BatchNorm1d and nn.BatchNorm2d are "
+            "supported in training mode). Put it in eval mode, or use one of those."
         )
 
 

@@ -48,7 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from .._path import BATCH_NORMS, MASKED_DROPOUT, flatten_parameters
-from ._batchnorm import StatisticsWatch
+from ._batchnorm import StatisticsWatch, refuse_unsupported
 from ._dropout import MaskDraws
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, rule_for
@@ -594,6 +594,9 @@ def _split(flat, params):
 def _check_module(module, X):
     """The estimators' module checks on a float64 eval copy of ``module`` (batch
     coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, _BatchNorm):
+            refuse_unsupported(name, layer, training=False)
     copy64 = copy.deepcopy(module).to(torch.float64).eval()
     rows = X[: min(64, X.shape[0])].to(torch.float64)
     with torch.no_grad():

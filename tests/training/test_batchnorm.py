@@ -1,0 +1,282 @@
+"""BatchNorm trained in training mode: per-row gradients through the batch statistics,
+the running statistics' moves split over the rows, the eval-mode network explained.
+
+Independent computations: an MLP with BatchNorm written out by hand (training mode:
+the batch's biased variance; eval mode: the running statistics), the running
+statistics replayed by torch's documented update (momentum, or the cumulative
+average of ``momentum=None``, unbiased batch variance), each row's gradient by its
+own backward pass through the whole batch, and the test side integrated by
+24-point Gauss-Legendre along each step of the joint (weights, statistics) line
+of a smooth tanh network; the decomposition's sum held against the module's own
+eval-mode output.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import jacrev
+
+from sklearn_pathkernel import ExactPathKernelClassifier, TrainingRecorder
+from sklearn_pathkernel._training import RecordingRefused
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.2),
+    "momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.02),
+}
+EPS = 1e-5
+
+
+def data(n=24, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    y = (X[:, 0] > 0).long() + (X[:, 1] > 0.3).long()
+    return X, y
+
+
+def mlp(momentum=0.1, seed=0, affine=True, bias=False):
+    """Linear, BatchNorm, tanh, Linear; without the bias before BatchNorm (the usual
+    practice: the batch mean removes it, its gradient is zero but for rounding)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(4, 6, bias=bias), nn.BatchNorm1d(6, momentum=momentum, affine=affine),
+        nn.Tanh(), nn.Linear(6, 3),
+    ).double()
+
+
+def cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    ).double()
+
+
+def run(model, optimizer, X, y, *, epochs=3, batch_size=8, seed=1):
+    """An ordinary loop with BatchNorm in training mode, and the recorder's two lines."""
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    n = X.shape[0]
+    size = batch_size or n
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            rows = order[start : start + size]
+            optimizer.zero_grad()
+            out = model(X[rows])
+            recorder.rows(rows)
+            F.cross_entropy(out, y[rows]).backward()
+            optimizer.step()
+    model.eval()
+    return recorder.finish()
+
+
+def identity_error(parts, model, queries):
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    with torch.no_grad():
+        own = model.eval()(queries)
+    return np.abs(total - own.numpy()).max()
+
+
+# -- recorded loops -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_size", [8, None], ids=["mini-batch", "full-batch"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_recorded_loop_with_batchnorm_is_exact(name, batch_size):
+    X, y = data()
+    model = mlp()
+    initial = model[1].running_mean.clone()
+    recording = run(model, OPTIMIZERS[name](model.parameters()), X, y, batch_size=batch_size)
+    stats = recording.path_.running_statistics
+    assert stats is not None and stats.values.shape == (recording.path_.n_steps + 1, 12)
+    assert not torch.equal(model[1].running_mean, initial)  # the statistics did move
+    assert stats.move_error() < 1e-15
+    queries = X[:6] + 0.05
+    parts = recording.decompose(queries)
+    assert identity_error(parts, model, queries) <= 1e-9
+    assert parts.residual.max() <= 1e-9
+    # the statistics' share is part of the contributions, and not a small one
+    assert parts.statistics.shape == parts.contributions.shape
+    assert np.abs(parts.statistics.sum(1)).max() > 1e-3
+
+
+def test_batchnorm_cnn_recorded_loop_is_exact():
+    generator = torch.Generator().manual_seed(3)
+    X = torch.randn(20, 1, 6, 6, generator=generator, dtype=torch.float64)
+    y = (X.mean((1, 2, 3)) > 0).long() + (X[:, 0, 0, 0] > 0).long()
+    model = cnn()
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), X, y)
+    queries = X[:4] * 0.9
+    parts = recording.decompose(queries)
+    assert identity_error(parts, model, queries) <= 1e-9
+    assert parts.residual.max() <= 1e-9
+
+
+def test_momentum_none_and_no_affine_are_exact():
+    """Cumulative averages (``momentum=None``, weight ``1 / num_batches_tracked``) and
+    a BatchNorm without its own weights."""
+    X, y = data()
+    model = mlp(momentum=None, affine=False)
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2), X, y)
+    queries = X[:5] - 0.1
+    parts = recording.decompose(queries)
+    assert identity_error(parts, model, queries) <= 1e-9
+
+
+# -- the independent reference ---------------------------------------------------------
+
+SIZES = [24, 6, 6, 6, 18, 3]  # W1, b1, gamma, beta, W2, b2 (with the bias before BatchNorm)
+
+
+def functional(flat, x, stats=None):
+    """The MLP written out: training mode (batch statistics, biased variance) when
+    ``stats`` is None, eval mode with the running statistics ``(mean, var)`` else."""
+    W1, b1, gamma, beta, W2, b2 = torch.split(flat, SIZES)
+    h = x @ W1.reshape(6, 4).T + b1
+    if stats is None:
+        mean, var = h.mean(0), h.var(0, unbiased=False)
+    else:
+        mean, var = stats
+    z = torch.tanh((h - mean) / torch.sqrt(var + EPS) * gamma + beta)
+    return z @ W2.reshape(3, 6).T + b2
+
+
+def test_per_row_contributions_match_an_independent_reference():
+    """SGD: ``c_i(x) = sum_s [lr <phi_s^w(x), g_{s,i}> + <phi_s^r(x), dr_{s,i}>]``,
+    ``g_{s,i}`` row ``i``'s gradient by its own backward pass through the batch,
+    ``dr_{s,i}`` its share of the statistics' move by torch's update formula, ``phi_s``
+    the eval-mode Jacobian integrated along the joint line by Gauss-Legendre."""
+    X, y = data()
+    model, lr, m = mlp(bias=True), 0.2, 0.1
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=lr), X, y)
+    path, stats = recording.path_, recording.path_.running_statistics
+    queries = X[:4] - 0.1
+    nodes, node_weights = np.polynomial.legendre.leggauss(24)
+    nodes, node_weights = (nodes + 1) / 2, node_weights / 2
+    reference = torch.zeros((4, X.shape[0], 3), dtype=torch.float64)
+    mean, var = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    for step in range(path.n_steps):
+        w, rows = path.weights[step], torch.as_tensor(path.batches[step])
+        batch = X[rows]
+        # the running statistics by torch's documented update (unbiased batch variance)
+        W1, b1 = torch.split(w, SIZES)[:2]
+        h = batch @ W1.reshape(6, 4).T + b1
+        new_mean = (1 - m) * mean + m * h.mean(0)
+        new_var = (1 - m) * var + m * h.var(0, unbiased=True)
+        recorded = stats.values[step + 1]
+        assert torch.allclose(recorded, torch.cat([new_mean, new_var]), rtol=0, atol=1e-13)
+        n = batch.shape[0]
+        shares = torch.cat(
+            [m * (h - mean) / n, m * ((h - h.mean(0)) ** 2 / (n - 1) - var / n)], dim=1
+        )
+        # each row's gradient through the batch: its own backward pass
+        e = path.output_gradients[step]
+        grads = []
+        for i in range(n):
+            flat = w.clone().requires_grad_(True)
+            out = functional(flat, batch)[i]  # (the recording's f: the module's output)
+            (g,) = torch.autograd.grad(out, flat, grad_outputs=e[i])
+            grads.append(g)
+        grads = torch.stack(grads)
+        move = path.weights[step + 1] - w
+        assert (move - lr * grads.sum(0)).abs().max() <= 1e-14
+        # the test side along the joint line
+        r0 = torch.cat([mean, var])
+        dr = recorded - r0
+        phi_w, phi_r = 0, 0
+        for t, nu in zip(nodes, node_weights, strict=True):
+            joint = torch.cat([w + t * move, r0 + t * dr])
+
+            def f(v):
+                r = v[63:]
+                return functional(v[:63], queries, (r[:6], r[6:]))
+
+            jac = jacrev(f)(joint)  # (4, 3, 75)
+            phi_w = phi_w + nu * jac[..., :63]
+            phi_r = phi_r + nu * jac[..., 63:]
+        block = lr * torch.einsum("qkw,iw->qik", phi_w, grads)
+        block += torch.einsum("qkr,ir->qik", phi_r, shares)
+        reference.index_add_(1, rows, block)
+        mean, var = new_mean, new_var
+    parts = recording.decompose(queries)
+    assert np.abs(parts.contributions - reference.numpy()).max() <= 1e-9
+
+
+# -- the estimators ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+def test_estimator_trains_batchnorm_in_training_mode(solver):
+    X, y = data(40)
+    X, y = X.numpy(), y.numpy()
+    clf = ExactPathKernelClassifier(
+        module=mlp(momentum=None), max_iter=3, batch_size=10, solver=solver, random_state=0
+    ).fit(X, y)
+    assert not clf.module_.training
+    assert clf.path_.running_statistics is not None
+    parts = clf.decompose(X[:5])
+    assert parts.residual.max() <= 1e-9
+    with torch.no_grad():
+        own = F.log_softmax(clf.module_(torch.as_tensor(X[:5])), dim=1).numpy()
+    total = parts.bias + parts.contributions.sum(1) + parts.decay
+    assert np.abs(total - own).max() <= 1e-9
+    with pytest.raises(NotImplementedError, match="BatchNorm trained in training mode"):
+        clf.kernel_(X[:2])
+
+
+# -- refusals -------------------------------------------------------------------------
+
+
+def test_track_running_stats_false_is_refused():
+    X, y = data()
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False), nn.Linear(6, 3)
+    ).double()
+    with pytest.raises(RecordingRefused, match="track_running_stats=False"):
+        TrainingRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), X, y)
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        ExactPathKernelClassifier(module=model, max_iter=1).fit(X.numpy(), y.numpy())
+
+
+def test_other_batchnorm_types_in_training_mode_are_refused():
+    class MyNorm(nn.BatchNorm1d):
+        pass
+
+    X, y = data()
+    model = nn.Sequential(nn.Linear(4, 6), MyNorm(6), nn.Linear(6, 3)).double()
+    with pytest.raises(ValueError, match="only nn.BatchNorm1d and nn.BatchNorm2d"):
+        ExactPathKernelClassifier(module=model, max_iter=1).fit(X.numpy(), y.numpy())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RecordingRefused, match="MyNorm"):
+        run(model, optimizer, X, y, epochs=1)
+
+
+def test_micro_batches_and_untracked_passes_are_refused():
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    optimizer.zero_grad()
+    for rows in (torch.arange(0, 6), torch.arange(6, 12)):
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+    with pytest.raises(RecordingRefused, match="micro-batches"):
+        optimizer.step()
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    with torch.no_grad():
+        model(X[:8])  # moves the running statistics, unrecorded
+    optimizer.zero_grad()
+    out = model(X[8:16])
+    recorder.rows(torch.arange(8, 16))
+    F.cross_entropy(out, y[8:16]).backward()
+    with pytest.raises(RecordingRefused, match="changed outside the step's recorded"):
+        optimizer.step()
