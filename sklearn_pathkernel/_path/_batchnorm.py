@@ -114,6 +114,9 @@ class RunningStatistics:
     training_layers : list of str
         The BatchNorm layers that ran in training mode (the others in eval mode),
         the same at every step.
+    factors : list of dict
+        Per step, each training layer's averaging weight ``m`` (the momentum, or
+        ``1 / num_batches_tracked`` for ``momentum=None``).
     """
 
     names: list
@@ -121,6 +124,7 @@ class RunningStatistics:
     values: torch.Tensor
     shares: list
     training_layers: list
+    factors: list
 
     @property
     def n_statistics(self):
@@ -128,7 +132,12 @@ class RunningStatistics:
 
     def truncated(self, n_steps):
         """The statistics of the first ``n_steps`` steps."""
-        return replace(self, values=self.values[: n_steps + 1], shares=self.shares[:n_steps])
+        return replace(
+            self,
+            values=self.values[: n_steps + 1],
+            shares=self.shares[:n_steps],
+            factors=self.factors[:n_steps],
+        )
 
     def astype(self, dtype):
         """The statistics rounded to ``dtype``."""
@@ -146,6 +155,15 @@ class RunningStatistics:
             scale = float(self.values[step].abs().max()) + 1.0
             worst = max(worst, float((shares.sum(0) - move).abs().max()) / scale)
         return worst
+
+
+def load_statistics(module, stats, step=-1):
+    """Set ``module``'s running statistics to ``stats.values[step]`` (in place)."""
+    buffers = dict(module.named_buffers())
+    sizes = [int(torch.Size(shape).numel()) for shape in stats.shapes]
+    with torch.no_grad():
+        for name, value in zip(stats.names, torch.split(stats.values[step], sizes), strict=True):
+            buffers[name].copy_(value.view_as(buffers[name]))
 
 
 def with_running_statistics(path):

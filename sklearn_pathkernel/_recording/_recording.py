@@ -48,7 +48,7 @@ from sklearn.utils.validation import check_array
 from .._engine import PathKernelEngine, checked_against
 from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin
-from .._path import FunctionLink
+from .._path import FunctionLink, load_statistics
 from .._training import (
     RecordingRefused,
     check_replay,
@@ -348,6 +348,8 @@ class Recording(ExplanationMixin):
                     for name, param in module.named_parameters():
                         if name in final:
                             param.copy_(final[name])
+                if path.running_statistics is not None:  # BatchNorm's, replayed too
+                    load_statistics(module, path.running_statistics)
             self._replay_cache = module, path
         return self._replay_cache
 

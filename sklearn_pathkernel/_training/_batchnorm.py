@@ -19,6 +19,7 @@ from .._path import (
     BATCH_NORMS,
     RunningStatistics,
     averaging_factor,
+    load_statistics,
     row_shares,
     statistics_names,
 )
@@ -72,7 +73,8 @@ class StatisticsWatch:
             self.shapes.extend([tuple(layer.running_mean.shape)] * 2)
         self._values = [self.current()]  # flat statistics before each step, and after
         self._shares = []
-        self._pass = {}  # layer name -> (before, after, shares) of the current pass
+        self._factors = []
+        self._pass = {}  # layer name -> (before, after, shares, factor) of the pass
         self._inputs = {}
         self._paused = False
         self.trained = False  # whether a recorded pass ran a layer in training mode
@@ -105,7 +107,7 @@ class StatisticsWatch:
 
     def take(self):
         """What the last forward pass did to the statistics (layer name to
-        ``(before, after, shares)``)."""
+        ``(before, after, shares, factor)``)."""
         taken, self._pass = self._pass, {}
         return taken
 
@@ -156,9 +158,12 @@ class StatisticsWatch:
                     "recorder follows one update of its running statistics per pass."
                 )
             inputs, mean, var = self._inputs.pop(name)
-            shares = row_shares(inputs, mean, var, averaging_factor(layer))
+            factor = averaging_factor(layer)
+            shares = row_shares(inputs, mean, var, factor)
             after = torch.cat([layer.running_mean.detach(), layer.running_var.detach()])
-            self._pass[name] = (torch.cat([mean, var]).cpu(), after.cpu().clone(), shares.cpu())
+            self._pass[name] = (
+                torch.cat([mean, var]).cpu(), after.cpu().clone(), shares.cpu(), factor
+            )
 
         return hook
 
@@ -183,7 +188,7 @@ class StatisticsWatch:
                 "mode fixed for the run."
             )
         previous = self._values[-1]
-        shares = []
+        shares, factors = [], {}
         n_rows = len(batches[0].rows) if batches else 0
         offset = 0
         expected = previous.clone()
@@ -193,7 +198,7 @@ class StatisticsWatch:
             if recorded is None:
                 shares.append(torch.zeros((n_rows, size), dtype=previous.dtype))
             else:
-                before, after, layer_shares = recorded
+                before, after, layer_shares, factors[name] = recorded
                 if not torch.equal(before.to(previous.dtype), previous[offset : offset + size]):
                     self._refuse_outside(step, name)
                 shares.append(layer_shares.to(previous.dtype))
@@ -203,6 +208,7 @@ class StatisticsWatch:
         if not torch.equal(self.current().to(expected.dtype), expected):
             self._refuse_outside(step, self._changed_layer(expected))
         self._values.append(expected)
+        self._factors.append(factors)
         self._shares.append(torch.cat(shares, dim=1) if shares else torch.zeros((n_rows, 0)))
 
     def _changed_layer(self, expected):
@@ -225,17 +231,8 @@ class StatisticsWatch:
     def restore(self, module, at_step):
         """Put the statistics after ``at_step`` recorded steps into ``module`` (a copy
         of the recorded module)."""
-        values, offset = self._values[at_step], 0
-        layers = dict(module.named_modules())
-        with torch.no_grad():
-            for name, layer in self.tracked:
-                size = layer.running_mean.numel()
-                copy = layers[name]
-                copy.running_mean.copy_(values[offset : offset + size].view_as(copy.running_mean))
-                copy.running_var.copy_(
-                    values[offset + size : offset + 2 * size].view_as(copy.running_var)
-                )
-                offset += 2 * size
+        stats = RunningStatistics(self.names, self.shapes, torch.stack(self._values), [], [], [])
+        load_statistics(module, stats, at_step)
 
     def difference(self, at_step=None):
         """The followed layer whose statistics differ from those after ``at_step``
@@ -261,4 +258,5 @@ class StatisticsWatch:
             torch.stack(self._values[: n_steps + 1]),
             list(self._shares[:n_steps]),
             list(self._training_layers),
+            list(self._factors[:n_steps]),
         )

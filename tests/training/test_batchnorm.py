@@ -280,3 +280,18 @@ def test_micro_batches_and_untracked_passes_are_refused():
     F.cross_entropy(out, y[8:16]).backward()
     with pytest.raises(RecordingRefused, match="changed outside the step's recorded"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float32_run_is_exact_for_its_replay(name):
+    """A float32 run: exact for its float64 replay (the running statistics replayed
+    with the weights), the float32 model within ``model_gap`` of it."""
+    X, y = data()
+    model = mlp().float()
+    recording = run(model, OPTIMIZERS[name](model.parameters()), X.float(), y)
+    parts = recording.decompose(X[:6] + 0.05)
+    assert parts.residual.max() <= 1e-9
+    assert 0 < parts.model_gap.max() <= 1e-5
+    replayed = recording._float64_run()[1].running_statistics
+    recorded = recording.path_.running_statistics.values[-1].double()
+    assert 0 < (replayed.values[-1] - recorded).abs().max() <= 1e-5
