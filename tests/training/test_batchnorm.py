@@ -295,3 +295,60 @@ def test_float32_run_is_exact_for_its_replay(name):
     replayed = recording._float64_run()[1].running_statistics
     recorded = recording.path_.running_statistics.values[-1].double()
     assert 0 < (replayed.values[-1] - recorded).abs().max() <= 1e-5
+
+
+def test_saved_and_loaded_recording_keeps_the_statistics(tmp_path):
+    X, y = data()
+    model = mlp()
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), X, y)
+    queries = X[:4] + 0.1
+    before = recording.decompose(queries)
+    recording.save(tmp_path / "run")
+    loaded = type(recording).load(tmp_path / "run", mlp(), X)
+    stats, read = recording.path_.running_statistics, loaded.path_.running_statistics
+    assert torch.equal(read.values, stats.values) and read.factors == stats.factors
+    after = loaded.decompose(queries)
+    np.testing.assert_array_equal(after.contributions, before.contributions)
+    np.testing.assert_array_equal(after.statistics, before.statistics)
+
+
+def test_dropout_and_batchnorm_together_are_exact():
+    """The step's dropout masks and its batch statistics in one training pass."""
+    X, y = data()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6, bias=False), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.3), nn.Linear(6, 3)
+    ).double()
+    recording = run(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), X, y)
+    assert recording.path_.dropout_masks is not None
+    queries = X[:5] + 0.05
+    parts = recording.decompose(queries)
+    assert identity_error(parts, model, queries) <= 1e-9
+
+
+def test_early_stopping_restores_weights_and_statistics():
+    """finish(at_step=k) after restoring a checkpoint of step k (weights and running
+    statistics): the recording is the run's first k steps."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    checkpoint = None
+    for step in range(5):
+        if step == 3:
+            checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+        rows = torch.arange(8) + 8 * (step % 3)
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    model.load_state_dict(checkpoint)
+    model.eval()
+    recording = recorder.finish(at_step=3)
+    assert recording.path_.n_steps == 3
+    assert recording.path_.running_statistics.values.shape[0] == 4
+    queries = X[:4]
+    parts = recording.decompose(queries)
+    assert identity_error(parts, model, queries) <= 1e-9
