@@ -29,10 +29,10 @@ import torch
 from sklearn.utils import Bunch
 
 from .._path import layout_by_rules, statistics_factors, take_rows, weighted
-from .rules._gradients import Gradients
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
+from .rules._gradients import Gradients
 
 
 class DecompositionPart(NamedTuple):
@@ -178,7 +178,9 @@ class Decomposition(SharedByTasks):
         stats = self.path.running_statistics
         shares = stats.shares[index].to(device=X.device, dtype=X.dtype)
         factors = Gradients(statistics_factors(shares, self.path.n_weights - stats.n_statistics))
-        block = torch.zeros((X.shape[0], len(batch), self.n_outputs), dtype=X.dtype, device=X.device)
+        block = torch.zeros(
+            (X.shape[0], len(batch), self.n_outputs), dtype=X.dtype, device=X.device
+        )
         features.add_inner([factors], OutputMode.PAIRS, block.unsqueeze(-1))
         statistics.index_add_(1, self.steps.on_device(batch), block)
 
@@ -219,7 +221,11 @@ class Decomposition(SharedByTasks):
             # The batch's factors from the nodes' passes when its materialised
             # gradients fit one tile (as decompose does for plain SGD), else by tiles.
             masks = self.path.masks(index)
-            shared = not masks and statistics is None and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            shared = (
+                not masks
+                and statistics is None
+                and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            )
             integrated = self.test_copy.integrate(
                 index,
                 X,

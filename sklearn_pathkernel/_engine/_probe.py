@@ -473,7 +473,9 @@ def _picked(delta, picked):
 def _split(flat, shapes):
     """A flat vector as one view per shape."""
     sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-    return [chunk.view(shape) for chunk, shape in zip(torch.split(flat, sizes), shapes, strict=True)]
+    return [
+        chunk.view(shape) for chunk, shape in zip(torch.split(flat, sizes), shapes, strict=True)
+    ]
 
 
 def _no_grad(tensor):

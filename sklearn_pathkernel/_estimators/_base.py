@@ -173,7 +173,8 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         # a copy: the targets may be the user's read-only array (a memmap)
         y_t = torch.tensor(targets.values, device=device)
         # Refused with the reason, or left in eval mode (the mode it is trained in; its
-        # nn.Dropout and nn.Dropout2d layers in training mode drop units, masks recorded).
+        # nn.Dropout and nn.Dropout2d layers in training mode drop units, masks recorded;
+        # its nn.BatchNorm1d/2d layers in training mode use batch statistics, followed).
         loss = self._losses[self.loss]()
         check_module(module, X_t, targets.n_outputs, classifier=loss.classifies)
         result = train_module(

@@ -4,21 +4,11 @@ The weights of every step (:class:`WeightPath`, in memory or memory-mapped on
 disk), the per-step linear form of the optimiser's update with its backward and
 forward accumulations (:class:`UpdateRecord`), coefficients with one value per
 parameter block (:class:`Blockwise`), the output links ``f = link(z)``
-(:class:`Link`), and the memory helpers. It imports nothing else of the package.
+(:class:`Link`), the recorded dropout masks, BatchNorm's running statistics as
+coordinates of the path (:class:`RunningStatistics`), and the memory helpers. It
+imports nothing else of the package.
 """
 
-from ._blockwise import (
-    Blockwise,
-    block_values,
-    blockwise,
-    from_plain,
-    layout_by_rules,
-    on_layers,
-    per_step,
-    steps_to_plain,
-    to_plain,
-    weighted,
-)
 from ._batchnorm import (
     BATCH_NORMS,
     RunningStatistics,
@@ -30,6 +20,18 @@ from ._batchnorm import (
     statistics_factors,
     statistics_names,
     with_running_statistics,
+)
+from ._blockwise import (
+    Blockwise,
+    block_values,
+    blockwise,
+    from_plain,
+    layout_by_rules,
+    on_layers,
+    per_step,
+    steps_to_plain,
+    to_plain,
+    weighted,
 )
 from ._dropout import MASKED_DROPOUT, dropout_layers, mask_shape, masks_applied, take_rows
 from ._links import (

@@ -58,9 +58,7 @@ class StatisticsWatch:
 
     def __init__(self, module):
         self.layers = [
-            (name, layer)
-            for name, layer in module.named_modules()
-            if isinstance(layer, _BatchNorm)
+            (name, layer) for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)
         ]
         self.tracked = [
             (name, layer)
@@ -96,7 +94,10 @@ class StatisticsWatch:
         """The followed statistics now, flat (on the host)."""
         parts = []
         for _, layer in self.tracked:
-            parts += [layer.running_mean.detach().reshape(-1), layer.running_var.detach().reshape(-1)]
+            parts += [
+                layer.running_mean.detach().reshape(-1),
+                layer.running_var.detach().reshape(-1),
+            ]
         if not parts:
             return torch.zeros(0, dtype=torch.float64)
         return torch.cat(parts).cpu().clone()
@@ -162,7 +163,10 @@ class StatisticsWatch:
             shares = row_shares(inputs, mean, var, factor)
             after = torch.cat([layer.running_mean.detach(), layer.running_var.detach()])
             self._pass[name] = (
-                torch.cat([mean, var]).cpu(), after.cpu().clone(), shares.cpu(), factor
+                torch.cat([mean, var]).cpu(),
+                after.cpu().clone(),
+                shares.cpu(),
+                factor,
             )
 
         return hook
@@ -241,7 +245,7 @@ class StatisticsWatch:
         now, offset = self.current(), 0
         for name, layer in self.tracked:
             size = 2 * layer.running_mean.numel()
-            gap = (now[offset : offset + size].double() - last[offset : offset + size].double())
+            gap = now[offset : offset + size].double() - last[offset : offset + size].double()
             if gap.numel() and float(gap.abs().max()) > 0:
                 return name, float(gap.abs().max())
             offset += size

@@ -87,7 +87,10 @@ def train_module(
         training and prediction evaluate one and the same function, except its
         ``nn.Dropout`` / ``nn.Dropout2d`` layers in training mode: they drop
         units during training, with masks the recorder draws and keeps (the
-        training side of the kernel uses them); the module is left in eval mode.
+        training side of the kernel uses them), and its ``nn.BatchNorm1d`` /
+        ``nn.BatchNorm2d`` layers in training mode: they normalise by batch
+        statistics, the recorder follows their running statistics; the module is
+        left in eval mode.
         Training runs on the device of ``X``, where the module, ``y`` and
         ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)

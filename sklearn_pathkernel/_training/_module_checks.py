@@ -5,9 +5,12 @@ of inner products of *per-sample* gradients of one deterministic function. A
 module can break that silently in three ways, each of which :func:`check_module`
 turns into a clear error (or, for dropout, a warning):
 
-- it couples the rows of a batch (BatchNorm in training mode, a batch mean in
-  ``forward``): one row's output depends on the others, so it has no per-sample
-  gradient;
+- it couples the rows of a batch (a batch mean in ``forward``, BatchNorm without
+  running statistics, BatchNorm types other than ``nn.BatchNorm1d`` / ``2d`` in
+  training mode): one row's output depends on the others, so it has no per-sample
+  gradient. ``nn.BatchNorm1d`` and ``nn.BatchNorm2d`` in training mode are kept:
+  each row's gradient is taken through its batch's statistics, and the running
+  statistics' moves are split over the rows (``_path/_batchnorm.py``);
 - it is random (noise, dropout other than ``nn.Dropout`` and ``nn.Dropout2d``,
   whose masks are recorded): two evaluations disagree;
 - its output is not float64 logits (or, for a regressor, predictions) of shape
@@ -53,7 +56,9 @@ def check_module(module, X, n_outputs, *, classifier=True):
     evaluated in, except its ``nn.Dropout`` and ``nn.Dropout2d`` layers that
     were in training mode: they are trained with dropout, their masks recorded
     (the path kernel evaluates the training side with them, the query side in
-    eval mode). Its parameters and buffers are not changed.
+    eval mode), and its ``nn.BatchNorm1d`` and ``nn.BatchNorm2d`` layers that
+    were in training mode: they are trained with batch statistics, their running
+    statistics followed. Its parameters and buffers are not changed.
 
     Parameters
     ----------
@@ -71,7 +76,8 @@ def check_module(module, X, n_outputs, *, classifier=True):
     Raises
     ------
     ValueError
-        If a BatchNorm layer normalises by batch statistics, if the output of a
+        If a BatchNorm layer has no running statistics or is of another type than
+        BatchNorm1d/2d in training mode, if the output of a
         row depends on the other rows of the batch or is random, or if the output
         is not a floating point float64 tensor of shape (n_samples, n_outputs)
         with finite values at the initial weights. The message names the layer

@@ -424,9 +424,9 @@ class PathRecorder:
                 name, difference = changed
                 raise RecordingRefused(
                     f"Step {step}: the module's constant {name!r} (a frozen parameter or "
-                    f"buffer) changed during the run (by up to {difference:.4g}; e.g. a "
-                    "BatchNorm's running statistics updated by a forward pass in training "
-                    "mode): the recorded network holds it constant."
+                    f"buffer) changed during the run (by up to {difference:.4g}; an edit "
+                    "under no_grad, a custom running statistic): the recorded network "
+                    "holds it constant."
                 )
         # a parameter the backward pass reached whose gradient was removed by hand
         removed = [not on and index in self._saved for index, on in enumerate(active)]

@@ -41,8 +41,10 @@ def mlp(momentum=0.1, seed=0, affine=True, bias=False):
     practice: the batch mean removes it, its gradient is zero but for rounding)."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(4, 6, bias=bias), nn.BatchNorm1d(6, momentum=momentum, affine=affine),
-        nn.Tanh(), nn.Linear(6, 3),
+        nn.Linear(4, 6, bias=bias),
+        nn.BatchNorm1d(6, momentum=momentum, affine=affine),
+        nn.Tanh(),
+        nn.Linear(6, 3),
     ).double()
 
 
