@@ -92,6 +92,12 @@ class NetworkProbe:
         self.batch_coupled = getattr(path, "running_statistics", None) is not None
         self._training_module = None
         if self.batch_coupled:
+            names = path.running_statistics.names
+            if list(path.param_names[-len(names) :]) != list(names):
+                raise ValueError(
+                    "A path with BatchNorm's running statistics must be widened first "
+                    "(with_running_statistics): the probe differentiates them as weights."
+                )
             module.eval()
             self._training_module = copy.deepcopy(module)
             training = set(path.running_statistics.training_layers)
@@ -115,7 +121,7 @@ class NetworkProbe:
                 self.layers.append(submodule)
                 self.rules.append(rule)
         self.jacobian, self.fallback_reason = None, None
-        self._unchecked = not force_jacobian
+        self._unchecked = not (force_jacobian or self.batch_coupled)
         if self.batch_coupled:
             self._use_jacobian(
                 "BatchNorm trained in training mode: its running statistics are coordinates "
