@@ -290,7 +290,9 @@ class NetworkProbe:
             }
         )
         with torch.enable_grad(), masks_applied(self._training_module, masks):
-            out = functional_call(self._training_module, {**buffers, **weights}, (X,))
+            out = functional_call(
+                self._training_module, {**buffers, **weights}, (X,), tie_weights=self._tied
+            )
             f = self.link(out)
             per_row = (f * output_cotangent(outputs, f.shape[1], f.dtype)).sum(1)
             eye = torch.eye(X.shape[0], dtype=X.dtype, device=X.device)

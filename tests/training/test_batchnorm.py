@@ -105,6 +105,34 @@ def test_recorded_loop_with_batchnorm_is_exact(name, batch_size):
     assert np.abs(parts.statistics.sum(1)).max() > 1e-3
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.1),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.2, weight_decay=0.05),
+        lambda m: torch.optim.SGD(
+            [
+                {"params": m[0].parameters(), "lr": 0.1, "weight_decay": 0.05},
+                {"params": [*m[1].parameters(), *m[3].parameters()]},
+            ],
+            lr=0.2,
+            momentum=0.5,
+        ),
+    ],
+    ids=["adamw", "sgd-weight-decay", "parameter-groups"],
+)
+def test_weight_decay_is_zero_on_the_statistics(make):
+    """Decoupled and coupled weight decay, per parameter group: the decay term covers
+    the weights only (the running statistics are not decayed)."""
+    X, y = data()
+    model = mlp()
+    recording = run(model, make(model), X, y)
+    queries = X[:5] + 0.05
+    parts = recording.decompose(queries)
+    assert np.abs(parts.decay).max() > 1e-3
+    assert identity_error(parts, model, queries) <= 1e-9
+
+
 def test_batchnorm_cnn_recorded_loop_is_exact():
     generator = torch.Generator().manual_seed(3)
     X = torch.randn(20, 1, 6, 6, generator=generator, dtype=torch.float64)
