@@ -32,6 +32,7 @@ the recorded network's, and refuses otherwise (or, with
 ``on_mismatch="record"``, says so in every result).
 """
 
+import contextlib
 import copy
 import warnings
 from numbers import Integral
@@ -415,7 +416,10 @@ class Recording(ExplanationMixin):
         with torch.no_grad():
             link = output_function(self.link)
             output = link(engine.module(X64)).cpu().numpy()
-            own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
+            # (in eval mode, the network explained: a module left in training mode
+            # would drop units or normalise by the query batch, and move its statistics)
+            with _in_eval_mode(own_module):
+                own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
         return checked_against(
             parts,
             output,
@@ -450,6 +454,18 @@ class Recording(ExplanationMixin):
         weights are set from the recording), the training inputs and, if the
         recorder had one, its ``link``."""
         return cls(**read_recording(directory, module, X, link=link).arguments())
+
+
+@contextlib.contextmanager
+def _in_eval_mode(module):
+    """``module`` in eval mode within, each submodule's own mode restored after."""
+    modes = [(layer, layer.training) for layer in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for layer, training in modes:
+            layer.training = training
 
 
 def _state(module):

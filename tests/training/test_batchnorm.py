@@ -468,3 +468,26 @@ def test_what_needs_a_training_copy_is_refused_by_name():
     )
     with pytest.raises(NotImplementedError, match="Counterfactual attribution of a network"):
         clf.counterfactual(Xn[:2].numpy())
+
+
+def test_a_module_left_in_training_mode_is_evaluated_in_eval_mode():
+    """The network explained is the eval-mode one: a live module left in training mode
+    after the loop is compared in eval mode, its running statistics untouched."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    for step in range(3):
+        rows = torch.arange(8) + 8 * step
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()  # (no model.eval())
+    statistics = model[1].running_mean.clone()
+    for _ in range(2):  # the second query would see moved statistics
+        parts = recording.decompose(X[:4])
+        assert parts.residual.max() <= 1e-9 and parts.model_gap.max() == 0
+    assert model.training and torch.equal(model[1].running_mean, statistics)
