@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import jacrev
 
-from sklearn_pathkernel import ExactPathKernelClassifier, TrainingRecorder
+from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor, TrainingRecorder
 from sklearn_pathkernel._training import RecordingRefused
 
 OPTIMIZERS = {
@@ -270,6 +270,23 @@ def test_estimator_trains_batchnorm_in_training_mode(solver, batch_size):
     assert np.abs(total - own).max() <= 1e-9
     with pytest.raises(NotImplementedError, match="BatchNorm trained in training mode"):
         clf.kernel_(X[:2])
+
+
+def test_regressor_trains_batchnorm_in_training_mode():
+    rng = np.random.RandomState(0)
+    X = rng.randn(40, 4)
+    y = X[:, 0] - X[:, 1] ** 2
+    torch.manual_seed(0)
+    module = nn.Sequential(
+        nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)
+    ).double()
+    reg = ExactPathKernelRegressor(
+        module=module, max_iter=5, batch_size=10, solver="adam", random_state=0
+    ).fit(X, y)
+    parts = reg.decompose(X[:5])
+    total = (parts.bias + parts.contributions.sum(1) + parts.decay).ravel()
+    assert np.abs(total - reg.predict(X[:5])).max() <= 1e-9
+    assert np.abs(parts.statistics.sum(1)).max() > 1e-3
 
 
 def test_estimator_with_a_batchnorm_cnn():
