@@ -264,7 +264,8 @@ class PathKernelEngine:
             ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
             ``output`` (n, K) (``f`` at the path's last weights) and ``quadrature_error``
             (n,) (the quadrature's certificate, summed over steps), as float64
-            numpy arrays.
+            numpy arrays; with running statistics in the path (BatchNorm trained in
+            training mode), ``statistics`` (n, M, K), their part of ``contributions``.
         """
         if batch_size is not None:
             check_scalar(batch_size, "batch_size", Integral, min_val=1)

@@ -407,7 +407,9 @@ class Recording(ExplanationMixin):
             training dtype and ``output`` (zero for a float64 model);
             ``model_difference`` (float): the largest difference between a
             weight or constant of the user's module and the recorded network
-            (0.0: the same network, bitwise).
+            (0.0: the same network, bitwise). With BatchNorm trained in
+            training mode, also ``statistics`` (n, n_train, K): the part of each
+            contribution that came through the running statistics' moves.
         """
         X64 = self._rows(X)
         engine = self._engine()

@@ -286,6 +286,7 @@ def test_regressor_trains_batchnorm_in_training_mode():
     parts = reg.decompose(X[:5])
     total = (parts.bias + parts.contributions.sum(1) + parts.decay).ravel()
     assert np.abs(total - reg.predict(X[:5])).max() <= 1e-9
+    assert parts.statistics.shape == parts.contributions.shape == (5, 40)
     assert np.abs(parts.statistics.sum(1)).max() > 1e-3
 
 
