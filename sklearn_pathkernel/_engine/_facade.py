@@ -281,8 +281,8 @@ class PathKernelEngine:
         """Refuse ``what`` for a path with BatchNorm trained in training mode."""
         if self.path.running_statistics is not None:
             raise NotImplementedError(
-                f"{what.capitalize()} of a network with BatchNorm trained in training mode "
-                "is not available: a training row's gradient there is taken through its "
+                "Not available for a network with BatchNorm trained in training mode: "
+                f"{what}. A training row's gradient there is taken through its "
                 "batch's statistics, so it exists only for the batch the row was trained "
                 "in, not at an arbitrary step or on its own (the training copy of a Gram), "
                 "and the running statistics' moves are no gradients. decompose (and the "
