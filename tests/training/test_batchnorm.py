@@ -11,6 +11,8 @@ of a smooth tanh network; the decomposition's sum held against the module's own
 eval-mode output.
 """
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -509,3 +511,15 @@ def test_a_module_left_in_training_mode_is_evaluated_in_eval_mode():
         parts = recording.decompose(X[:4])
         assert parts.residual.max() <= 1e-9 and parts.model_gap.max() == 0
     assert model.training and torch.equal(model[1].running_mean, statistics)
+
+
+def test_a_pickled_estimator_keeps_its_statistics():
+    X, y = data(40)
+    X, y = X.numpy(), y.numpy()
+    clf = ExactPathKernelClassifier(module=mlp(), max_iter=2, batch_size=10, random_state=0)
+    clf.fit(X, y)
+    before = clf.decompose(X[:3])
+    loaded = pickle.loads(pickle.dumps(clf))
+    after = loaded.decompose(X[:3])
+    np.testing.assert_array_equal(after.contributions, before.contributions)
+    np.testing.assert_array_equal(after.statistics, before.statistics)
