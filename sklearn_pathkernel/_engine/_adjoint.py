@@ -183,6 +183,14 @@ class AdjointSweep:
     """
 
     def __init__(self, run):
+        if getattr(run.path, "running_statistics", None) is not None:
+            raise NotImplementedError(
+                "Counterfactual attribution of a network with BatchNorm trained in "
+                "training mode is not available: the sweep differentiates each step as a "
+                "function of the weights, and the running statistics' averaging (and the "
+                "rows' coupling through the batch) are not part of the replayed step. "
+                "Use method='contributions'."
+            )
         self.run = run
         self._states = None
         self.replay_error = None

@@ -11,6 +11,8 @@ def checked_against(parts, output, **extra):
     module's forward pass, independently of the quadrature (whose own bound is
     ``quadrature_error``). ``extra`` fields are added as they are."""
     total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    if "statistics" in parts:  # BatchNorm's running statistics: their share of the contributions
+        extra = {"statistics": parts.statistics, **extra}
     return Bunch(
         contributions=parts.contributions,
         bias=parts.bias,

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
-from .._path import layout_by_rules, take_rows, weighted
+from .._path import layout_by_rules, statistics_factors, take_rows, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
+from .rules._gradients import Gradients
 
 
 class DecompositionPart(NamedTuple):
@@ -40,6 +41,7 @@ class DecompositionPart(NamedTuple):
     contributions: np.ndarray  # (n, M, K)
     decay: np.ndarray  # (n, K)
     quadrature_error: np.ndarray  # (n,)
+    statistics: np.ndarray  # (n, M, K): the running statistics' share, or None
 
 
 class Decomposition(SharedByTasks):
@@ -89,12 +91,18 @@ class Decomposition(SharedByTasks):
         contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
         decay = np.zeros((X.shape[0], self.n_outputs))
         quadrature_error = np.zeros(X.shape[0])
+        coupled = self.path.running_statistics is not None
+        statistics = np.zeros_like(contributions) if coupled else None
         for (tile, _), part in zip(keys, results, strict=True):
             contributions[tile] += part.contributions
             decay[tile] += part.decay
             quadrature_error[tile] += part.quadrature_error
+            if coupled:
+                statistics[tile] += part.statistics
         probe = self.probes.current()
+        extra = {} if statistics is None else {"statistics": statistics}
         return Bunch(
+            **extra,
             contributions=contributions,
             bias=probe.output(self.steps.weights(0), X).cpu().numpy(),
             decay=decay,
@@ -110,21 +118,24 @@ class Decomposition(SharedByTasks):
         )
         decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(X.shape[0])
+        statistics = self._statistics_block(X)
         for index in self.progress.over(range(steps.start, steps.stop)):
             batch = self.steps.on_device(self.path.batches[index])
             scale = update.step_scale(index)
             gradients = self.path.output_gradients[index].to(self.steps.device)
             masks = self.path.masks(index)
+            # (with dropout masks, or rows coupled through BatchNorm, the training rows
+            # take a pass of their own)
+            own_pass = bool(masks) or statistics is not None
             integrated = self.test_copy.integrate(
                 index,
                 X,
                 outputs_per_pair=self.n_outputs,
-                # (with dropout masks, the training rows take a pass of their own)
-                with_rows=None if masks else (self.X_train[batch], gradients),
+                with_rows=None if own_pass else (self.X_train[batch], gradients),
                 measure_error=True,
             )
             start_factors = integrated.start_factors
-            if masks:
+            if own_pass:
                 start_factors = self.probes.current().training_factors(
                     self.steps.step(index).start, self.X_train[batch], gradients, masks
                 )
@@ -142,6 +153,8 @@ class Decomposition(SharedByTasks):
                 contributions += step_block
             else:
                 contributions.index_add_(1, batch, step_block)
+            if statistics is not None:
+                self._add_statistics(index, integrated.features, batch, statistics, X)
             # Weight decay: d_s <phi_s, w_s> - lambda_c <psi_s, w_s>, psi_s = scale phi_s
             decay_rate = update.decay_rate(index)
             if decay_rate:
@@ -149,7 +162,37 @@ class Decomposition(SharedByTasks):
                     decay_rate, self.steps.step(index).start, self.probes.current().params
                 )
                 decay += factor * integrated.features.directional(direction)
-        return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
+        return self._part(contributions, decay, quadrature_error, statistics)
+
+    def _statistics_block(self, X):
+        """(n, M, K) zeros for the running statistics' shares, or None without them."""
+        if self.path.running_statistics is None:
+            return None
+        shape = (X.shape[0], self.n_train, self.n_outputs)
+        return torch.zeros(shape, dtype=X.dtype, device=X.device)
+
+    def _add_statistics(self, index, features, batch, statistics, X):
+        """Row ``i``'s share of step ``index``'s move of the running statistics,
+        ``<phi_s, delta r_{s,i}>`` (``phi_s`` along the joint path of weights and
+        statistics), into ``statistics`` (n, M, K)."""
+        stats = self.path.running_statistics
+        shares = stats.shares[index].to(device=X.device, dtype=X.dtype)
+        factors = Gradients(statistics_factors(shares, self.path.n_weights - stats.n_statistics))
+        block = torch.zeros(
+            (X.shape[0], len(batch), self.n_outputs), dtype=X.dtype, device=X.device
+        )
+        features.add_inner([factors], OutputMode.PAIRS, block.unsqueeze(-1))
+        statistics.index_add_(1, self.steps.on_device(batch), block)
+
+    @staticmethod
+    def _part(contributions, decay, quadrature_error, statistics):
+        """The task's sums on the host; the statistics' shares join the contributions."""
+        if statistics is not None:
+            contributions = contributions + statistics
+            statistics = statistics.cpu().numpy()
+        return DecompositionPart(
+            contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error, statistics
+        )
 
     def _accumulated(self, X):
         """All steps, backward, for updates that mix steps or are preconditioned.
@@ -165,6 +208,7 @@ class Decomposition(SharedByTasks):
         contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
         decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(n)
+        statistics = self._statistics_block(X)
         probe = self.probes.current()
         accumulation = update.backward(
             layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
@@ -177,7 +221,11 @@ class Decomposition(SharedByTasks):
             # The batch's factors from the nodes' passes when its materialised
             # gradients fit one tile (as decompose does for plain SGD), else by tiles.
             masks = self.path.masks(index)
-            shared = not masks and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            shared = (
+                not masks
+                and statistics is None
+                and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
+            )
             integrated = self.test_copy.integrate(
                 index,
                 X,
@@ -189,6 +237,8 @@ class Decomposition(SharedByTasks):
             )
             quadrature_error += integrated.quadrature_error
             features = integrated.features
+            if statistics is not None:
+                self._add_statistics(index, features, batch, statistics, X)
             params = self.probes.current().params
             if update.decoupled_decays[index]:
                 factor, direction = weighted(update.decoupled_decays[index], start, params)
@@ -208,13 +258,20 @@ class Decomposition(SharedByTasks):
                 block = self._batch_inner(psi, integrated.start_factors)
                 contributions.index_add_(1, rows, block)
                 continue
+            if statistics is not None:  # the rows are coupled: the whole batch at once
+                rows = self.steps.on_device(batch)
+                train = self.probes.current().training_factors(
+                    start, self.X_train[rows], gradients, masks
+                )
+                contributions.index_add_(1, rows, self._batch_inner(psi, train))
+                continue
             for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
                 rows = self.steps.on_device(batch[part])
                 train = self.probes.current().training_factors(
                     start, self.X_train[rows], gradients[part], take_rows(masks, part)
                 )
                 contributions.index_add_(1, rows, self._batch_inner(psi, train))
-        return DecompositionPart(contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error)
+        return self._part(contributions, decay, quadrature_error, statistics)
 
     def _batch_inner(self, psi, train):
         """``<psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` (n, rows, K) for the training rows

@@ -37,7 +37,12 @@ from numbers import Integral
 import numpy as np
 from sklearn.utils import check_scalar
 
-from .._path import CERTIFICATE_TOLERANCE, IdentityLink, LogSoftmaxLink
+from .._path import (
+    CERTIFICATE_TOLERANCE,
+    IdentityLink,
+    LogSoftmaxLink,
+    with_running_statistics,
+)
 from ._blocks import GramBlocks
 from ._decomposition import Decomposition
 from ._device import loadable_device, on_host
@@ -141,7 +146,9 @@ class PathKernelEngine:
         verbose=0,
     ):
         self.module = module
-        self.path = path
+        # BatchNorm trained in training mode: its running statistics join the path's
+        # coordinates (see _path/_batchnorm.py); the same path otherwise.
+        self.path = with_running_statistics(path)
         self.X_train = X_train
         self.link = LogSoftmaxLink() if link is None else link
         self.certificate_tolerance = certificate_tolerance
@@ -257,7 +264,8 @@ class PathKernelEngine:
             ``contributions`` (n, M, K), ``bias`` (n, K), ``decay`` (n, K),
             ``output`` (n, K) (``f`` at the path's last weights) and ``quadrature_error``
             (n,) (the quadrature's certificate, summed over steps), as float64
-            numpy arrays.
+            numpy arrays; with running statistics in the path (BatchNorm trained in
+            training mode), ``statistics`` (n, M, K), their part of ``contributions``.
         """
         if batch_size is not None:
             check_scalar(batch_size, "batch_size", Integral, min_val=1)
@@ -266,7 +274,20 @@ class PathKernelEngine:
     def stepwise(self):
         """The decomposition step by step, and the self-influence of the training
         points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
+        self._refuse_coupled("the step-by-step decomposition and self-influence")
         return StepwiseDecomposition(self._fitted, self._test_copy, verbose=self.verbose)
+
+    def _refuse_coupled(self, what):
+        """Refuse ``what`` for a path with BatchNorm trained in training mode."""
+        if self.path.running_statistics is not None:
+            raise NotImplementedError(
+                "Not available for a network with BatchNorm trained in training mode: "
+                f"{what}. A training row's gradient there is taken through its "
+                "batch's statistics, so it exists only for the batch the row was trained "
+                "in, not at an arbitrary step or on its own (the training copy of a Gram), "
+                "and the running statistics' moves are no gradients. decompose (and the "
+                "explanations by contributions built on it) is exact for such networks."
+            )
 
     def certificate(self, X):
         """Summed per-step quadrature error of the test copy, per row of ``X``."""
@@ -296,6 +317,7 @@ class PathKernelEngine:
         -------
         ndarray
         """
+        self._refuse_coupled("Gram matrices")
         mode = OutputMode.of_output(output)
         A = A.to(self.device)
         B = None if B is None else B.to(self.device)
@@ -303,4 +325,5 @@ class PathKernelEngine:
 
     def diag(self, A, *, a_train=False):
         """``np.diag(gram(A, a_train=a_train))`` without the off-diagonal work."""
+        self._refuse_coupled("Gram diagonals")
         return self._gram.diag(A.to(self.device), a_train)

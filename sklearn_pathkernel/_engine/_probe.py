@@ -26,9 +26,17 @@ import logging
 import torch
 from torch.func import functional_call
 
-from .._path import dropout_layers, log_softmax, masks_applied, output_cotangent, take_rows
+from .._path import (
+    differentiable_statistics,
+    dropout_layers,
+    log_softmax,
+    masks_applied,
+    output_cotangent,
+    take_rows,
+)
 from ._hazards import per_layer_hazards
 from .rules import make_rule
+from .rules._gradients import Gradients
 from .rules._jacobian import JacobianRule
 from .rules._protocol import RowEvaluation, RowWeights
 
@@ -78,6 +86,25 @@ class NetworkProbe:
         module = copy.deepcopy(module)
         for _, layer in dropout_layers(module):  # the query side: dropout is the identity
             layer.eval()
+        # BatchNorm trained in training mode (the path holds its running statistics):
+        # the training side is the batch's pass in training mode, on a copy of its own;
+        # the query side is the eval-mode network at the path's statistics.
+        self.batch_coupled = getattr(path, "running_statistics", None) is not None
+        self._training_module = None
+        if self.batch_coupled:
+            names = path.running_statistics.names
+            if list(path.param_names[-len(names) :]) != list(names):
+                raise ValueError(
+                    "A path with BatchNorm's running statistics must be widened first "
+                    "(with_running_statistics): the probe differentiates them as weights."
+                )
+            module.eval()
+            self._training_module = copy.deepcopy(module)
+            training = set(path.running_statistics.training_layers)
+            for name, layer in self._training_module.named_modules():
+                if name in training:  # (dropout stays in eval mode: its masks are applied)
+                    layer.train()
+            differentiable_statistics(module)
         self.module = module
         self.path = path
         self.link = link
@@ -94,8 +121,13 @@ class NetworkProbe:
                 self.layers.append(submodule)
                 self.rules.append(rule)
         self.jacobian, self.fallback_reason = None, None
-        self._unchecked = not force_jacobian
-        if force_jacobian:
+        self._unchecked = not (force_jacobian or self.batch_coupled)
+        if self.batch_coupled:
+            self._use_jacobian(
+                "BatchNorm trained in training mode: its running statistics are coordinates "
+                "of the path and the training rows are coupled through the batch"
+            )
+        elif force_jacobian:
             self._use_jacobian("forced (force_jacobian=True)")
         elif example is not None:
             self._check(example)
@@ -215,6 +247,8 @@ class NetworkProbe:
         Python-level call per training row and step.
         """
         self._ensure_checked(X)  # (the dry run, on one row, without the masks)
+        if self.batch_coupled:
+            return [self._batch_gradients(start, X, outputs, masks)]
         if not masks or self.jacobian is None:
             with masks_applied(self.module, masks):
                 return self.factors(start, X, outputs)
@@ -223,6 +257,59 @@ class NetworkProbe:
             with masks_applied(self.module, take_rows(masks, slice(i, i + 1))):
                 parts.append(self.factors(start, X[i : i + 1], outputs[i : i + 1])[0])
         return [type(parts[0]).cat(parts)]
+
+    def _batch_gradients(self, start, X, outputs, masks):
+        """Per-row gradients of a batch through its BatchNorm statistics: row ``i``'s
+        ``grad_w sum_k outputs[i, k] f_k(x_i; w, B)``, ``f`` the batch's pass in
+        training mode (each row's output depends on the whole batch ``X``), as
+        :class:`Gradients` (n, 1, W + R), zero on the statistics' coordinates
+        (training mode does not read them). One forward pass and one backward pass
+        per row (batched where ``torch`` can)."""
+        stats = self.path.running_statistics
+        n_weights = self.path.n_weights - stats.n_statistics
+        n_params = len(self.path.param_names) - len(stats.names)
+        w = start[:n_weights].detach().clone().requires_grad_(True)
+        weights = dict(
+            zip(
+                self.path.param_names[:n_params],
+                _split(w, self.path.param_shapes[:n_params]),
+                strict=True,
+            )
+        )
+        # The module's buffers with the step's statistics, copies: training mode
+        # moves them (the pass's output does not depend on them).
+        buffers = {n: b.detach().clone() for n, b in self._training_module.named_buffers()}
+        buffers.update(
+            {
+                name: value.detach().clone()
+                for name, value in zip(
+                    stats.names,
+                    _split(start[n_weights:], self.path.param_shapes[n_params:]),
+                    strict=True,
+                )
+            }
+        )
+        with torch.enable_grad(), masks_applied(self._training_module, masks):
+            out = functional_call(
+                self._training_module, {**buffers, **weights}, (X,), tie_weights=self._tied
+            )
+            f = self.link(out)
+            per_row = (f * output_cotangent(outputs, f.shape[1], f.dtype)).sum(1)
+            eye = torch.eye(X.shape[0], dtype=X.dtype, device=X.device)
+            try:
+                (grads,) = torch.autograd.grad(
+                    per_row, w, grad_outputs=eye, is_grads_batched=True, retain_graph=True
+                )
+            except RuntimeError:  # a batching rule torch lacks: row by row
+                grads = torch.stack(
+                    [
+                        torch.autograd.grad(per_row[i], w, retain_graph=True)[0]
+                        for i in range(X.shape[0])
+                    ]
+                )
+        flat = grads.new_zeros((X.shape[0], 1, self.path.n_weights))
+        flat[:, 0, :n_weights] = grads
+        return Gradients(flat)
 
     def output_and_factors(
         self, start, X, outputs=None, *, direction=None, t=None, cotangents=None
@@ -389,6 +476,14 @@ def _picked(delta, picked):
     weights = output_cotangent(picked, delta.shape[1], delta.dtype)
     weights = weights.view(*weights.shape, *([1] * (delta.ndim - 2)))
     return (delta * weights).sum(1, keepdim=True)
+
+
+def _split(flat, shapes):
+    """A flat vector as one view per shape."""
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    return [
+        chunk.view(shape) for chunk, shape in zip(torch.split(flat, sizes), shapes, strict=True)
+    ]
 
 
 def _no_grad(tensor):

@@ -173,7 +173,8 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         # a copy: the targets may be the user's read-only array (a memmap)
         y_t = torch.tensor(targets.values, device=device)
         # Refused with the reason, or left in eval mode (the mode it is trained in; its
-        # nn.Dropout and nn.Dropout2d layers in training mode drop units, masks recorded).
+        # nn.Dropout and nn.Dropout2d layers in training mode drop units, masks recorded;
+        # its nn.BatchNorm1d/2d layers in training mode use batch statistics, followed).
         loss = self._losses[self.loss]()
         check_module(module, X_t, targets.n_outputs, classifier=loss.classifies)
         result = train_module(
@@ -330,7 +331,10 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             the network itself (not by the kernel engine), so that no error of the
             engine or of the recorded path can hide behind it;
             ``quadrature_error`` (n_samples,): the part of it the quadrature
-            accounts for, summed over steps.
+            accounts for, summed over steps. With BatchNorm trained in training
+            mode, also ``statistics`` (shaped as ``contributions``): the part of
+            each contribution that came through the running statistics' moves
+            (see the user guide's "Which modules").
         """
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
@@ -474,8 +478,9 @@ class BasePathRegressor(RegressorMixin, BasePathEstimator):
     def _outputs_as_fitted(self, parts):
         if self._y_ndim != 1:
             return parts
-        for key in ("contributions", "bias", "decay", "output"):
-            parts[key] = parts[key][..., 0]
+        for key in ("contributions", "bias", "decay", "output", "statistics"):
+            if key in parts:
+                parts[key] = parts[key][..., 0]
         return parts
 
     def __sklearn_tags__(self):

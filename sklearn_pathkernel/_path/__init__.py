@@ -4,9 +4,23 @@ The weights of every step (:class:`WeightPath`, in memory or memory-mapped on
 disk), the per-step linear form of the optimiser's update with its backward and
 forward accumulations (:class:`UpdateRecord`), coefficients with one value per
 parameter block (:class:`Blockwise`), the output links ``f = link(z)``
-(:class:`Link`), and the memory helpers. It imports nothing else of the package.
+(:class:`Link`), the recorded dropout masks, BatchNorm's running statistics as
+coordinates of the path (:class:`RunningStatistics`), and the memory helpers. It
+imports nothing else of the package.
 """
 
+from ._batchnorm import (
+    BATCH_NORMS,
+    RunningStatistics,
+    averaging_factor,
+    batch_norm_layers,
+    differentiable_statistics,
+    load_statistics,
+    row_shares,
+    statistics_factors,
+    statistics_names,
+    with_running_statistics,
+)
 from ._blockwise import (
     Blockwise,
     block_values,
@@ -41,6 +55,16 @@ from ._weights import (
 )
 
 __all__ = [
+    "BATCH_NORMS",
+    "RunningStatistics",
+    "averaging_factor",
+    "batch_norm_layers",
+    "differentiable_statistics",
+    "load_statistics",
+    "row_shares",
+    "statistics_factors",
+    "statistics_names",
+    "with_running_statistics",
     "MASKED_DROPOUT",
     "CERTIFICATE_TOLERANCE",
     "PATH_STORAGES",

@@ -53,6 +53,10 @@ class WeightPath:
         Per step, the masks its dropout layers drew in training mode: layer name
         to a boolean tensor (|B_s|, ...) of the batch's rows (see
         :func:`masks_applied`); None when the network has no dropout in training.
+    running_statistics : RunningStatistics or None
+        The running statistics of the BatchNorm layers trained in training mode,
+        per step, with each batch row's share of their moves (see
+        ``_batchnorm``); None without such layers.
     storage : str
         Where ``weights`` lives: ``"memory"``, or the directory of the
         memory-mapped file holding it (see :func:`allocate_weights`).
@@ -73,6 +77,7 @@ class WeightPath:
     storage: str = "memory"
     update: UpdateRecord = None
     dropout_masks: list = None
+    running_statistics: object = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -85,6 +90,7 @@ class WeightPath:
     def __setstate__(self, state):
         state.setdefault("storage", "memory")
         state.setdefault("dropout_masks", None)
+        state.setdefault("running_statistics", None)
         self.__dict__.update(state)
 
     @property
@@ -133,8 +139,10 @@ class WeightPath:
         dtype, so a float32 copy gives the float32 kernel of the same run."""
         update = self.update
         preconditioners = update.preconditioners
+        stats = self.running_statistics
         return replace(
             self,
+            running_statistics=None if stats is None else stats.astype(dtype),
             weights=self.weights.to(dtype),
             output_gradients=[g.to(dtype) for g in self.output_gradients],
             update=replace(

@@ -29,7 +29,14 @@ import zipfile
 import numpy as np
 import torch
 
-from .._path import UpdateRecord, WeightPath, from_plain, steps_to_plain, to_plain
+from .._path import (
+    RunningStatistics,
+    UpdateRecord,
+    WeightPath,
+    from_plain,
+    steps_to_plain,
+    to_plain,
+)
 from .._training import OPTIMIZER_RULES, OptimizerSettings, RecordedRun, RecordingRefused
 
 FORMAT = "sklearn_pathkernel.recording"
@@ -81,6 +88,7 @@ def save_recording(recording, directory):
     if update.preconditioners is not None:
         arrays["preconditioners"] = _numpy(update.preconditioners)
     arrays.update(_mask_arrays(path))
+    arrays.update(_statistics_arrays(path))
     if recording.targets_ is not None:
         arrays["targets"] = recording.targets_
     trained = set(path.param_names)
@@ -113,6 +121,7 @@ def save_recording(recording, directory):
         if recording.sample_weight is None
         else np.asarray(recording.sample_weight, dtype=float).tolist(),
         "optimizer": _settings_to_plain(recording.optimizer_settings_),
+        "batch_norm": _statistics_manifest(path),
         "sha256": {name: _digest(a) for name, a in arrays.items()},
     }
     np.savez(os.path.join(directory, ARRAYS), **arrays)
@@ -241,6 +250,7 @@ def read_recording(directory, module, X, link=None):
         "memory",
         update,
         _read_masks(arrays, offsets),
+        _read_statistics(arrays, offsets, manifest.get("batch_norm")),
     )
     _set_final_state(module, path, arrays)
     dtype = getattr(torch, manifest["dtype"])
@@ -355,6 +365,53 @@ def _read_masks(arrays, offsets):
         masks.append({name: mask[start : start + size] for name, mask in layers.items()})
         start += size
     return masks
+
+
+def _statistics_manifest(path):
+    """BatchNorm's running statistics: names, shapes and training layers (or None)."""
+    stats = path.running_statistics
+    if stats is None:
+        return None
+    return {
+        "names": stats.names,
+        "shapes": [list(s) for s in stats.shapes],
+        "training_layers": stats.training_layers,
+    }
+
+
+def _statistics_arrays(path):
+    """BatchNorm's running statistics per step (``batch_norm/values``), the rows'
+    shares one step after the other (``batch_norm/shares``) and the averaging
+    weights (``batch_norm/factors``, a column per training layer)."""
+    stats = path.running_statistics
+    if stats is None:
+        return {}
+    n_rows = sum(len(batch) for batch in path.batches)
+    shares = torch.cat(stats.shares) if stats.shares else torch.zeros((n_rows, 0))
+    factors = [[step[name] for name in stats.training_layers] for step in stats.factors]
+    return {
+        "batch_norm/values": _numpy(stats.values),
+        "batch_norm/shares": _numpy(shares),
+        "batch_norm/factors": np.asarray(factors, dtype=float).reshape(
+            len(stats.factors), len(stats.training_layers)
+        ),
+    }
+
+
+def _read_statistics(arrays, offsets, manifest):
+    """The running statistics saved by :func:`_statistics_arrays`, or None."""
+    if manifest is None:
+        return None
+    shares = torch.from_numpy(arrays["batch_norm/shares"])
+    layers = list(manifest["training_layers"])
+    return RunningStatistics(
+        list(manifest["names"]),
+        [tuple(s) for s in manifest["shapes"]],
+        torch.from_numpy(arrays["batch_norm/values"]),
+        [shares[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)],
+        layers,
+        [dict(zip(layers, row.tolist(), strict=True)) for row in arrays["batch_norm/factors"]],
+    )
 
 
 def _set_final_state(module, path, arrays):

@@ -34,6 +34,7 @@ the recorded network's, and refuses otherwise (or, with
 ``on_mismatch="record"``, says so in every result).
 """
 
+import contextlib
 import copy
 import warnings
 from numbers import Integral
@@ -50,7 +51,7 @@ from sklearn.utils.validation import check_array
 from .._engine import PathKernelEngine, checked_against
 from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin
-from .._path import FunctionLink
+from .._path import FunctionLink, load_statistics
 from .._training import (
     RecordingRefused,
     check_replay,
@@ -374,6 +375,8 @@ class Recording(ExplanationMixin):
                     for name, param in module.named_parameters():
                         if name in final:
                             param.copy_(final[name])
+                if path.running_statistics is not None:  # BatchNorm's, replayed too
+                    load_statistics(module, path.running_statistics)
             self._replay_cache = module, path
         return self._replay_cache
 
@@ -430,7 +433,9 @@ class Recording(ExplanationMixin):
             training dtype and ``output`` (zero for a float64 model);
             ``model_difference`` (float): the largest difference between a
             weight or constant of the user's module and the recorded network
-            (0.0: the same network, bitwise).
+            (0.0: the same network, bitwise). With BatchNorm trained in
+            training mode, also ``statistics`` (n, n_train, K): the part of each
+            contribution that came through the running statistics' moves.
         """
         X64 = self._rows(X)
         engine = self._engine()
@@ -439,7 +444,10 @@ class Recording(ExplanationMixin):
         with torch.no_grad():
             link = output_function(self.link)
             output = link(engine.module(X64)).cpu().numpy()
-            own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
+            # (in eval mode, the network explained: a module left in training mode
+            # would drop units or normalise by the query batch, and move its statistics)
+            with _in_eval_mode(own_module):
+                own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
         return checked_against(
             parts,
             output,
@@ -480,6 +488,18 @@ class Recording(ExplanationMixin):
         return cls(
             **run.arguments(), loss=loss, sample_weight=sample_weight, optimizer_settings=settings
         )
+
+
+@contextlib.contextmanager
+def _in_eval_mode(module):
+    """``module`` in eval mode within, each submodule's own mode restored after."""
+    modes = [(layer, layer.training) for layer in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for layer, training in modes:
+            layer.training = training
 
 
 def _state(module):

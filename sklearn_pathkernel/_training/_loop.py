@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from sklearn.utils import check_random_state
 
-from .._path import WeightPath, dropout_layers
+from .._path import WeightPath, batch_norm_layers, dropout_layers
 from ._losses import CrossEntropy
 from ._recorder import PathRecorder
 from ._solvers import SolverSettings
@@ -87,7 +87,10 @@ def train_module(
         training and prediction evaluate one and the same function, except its
         ``nn.Dropout`` / ``nn.Dropout2d`` layers in training mode: they drop
         units during training, with masks the recorder draws and keeps (the
-        training side of the kernel uses them); the module is left in eval mode.
+        training side of the kernel uses them), and its ``nn.BatchNorm1d`` /
+        ``nn.BatchNorm2d`` layers in training mode: they normalise by batch
+        statistics, the recorder follows their running statistics; the module is
+        left in eval mode.
         Training runs on the device of ``X``, where the module, ``y`` and
         ``sample_weight`` must be too.
     X : torch.Tensor of shape (n_samples, ...)
@@ -142,8 +145,9 @@ def train_module(
     loss_fn = loss or CrossEntropy()
     optimizer = (solver or SolverSettings()).optimizer(params, learning_rate_at(learning_rate, 0))
     dropout = [layer for _, layer in dropout_layers(module) if layer.training]
+    batch_norms = [layer for _, layer in batch_norm_layers(module)]
     module.eval()
-    for layer in dropout:
+    for layer in [*dropout, *batch_norms]:  # (masks recorded; batch statistics followed)
         layer.train()
 
     full_batch = np.arange(n_samples)

@@ -5,9 +5,12 @@ of inner products of *per-sample* gradients of one deterministic function. A
 module can break that silently in three ways, each of which :func:`check_module`
 turns into a clear error (or, for dropout, a warning):
 
-- it couples the rows of a batch (BatchNorm in training mode, a batch mean in
-  ``forward``): one row's output depends on the others, so it has no per-sample
-  gradient;
+- it couples the rows of a batch (a batch mean in ``forward``, BatchNorm without
+  running statistics, BatchNorm types other than ``nn.BatchNorm1d`` / ``2d`` in
+  training mode): one row's output depends on the others, so it has no per-sample
+  gradient. ``nn.BatchNorm1d`` and ``nn.BatchNorm2d`` in training mode are kept:
+  each row's gradient is taken through its batch's statistics, and the running
+  statistics' moves are split over the rows (``_path/_batchnorm.py``);
 - it is random (noise, dropout other than ``nn.Dropout`` and ``nn.Dropout2d``,
   whose masks are recorded): two evaluations disagree;
 - its output is not float64 logits (or, for a regressor, predictions) of shape
@@ -28,7 +31,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._path import MASKED_DROPOUT, dropout_layers, nested_tensors
+from .._path import BATCH_NORMS, MASKED_DROPOUT, dropout_layers, nested_tensors
 
 # Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
 N_CHECK_ROWS = 4
@@ -53,7 +56,9 @@ def check_module(module, X, n_outputs, *, classifier=True):
     evaluated in, except its ``nn.Dropout`` and ``nn.Dropout2d`` layers that
     were in training mode: they are trained with dropout, their masks recorded
     (the path kernel evaluates the training side with them, the query side in
-    eval mode). Its parameters and buffers are not changed.
+    eval mode), and its ``nn.BatchNorm1d`` and ``nn.BatchNorm2d`` layers that
+    were in training mode: they are trained with batch statistics, their running
+    statistics followed. Its parameters and buffers are not changed.
 
     Parameters
     ----------
@@ -71,7 +76,8 @@ def check_module(module, X, n_outputs, *, classifier=True):
     Raises
     ------
     ValueError
-        If a BatchNorm layer normalises by batch statistics, if the output of a
+        If a BatchNorm layer has no running statistics or is of another type than
+        BatchNorm1d/2d in training mode, if the output of a
         row depends on the other rows of the batch or is random, or if the output
         is not a floating point float64 tensor of shape (n_samples, n_outputs)
         with finite values at the initial weights. The message names the layer
@@ -84,7 +90,7 @@ def check_module(module, X, n_outputs, *, classifier=True):
         ``FeatureAlphaDropout``, ``Dropout1d``, ``Dropout3d``) or RReLU layers in
         training mode: they are disabled, since their masks are not recorded.
     """
-    _check_batch_norm(module)
+    batch_norms = _check_batch_norm(module)
     _warn_random_layers(module)
     dropout = [layer for _, layer in dropout_layers(module) if layer.training]
     module.eval()
@@ -111,6 +117,8 @@ def check_module(module, X, n_outputs, *, classifier=True):
             if saved is not None and saved.shape == buffer.shape:
                 buffer.copy_(saved)
     for layer in dropout:  # trained with dropout: the masks are recorded
+        layer.train()
+    for layer in batch_norms:  # trained with batch statistics, followed by the recorder
         layer.train()
 
 
@@ -171,26 +179,33 @@ def _subject(name, layer):
 
 
 def _check_batch_norm(module):
+    """Refuse the BatchNorm layers the kernel cannot follow; return those trained in
+    training mode (BatchNorm1d/2d with running statistics: per-row gradients
+    through the batch statistics, the running statistics' moves split over the
+    rows, see ``_path/_batchnorm.py``)."""
+    trained = []
     for name, layer in module.named_modules():
         if not isinstance(layer, _BatchNorm):  # SyncBatchNorm and the lazy ones included
             continue
-        if layer.training:
-            raise ValueError(
-                f"{_subject(name, layer)} is in training mode: BatchNorm "
-                "in training mode normalises each batch by its own statistics, so one "
-                "row's output depends on the other rows and the path kernel, a sum of "
-                "per-sample gradients, cannot reproduce it. Put it in eval mode "
-                "(module.eval() / layer.eval()) to use fixed running statistics (a "
-                "per-sample affine map), or use LayerNorm or GroupNorm."
-            )
         if layer.running_mean is None or layer.running_var is None:
             raise ValueError(
                 f"{_subject(name, layer)} has no running statistics "
                 "(track_running_stats=False), so it normalises each batch by its own "
-                "statistics even in eval mode: one row's output depends on the other "
-                "rows. Build it with track_running_stats=True and put it in eval mode "
-                "(fixed running statistics), or use LayerNorm or GroupNorm."
+                "statistics even in eval mode: the evaluated network's output on one row "
+                "depends on the other rows, and no per-row kernel reproduces it. Build "
+                "it with track_running_stats=True, or use LayerNorm or GroupNorm."
             )
+        if not layer.training:
+            continue
+        if type(layer) not in BATCH_NORMS:
+            raise ValueError(
+                f"{_subject(name, layer)} is in training mode: only nn.BatchNorm1d and "
+                "nn.BatchNorm2d are followed in training mode (per-row gradients through "
+                "the batch statistics, running statistics split over the rows). Put it in "
+                "eval mode (fixed running statistics), or use one of those."
+            )
+        trained.append(layer)
+    return trained
 
 
 def _warn_random_layers(module):

@@ -47,7 +47,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._path import MASKED_DROPOUT, flatten_parameters
+from .._path import BATCH_NORMS, MASKED_DROPOUT, flatten_parameters
+from ._batchnorm import StatisticsWatch, refuse_unsupported
 from ._dropout import MaskDraws
 from ._module_checks import check_module
 from ._optimizers import RecordingRefused, rule_for
@@ -150,8 +151,10 @@ class PathRecorder:
         self._open, self._done, self._rows = [], [], None
         self._saved, self._stale, self._own_forward = {}, False, False
         self._dropout = MaskDraws(module, generator)
+        self._stats = StatisticsWatch(module)
         self._handles = [
             module.register_forward_pre_hook(self._dropout.start_pass),
+            module.register_forward_pre_hook(self._stats.start_pass),
             module.register_forward_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -161,7 +164,8 @@ class PathRecorder:
         self._structure = StructureWatch(module, optimizer)
         self._weights = WeightWatch(self._params)
         self._weights.after_step()
-        self._constants = ConstantWatch(module, set(self._names))
+        # (the running statistics of BatchNorm layers move; the StatisticsWatch follows them)
+        self._constants = ConstantWatch(module, {*self._names, *self._stats.buffer_names()})
         self._finished = False
 
     # -- set-up checks ---------------------------------------------------------------
@@ -239,6 +243,7 @@ class PathRecorder:
                 if name in final:
                     param.copy_(final[name].reshape(param.shape))
         self._constants.restore(module)
+        self._stats.restore(module, at_step)
         return RecordedRun(
             module,
             path,
@@ -277,6 +282,15 @@ class PathRecorder:
                 f"{at_step} (after {at_step} optimiser steps) by up to {difference:.4g}: the "
                 f"kernel would not be the model's.{hint}"
             ), difference
+        moved = self._stats.difference(at_step)
+        if moved is not None:
+            name, difference = moved
+            return (
+                f"The running statistics of the module's BatchNorm layer {name!r} differ "
+                f"from the last recorded forward pass's (by up to {difference:.4g}): a "
+                "forward pass in training mode after the last step moved them, so the "
+                "kernel would not be the model's."
+            ), difference
         changed = self._constants.difference(self.module)
         if changed is not None:
             name, difference = changed
@@ -293,11 +307,14 @@ class PathRecorder:
             for handle in self._handles:
                 handle.remove()
             self._dropout.close()
+            self._stats.close()
             self._finished = True
 
     def path(self):
         """The :class:`~._path.WeightPath` recorded so far."""
-        return self._log.path(self._names, self._shapes, self._rule.recorded_form())
+        path = self._log.path(self._names, self._shapes, self._rule.recorded_form())
+        path.running_statistics = self._stats.statistics(path.n_steps)
+        return path
 
     @property
     def n_steps(self):
@@ -322,17 +339,20 @@ class PathRecorder:
                 layer.training
                 and not (isinstance(layer, _DropoutNd) and layer.p == 0)
                 and type(layer) not in MASKED_DROPOUT
+                and type(layer) not in BATCH_NORMS
             ):
                 step = self.n_steps
                 raise RecordingRefused(
                     f"Step {step}: layer {name!r} ({type(layer).__name__}) is in training mode "
                     "(batch statistics or randomness): one row's output is not a deterministic "
                     "function of that row. Put it in eval mode (module.eval()) for training "
-                    "(nn.Dropout and nn.Dropout2d are recorded with their masks)."
+                    "(nn.Dropout and nn.Dropout2d are recorded with their masks, nn.BatchNorm1d "
+                    "and nn.BatchNorm2d with their batch statistics)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
         batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
         batch.masks = self._dropout.take()
+        batch.stats = self._stats.take()
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -404,9 +424,9 @@ class PathRecorder:
                 name, difference = changed
                 raise RecordingRefused(
                     f"Step {step}: the module's constant {name!r} (a frozen parameter or "
-                    f"buffer) changed during the run (by up to {difference:.4g}; e.g. a "
-                    "BatchNorm's running statistics updated by a forward pass in training "
-                    "mode): the recorded network holds it constant."
+                    f"buffer) changed during the run (by up to {difference:.4g}; an edit "
+                    "under no_grad, a custom running statistic): the recorded network "
+                    "holds it constant."
                 )
         # a parameter the backward pass reached whose gradient was removed by hand
         removed = [not on and index in self._saved for index, on in enumerate(active)]
@@ -417,6 +437,7 @@ class PathRecorder:
             rows = np.concatenate([b.rows for b in batches])
             gradient = torch.cat([b.output_gradient for b in batches])
         masks = _step_masks(step, batches)
+        self._stats.record_step(step, batches)
         if self.check == "every" or (self.check == "first" and step == 0):
             self._verify(step, batches, active)
         self._pending = (rows, gradient, active, masks)
@@ -446,9 +467,10 @@ class PathRecorder:
         params = [p for p, on in zip(self._params, active, strict=True) if on]
         self._own_forward = True
         try:
-            total = _recomputed_gradient(
-                self.module, self.X, self.link, batches, params, self._dropout.replaying
-            )
+            with self._stats.paused():  # (a pass in training mode moves the statistics)
+                total = _recomputed_gradient(
+                    self.module, self.X, self.link, batches, params, self._dropout.replaying
+                )
         finally:
             self._own_forward = False
         tolerance = 1e-9 if self._dtype == torch.float64 else 1e-4
@@ -572,6 +594,9 @@ def _split(flat, params):
 def _check_module(module, X):
     """The estimators' module checks on a float64 eval copy of ``module`` (batch
     coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, _BatchNorm):
+            refuse_unsupported(name, layer, training=False)
     copy64 = copy.deepcopy(module).to(torch.float64).eval()
     rows = X[: min(64, X.shape[0])].to(torch.float64)
     with torch.no_grad():

@@ -20,13 +20,14 @@ final weights; how far the float32 model is from that network is the
 recording's ``model_gap``.
 """
 
+import contextlib
 import copy
 from dataclasses import replace
 
 import torch
 from torch.func import functional_call
 
-from .._path import allocate_weights, masks_applied
+from .._path import allocate_weights, masks_applied, row_shares
 
 DTYPE = torch.float64
 
@@ -78,11 +79,14 @@ def replay_in_float64(path, module, X, link):
     weights[0] = recorded.weights[0]
     w = recorded.weights[0].to(device)
     accumulation = recorded.update.forward()
+    statistics = _StatisticsReplay(path.running_statistics, module, device)
     for step in range(path.n_steps):
         params = {k: v.requires_grad_(True) for k, v in path.unflatten(w.clone()).items()}
         rows = torch.as_tensor(recorded.batches[step], device=device)
-        with masks_applied(module, path.masks(step)):  # the step's dropout masks
-            out = functional_call(module, {**constants, **params}, (X64[rows],), tie_weights=tied)
+        with masks_applied(module, path.masks(step)), statistics.step(step) as buffers:
+            # (the step's dropout masks; BatchNorm's pass in training mode)
+            values = {**constants, **buffers, **params}
+            out = functional_call(module, values, (X64[rows],), tie_weights=tied)
         out = link(out)
         e = recorded.output_gradients[step].to(device)
         grads = torch.autograd.grad(out, list(params.values()), grad_outputs=-e, allow_unused=True)
@@ -94,7 +98,80 @@ def replay_in_float64(path, module, X, link):
         )
         w = w + accumulation.move(step, w, gradient)
         weights[step + 1] = w.cpu()
-    return replace(recorded, weights=weights, storage=storage)
+    replayed = replace(recorded, weights=weights, storage=storage)
+    replayed.running_statistics = statistics.replayed()
+    return replayed
+
+
+class _StatisticsReplay:
+    """BatchNorm's running statistics replayed in float64 along the replay: each
+    step's pass in training mode (the recorded layers), its rows' shares of the
+    statistics' move from the replayed inputs (the recorded averaging weights),
+    and the statistics they add up to."""
+
+    def __init__(self, stats, module, device):
+        self.stats, self.module = stats, module
+        if stats is None:
+            return
+        self.layers = dict(module.named_modules())
+        self.values = [stats.values[0].to(device=device, dtype=DTYPE)]
+        self.shares = []
+        self.sizes = [int(torch.Size(shape).numel()) for shape in stats.shapes]
+
+    @contextlib.contextmanager
+    def step(self, step):
+        """Within: the step's statistics as buffers (a dict for ``functional_call``),
+        the training layers in training mode; after: the step's shares and the
+        next statistics."""
+        if self.stats is None:
+            yield {}
+            return
+        stats, current = self.stats, self.values[-1]
+        parts = dict(zip(stats.names, torch.split(current.clone(), self.sizes), strict=True))
+        inputs, handles = {}, []
+        for name in stats.training_layers:
+            layer = self.layers[name]
+            layer.train()
+            handles.append(layer.register_forward_pre_hook(_keep(inputs, name)))
+        try:
+            yield parts
+        finally:
+            for handle in handles:
+                handle.remove()
+            for name in stats.training_layers:
+                self.layers[name].eval()
+        shares, offset = [], 0
+        n_rows = next(iter(inputs.values())).shape[0] if inputs else 0
+        for name, size in zip(stats.names[::2], self.sizes[::2], strict=True):
+            layer_name = name.rsplit(".", 1)[0] if "." in name else ""
+            if layer_name in inputs:
+                mean = current[offset : offset + size]
+                var = current[offset + size : offset + 2 * size]
+                factor = stats.factors[step][layer_name]
+                shares.append(row_shares(inputs[layer_name], mean, var, factor))
+            else:
+                shares.append(current.new_zeros((n_rows, 2 * size)))
+            offset += 2 * size
+        shares = torch.cat(shares, dim=1)
+        self.shares.append(shares.cpu())
+        self.values.append(current + shares.sum(0))
+
+    def replayed(self):
+        """The replayed :class:`RunningStatistics` (None without)."""
+        if self.stats is None:
+            return None
+        return replace(
+            self.stats,
+            values=torch.stack([v.cpu() for v in self.values]),
+            shares=self.shares,
+        )
+
+
+def _keep(inputs, name):
+    def hook(_, args):
+        inputs[name] = args[0].detach()
+
+    return hook
 
 
 def _float64_copy(module, device):
@@ -185,7 +262,15 @@ def check_replay(recorded, replayed):
     if recorded.weights.dtype == DTYPE:
         return
     bounds = replay_bound(recorded)
-    for name, difference in replay_differences(recorded, replayed).items():
+    differences = replay_differences(recorded, replayed)
+    if recorded.running_statistics is not None:  # BatchNorm's running statistics, too
+        values = recorded.running_statistics.values.to(DTYPE)
+        u = torch.finfo(recorded.weights.dtype).eps / 2
+        gap = (replayed.running_statistics.values[-1] - values[-1]).abs().max()
+        differences["running statistics"] = float(gap)
+        sizes = values[1:].abs().amax(dim=1) + values.diff(dim=0).abs().amax(dim=1)
+        bounds["running statistics"] = ROUNDING_STEPS * u * float(sizes.sum())
+    for name, difference in differences.items():
         if not difference <= bounds[name]:
             raise RecordingRefused(
                 f"The float64 replay of the {recorded.weights.dtype} run ends {difference:.3g} "

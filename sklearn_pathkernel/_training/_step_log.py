@@ -50,6 +50,7 @@ class MicroBatch:
     output_gradient: torch.Tensor = None
     explicit: bool = False
     masks: dict = None  # the dropout masks of the pass (layer name -> booleans)
+    stats: dict = None  # what the pass did to BatchNorm running statistics (by layer)
     started: object = None  # called first by each gradient hook (the recorder's)
 
     def take_from(self, output):
@@ -123,6 +124,9 @@ def truncated_path(path, n_steps):
         learning_rates=path.learning_rates[:n_steps],
         update=path.update.truncated(n_steps),
         dropout_masks=None if path.dropout_masks is None else path.dropout_masks[:n_steps],
+        running_statistics=None
+        if path.running_statistics is None
+        else path.running_statistics.truncated(n_steps),
     )
 
 

@@ -172,9 +172,10 @@ class ConstantWatch:
 
 
 def constants(module, trained):
-    """The module's frozen parameters and buffers, by name."""
+    """The module's frozen parameters and buffers, by name (those in ``trained``,
+    trained parameters and followed running statistics, left out)."""
     values = {n: p for n, p in module.named_parameters() if n not in trained}
-    values.update(dict(module.named_buffers()))
+    values.update({n: b for n, b in module.named_buffers() if n not in trained})
     return values
 
 

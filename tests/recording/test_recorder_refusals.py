@@ -227,13 +227,23 @@ def test_penalty_in_the_loss():
 @pytest.mark.parametrize(
     "layer, match",
     [
-        (nn.BatchNorm1d(6), "'1' \\(BatchNorm1d\\) is in training mode"),
         (nn.AlphaDropout(0.5), "'1' \\(AlphaDropout\\) is in training mode"),
     ],
 )
 def test_training_mode_layers(layer, match):
     model = mlp(layer).train()
     refused(f"Step 0: layer {match}", model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_batch_norm_of_another_type_in_training_mode():
+    """BatchNorm1d/2d are followed in training mode (tests/training/test_batchnorm.py);
+    other BatchNorm types are refused by name."""
+    model = mlp(nn.SyncBatchNorm(6)).train()
+    X, y = data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    TrainingRecorder(model, optimizer, X)
+    with pytest.raises(RecordingRefused, match=r"layer '1' \(SyncBatchNorm\) is a BatchNorm in"):
+        model(X[:4])
 
 
 def test_batch_coupling_module_refused_at_creation():

@@ -245,7 +245,9 @@ def path_degree(module, path_names, example, link):
     """
     names = set(path_names)
     degrees, alive = {}, []
-    for name, param in module.named_parameters(remove_duplicate=False):
+    # (buffers in the path: BatchNorm running statistics that move along a step)
+    moving = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+    for name, param in moving:
         if name in names:
             degrees[id(param)] = 1
             alive.append(param)

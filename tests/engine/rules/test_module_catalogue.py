@@ -7,6 +7,10 @@ symmetric positive semi-definite matrix.
 
 REFUSED: ``fit`` raises a ``ValueError`` whose message names the cause. Nothing
 in between: a module is never silently wrong.
+
+One module is EXACT for the decomposition only: BatchNorm in training mode (its
+rows coupled through the batch) decomposes exactly, and its Gram matrices are
+refused by name (``test_batch_norm_in_training_mode``).
 """
 
 import warnings
@@ -259,11 +263,15 @@ class Noise(nn.Module):
         return x + 0.1 * torch.randn_like(x)
 
 
+class SubclassedBatchNorm(nn.BatchNorm1d):
+    """A subclass may override forward: not followed in training mode."""
+
+
 # name -> (module factory, the cause the message must name)
 REFUSED = {
-    "batch-norm-train": (
-        lambda: normalised(nn.BatchNorm1d(8)),
-        r"layer '1' \(BatchNorm1d\) is in training mode.*LayerNorm or GroupNorm",
+    "batch-norm-subclass-train": (
+        lambda: normalised(SubclassedBatchNorm(8)),
+        r"layer '1' \(SubclassedBatchNorm\) is in training mode: only nn.BatchNorm1d",
     ),
     "wrong-shape": (
         lambda: nn.Linear(N_FEATURES, 2),
@@ -317,6 +325,24 @@ def test_exact(data, name):
     eigenvalues = np.linalg.eigvalsh(gram)
     assert eigenvalues.min() >= -EIGEN_TOL * np.abs(eigenvalues).max()
     assert route_of(clf) == route
+
+
+def test_batch_norm_in_training_mode(data):
+    """Trained with batch statistics: the decomposition is exact against the eval-mode
+    network (running statistics); the Gram matrices are refused by name."""
+    X, y = data
+    module = seeded(lambda: normalised(nn.BatchNorm1d(8)))()
+    clf = ExactPathKernelClassifier(
+        module=module, max_iter=15, learning_rate=0.1, batch_size=10, random_state=0
+    ).fit(X, y)
+    parts = clf.decompose(X[:5])
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    assert np.abs(total - clf.predict_log_proba(X[:5])).max() <= SUM_TOL
+    assert parts.residual.max() <= SUM_TOL
+    assert np.abs(parts.statistics.sum(axis=1)).max() > 1e-3
+    with pytest.raises(NotImplementedError, match="BatchNorm trained in training mode"):
+        clf.kernel_(X)
+    assert route_of(clf) == WHOLE_NETWORK
 
 
 def route_of(clf):
