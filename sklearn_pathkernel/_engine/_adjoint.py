@@ -183,7 +183,7 @@ class AdjointSweep:
     """
 
     def __init__(self, run):
-        if getattr(run.path, "running_statistics", None) is not None:
+        if run.path.running_statistics is not None:
             raise NotImplementedError(
                 "Counterfactual attribution of a network with BatchNorm trained in "
                 "training mode is not available: the sweep differentiates each step as a "

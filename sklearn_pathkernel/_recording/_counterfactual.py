@@ -107,6 +107,13 @@ def stated_run(recording):
             "Counterfactual attribution does not differentiate a run with dropout in "
             "training mode (its masks would have to be replayed in every derivative)."
         )
+    if path.running_statistics is not None:
+        raise RecordingRefused(
+            "Counterfactual attribution does not differentiate a run with BatchNorm in "
+            "training mode: a row's loss depends on its whole batch through the batch "
+            "statistics, and the running statistics' averaging is not part of the "
+            "differentiated step. Use method='contributions'."
+        )
     module, replayed = recording._float64_run()
     X = recording.X_train_.to(DTYPE)
     link = _identity if recording.link is None else recording.link

@@ -382,3 +382,32 @@ def clone_fit(est, X, y, weights):
     from sklearn.base import clone
 
     return clone(est).fit(X, y, sample_weight=weights)
+
+
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (lambda: nn.Dropout(0.2), "dropout in training mode"),
+        (lambda: nn.BatchNorm1d(8), "BatchNorm in training mode"),
+    ],
+    ids=["dropout", "batchnorm"],
+)
+def test_runs_it_does_not_differentiate_are_refused_by_name(layer, match):
+    # the refusal names the module, not the stated loss (which is the loop's)
+    X, y = blobs()
+    X, y = torch.tensor(X), torch.tensor(y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), layer(), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X, y=y, loss="log_loss")
+    for start in range(0, 40, 10):
+        rows = torch.arange(start, start + 10)
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert abs(recording.decompose(X[:2])["residual"]).max() < 1e-9
+    with pytest.raises(RecordingRefused, match=match):
+        recording.counterfactual(X[:2])
