@@ -1,7 +1,7 @@
 """The recorded weight path of a training run.
 
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
-as one contiguous float64 array, for every step the batch it used and each batch
+as one contiguous array in the run's dtype (float64, or float32 for a float32 run), for every step the batch it used and each batch
 point's output gradient ``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's
 update in its linear form (:class:`~._update_record.UpdateRecord`).
 The gradient of step ``s``'s loss is
@@ -203,6 +203,8 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
         file of the system's temporary directory; a directory: a new file there.
         The file is deleted as soon as it is mapped (POSIX), so it never
         outlives the process; the operating system pages it in and out.
+    dtype : torch.dtype, default=torch.float64
+        The numbers' dtype: the run's (a float32 run's path takes 4 bytes a number).
 
     Returns
     -------
@@ -244,7 +246,8 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
             "lower max_iter (steps = max_iter x batches per epoch), use larger "
             "batches or a smaller network."
         )
-    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=".f64", dir=directory)
+    suffix = f".f{8 * itemsize}"  # .f64, .f32: the numbers' width
+    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=suffix, dir=directory)
     os.close(handle)
     try:
         array = np.memmap(

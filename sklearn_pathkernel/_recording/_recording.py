@@ -32,7 +32,6 @@ the recorded network's, and refuses otherwise (or, with
 ``on_mismatch="record"``, says so in every result).
 """
 
-import copy
 import warnings
 from numbers import Integral
 
@@ -49,12 +48,7 @@ from .._engine import PathKernelEngine, checked_against
 from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin
 from .._path import FunctionLink
-from .._training import (
-    RecordingRefused,
-    check_replay,
-    largest_difference,
-    replay_in_float64,
-)
+from .._training import RecordingRefused, float64_run, largest_difference
 from ._explanation_context import recording_context
 from ._io import read_recording, save_recording
 
@@ -337,18 +331,8 @@ class Recording(ExplanationMixin):
         """The float64 module at the final weights and its path: the recorded ones
         for a float64 run, the float64 replay of a float32 one (built once)."""
         if self._replay_cache is None:
-            module = copy.deepcopy(self.module_).to(DTYPE).eval()
-            path = self.path_
-            if path.weights.dtype != DTYPE:
-                link = output_function(self.link)
-                path = replay_in_float64(path, module, self.X_train_, link)
-                check_replay(self.path_, path)
-                final = path.unflatten(path.weights[-1])
-                with torch.no_grad():
-                    for name, param in module.named_parameters():
-                        if name in final:
-                            param.copy_(final[name])
-            self._replay_cache = module, path
+            run = float64_run(self.module_, self.path_, self.X_train_, output_function(self.link))
+            self._replay_cache = run.module, run.path
         return self._replay_cache
 
     def _engine(self):

@@ -18,7 +18,7 @@ from ._losses import (
 from ._module_checks import check_module
 from ._optimizers import SOLVERS, RecordingRefused
 from ._recorder import PathRecorder, RecordedRun
-from ._replay import check_replay, replay_in_float64
+from ._replay import Float64Run, check_replay, float64_run, replay_in_float64
 from ._solvers import (
     SolverSettings,
     solver_constraints,
@@ -32,6 +32,7 @@ __all__ = [
     "REGRESSION_LOSSES",
     "SOLVERS",
     "CrossEntropy",
+    "Float64Run",
     "Loss",
     "RecordingRefused",
     "SolverSettings",
@@ -40,6 +41,7 @@ __all__ = [
     "RecordedRun",
     "check_module",
     "check_replay",
+    "float64_run",
     "largest_difference",
     "register_loss",
     "replay_in_float64",
