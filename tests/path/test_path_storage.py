@@ -165,3 +165,46 @@ def test_astype_rounds_every_floating_tensor_and_keeps_the_rest(data):
     torch.testing.assert_close(single.weights, path.weights.float(), rtol=0, atol=0)
     assert single.batches is path.batches and single.n_steps == path.n_steps
     assert path.weights.dtype == torch.float64  # the original is untouched
+
+
+def mapped_file(tensor):
+    """The name of the mapped file a tensor's data lies in (Linux), or None."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            if low <= address < high and len(fields) == 6:
+                return fields[5].strip()
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_allocate_weights_on_disk_in_the_run_dtype(tmp_path, dtype):
+    weights, storage = allocate_weights(5, 7, tmp_path, dtype)
+    assert weights.dtype == dtype and storage == os.fspath(tmp_path)
+    assert is_memmap_backed(weights)
+    width = 8 * weights.element_size()
+    assert f".f{width} " in mapped_file(weights) + " "  # (the file's suffix: its numbers' width)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_float32_fit_keeps_its_path_in_float32_on_disk(data, tmp_path):
+    """A float32 run's path is float32 where it is stored (half the float64 bytes);
+    memory and disk give the same float32 numbers, replays and kernels, bitwise."""
+    X, _ = data
+    memory = fit(data, dtype="float32")
+    disk = fit(data, dtype="float32", path_storage=tmp_path)
+    double = fit(data)
+    assert disk.path_.weights.dtype == torch.float32 and is_memmap_backed(disk.path_.weights)
+    assert disk.path_.weights.nbytes * 2 == double.path_.weights.nbytes
+    assert torch.equal(memory.path_.weights, disk.path_.weights)
+    # the float64 replay the engine reads sits where the recorded path does
+    replay = disk._engine().path
+    assert replay.weights.dtype == torch.float64 and replay.storage == os.fspath(tmp_path)
+    assert is_memmap_backed(replay.weights)
+    assert torch.equal(memory._engine().path.weights, replay.weights)
+    parts_m, parts_d = memory.decompose(X[:3] + 0.25), disk.decompose(X[:3] + 0.25)
+    for key in ("contributions", "bias", "output", "residual", "model_gap"):
+        np.testing.assert_array_equal(parts_m[key], parts_d[key])
+    assert list(tmp_path.iterdir()) == []
