@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.func import functional_call
 
-from .._path import allocate_weights, masks_applied
+from .._path import allocate_weights, masks_applied, release_pages
 
 DTYPE = torch.float64
 #: Rows of a float32 path converted to float64 at once by :func:`replay_bound` (a
@@ -150,6 +150,7 @@ def replay_in_float64(path, module, X, link):
         )
         w = w + accumulation.move(step, w, gradient)
         weights[step + 1] = w.cpu()
+        release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
     return replace(recorded, weights=weights, storage=storage)
 
 
@@ -215,7 +216,9 @@ def replay_bound(path):
     # blocks of ROW_BLOCK steps (the rows s .. s + ROW_BLOCK, one shared with the next
     # block), each converted to float64 on its own: memory 8 (ROW_BLOCK + 1) W bytes
     for start in range(0, path.n_steps, ROW_BLOCK):
-        rows = weights[start : min(start + ROW_BLOCK, path.n_steps) + 1].to(DTYPE)
+        block = weights[start : min(start + ROW_BLOCK, path.n_steps) + 1]
+        rows = block.to(DTYPE, copy=True)
+        release_pages(block)
         offset = 0
         for index, numel in enumerate(numels):
             columns = rows[:, offset : offset + numel]
