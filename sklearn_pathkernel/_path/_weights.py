@@ -3,7 +3,8 @@
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
 as one contiguous array in the run's dtype (float64, or float32 for a float32 run),
 for every step the batch it used and each batch point's output gradient
-``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's update in its linear form (:class:`~._update_record.UpdateRecord`).
+``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's update in its linear form
+(:class:`~._update_record.UpdateRecord`).
 The gradient of step ``s``'s loss is
 
     G_s = - sum_{i in B_s} sum_k e_{s,i,k} grad_w f_k(x_i; w_s)
