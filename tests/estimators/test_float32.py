@@ -126,9 +126,11 @@ def test_float64_fit_has_no_model_gap(digits):
 
 
 def test_adam_whose_gradients_round_to_zero_is_refused_at_fit(digits):
-    """Adam's default epsilon (1e-8) lets 1 / (sqrt(v) + eps) amplify float32
-    gradients that round to (nearly) zero: the replay ends ~1e-2 from the model,
-    beyond the bound, and the fit says so, leaving the estimator unfitted."""
+    """Adam's default epsilon (1e-8): at step 0 an output bias's gradient can be zero in
+    exact arithmetic (zero output layer, a class with a tenth of the batch), 1e-8 in
+    float32, and 1 / (sqrt(v) + eps) ~ 5e7 makes that a move of half the learning
+    rate: the replay ends beyond the bound, the fit says so and leaves the estimator
+    unfitted."""
     X, y = digits
     clf = ExactPathKernelClassifier(
         hidden_layer_sizes=(16,), max_iter=2, batch_size=50, random_state=0,
@@ -194,3 +196,17 @@ def test_invalid_dtype_is_refused(digits, value):
     X, y = digits
     with pytest.raises(InvalidParameterError, match="'dtype' parameter"):
         ExactPathKernelClassifier(dtype=value).fit(X, y)
+
+
+def test_counterfactual_of_a_float32_fit_differentiates_the_float64_replay(digits):
+    """The adjoint sweep runs on the float64 replayed network; its own replay of the
+    run recomputes the output gradients in float64 (the kernel's replay keeps the
+    float32 run's), so it reports a replay error at the float32 level, not zero."""
+    X, y = digits
+    params = dict(solver="sgd", momentum=0.9, learning_rate=0.05)
+    single = fit(X, y, dtype="float32", **params)
+    double = fit(X, y, **params)
+    result = single.counterfactual(X[:2], y[:2], target="margin")
+    reference = double.counterfactual(X[:2], y[:2], target="margin")
+    assert 1e-12 < result.replay_error < 1e-6 and reference.replay_error < 1e-13
+    np.testing.assert_allclose(result.scores, reference.scores, rtol=1e-3, atol=1e-6)
