@@ -40,9 +40,7 @@ def main():
         f"{'model_gap':>9} {'residual64':>10}"
     )
     for name, solver in SOLVERS.items():
-        params = dict(
-            hidden_layer_sizes=(64,), batch_size=50, max_iter=args.epochs, random_state=0
-        )
+        params = dict(hidden_layer_sizes=(64,), batch_size=50, max_iter=args.epochs, random_state=0)
         double = ExactPathKernelClassifier(**params, **solver).fit(X_train, y_train)
         residual64 = double.decompose(X_test).residual.max()
         try:
@@ -50,7 +48,10 @@ def main():
             single.fit(X_train, y_train)
         except RecordingRefused as refusal:
             ratio = str(refusal).split(" ends ")[1].split(" from")[0]
-            print(f"{name:18} {double.n_steps_:5d} {'refused':>12} ({ratio} from the weights)")
+            print(
+                f"{name:18} {double.n_steps_:5d} {'refused':>12} {'--':>10} {'--':>9} "
+                f"{residual64:10.2g}  (the replay ends {ratio} from the weights)"
+            )
             continue
         bounds = replay_bound(single.path_)
         differences = replay_differences(single.path_, single._engine().path)
