@@ -32,6 +32,7 @@ from .._explain import ExplanationMixin
 from .._training import (
     CLASSIFICATION_LOSSES,
     REGRESSION_LOSSES,
+    Float64Run,
     SolverSettings,
     check_module,
     float64_run,
@@ -222,7 +223,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         self.__dict__.pop("_kernel_cache", None)
         self.__dict__.pop("_replay_cache", None)
         if replay is not None:
-            self.__dict__["_replay_cache"] = (replay.module, replay.path)
+            self.__dict__["_replay_cache"] = replay
         return self
 
     # -- the network -------------------------------------------------------
@@ -247,16 +248,16 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
     # -- the path kernel ---------------------------------------------------
 
     def _float64_run(self):
-        """The float64 network and path whose exact kernel the engine computes: the
-        fitted ones for a float64 fit, the float64 replay of a float32 fit
-        (:func:`~.._training._replay.float64_run`: built once, not pickled)."""
+        """The float64 network and path whose exact kernel the engine computes (a
+        ``Float64Run``): the fitted ones for a float64 fit, the float64 replay of a
+        float32 fit (:func:`~.._training._replay.float64_run`: built once, not pickled)."""
         check_is_fitted(self)
         if self.path_.weights.dtype == DTYPE:
-            return self.module_, self.path_
+            return Float64Run(self.module_, self.path_)
         cache = self.__dict__.get("_replay_cache")
         if cache is None:
             run = float64_run(self.module_, self.path_, self._fit_X, self._loss.link)
-            cache = self.__dict__["_replay_cache"] = (run.module, run.path)
+            cache = self.__dict__["_replay_cache"] = run
         return cache
 
     def _engine(self):
@@ -272,10 +273,10 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         ):
             cache = None  # set_params after fit: the kernel follows the new settings
         if cache is None:
-            module, path = self._float64_run()
+            run = self._float64_run()
             cache = PathKernelEngine(
-                module,
-                path,
+                run.module,
+                run.path,
                 self._fit_X,
                 link=self._loss.output_link,
                 certificate_tolerance=self._loss.certificate_tolerance,
@@ -377,9 +378,9 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         X = validate_data(self, X, dtype=np.float64, reset=False)
         X_t = as_tensor(X, self.device_)
         parts = self._engine().decompose(X_t, batch_size)
-        module, _ = self._float64_run()
-        with torch.no_grad():  # the module's own forward, at its own (final) weights
-            output = self._loss.link(module(X_t)).cpu().numpy()
+        network = self._float64_run().module  # (module_ itself for a float64 fit)
+        with torch.no_grad():  # the network's own forward, at its own (final) weights
+            output = self._loss.link(network(X_t)).cpu().numpy()
             own = self._own_output(X_t).cpu().numpy()
         return self._outputs_as_fitted(
             checked_against(parts, output, model_gap=np.abs(own - output).max(axis=1))

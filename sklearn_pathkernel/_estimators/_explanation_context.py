@@ -76,5 +76,5 @@ def _refit(estimator, targets, sample_weight, loss_scale):
         params = step.loss_scaling(loss_scale, estimator.get_params())
     X = estimator._fit_X.cpu().numpy()
     refitted = clone(estimator).set_params(**params).fit(X, targets, sample_weight=sample_weight)
-    _, path = refitted._float64_run()  # (a float32 refit's float64 replay)
+    path = refitted._float64_run().path  # (a float32 refit's float64 replay)
     return path.weights[-1].clone(), path.n_steps

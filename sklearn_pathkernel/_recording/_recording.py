@@ -328,11 +328,12 @@ class Recording(ExplanationMixin):
         return options
 
     def _float64_run(self):
-        """The float64 module at the final weights and its path: the recorded ones
-        for a float64 run, the float64 replay of a float32 one (built once)."""
+        """The float64 module at the final weights and its path (a ``Float64Run``):
+        the recorded ones for a float64 run, the float64 replay of a float32 one
+        (built once)."""
         if self._replay_cache is None:
-            run = float64_run(self.module_, self.path_, self.X_train_, output_function(self.link))
-            self._replay_cache = run.module, run.path
+            link = output_function(self.link)
+            self._replay_cache = float64_run(self.module_, self.path_, self.X_train_, link)
         return self._replay_cache
 
     def _engine(self):
@@ -342,10 +343,10 @@ class Recording(ExplanationMixin):
         options = self._options()
         cache = self._engine_cache
         if cache is None or options != {name: getattr(cache, name) for name in options}:
-            module, path = self._float64_run()
+            run = self._float64_run()
             self._engine_cache = PathKernelEngine(
-                module,
-                path,
+                run.module,
+                run.path,
                 self.X_train_.to(DTYPE),
                 link=FunctionLink(output_function(self.link)),
                 **options,
