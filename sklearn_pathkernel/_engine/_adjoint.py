@@ -67,6 +67,8 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 
+from .._path import read_row
+
 
 @dataclass(frozen=True)
 class TrainingRun:
@@ -110,7 +112,7 @@ class TrainingRun:
 
     def weights(self, step):
         """``w_step``, on the device."""
-        return self.path.weights[step].to(device=self.X.device)
+        return read_row(self.path.weights, step, self.X.device)
 
     def output(self, weights, X):
         """``f = link(module(X))`` at the flat ``weights``."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from sklearn.utils import Bunch
 
-from .._path import layout_by_rules, statistics_factors, take_rows, weighted
+from .._path import layout_by_rules, read_row, statistics_factors, take_rows, weighted
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
@@ -245,7 +245,8 @@ class Decomposition(SharedByTasks):
                 decay += factor * features.directional(direction)
             u = features.materialised()
             if update.preconditioners is not None:
-                scales = self.path.unflatten(update.preconditioners[index].to(self.steps.device))
+                row = read_row(update.preconditioners, index, self.steps.device)
+                scales = self.path.unflatten(row)
                 u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
             psi = accumulation.psi(index, u)
             if update.coupled_decay:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._path import read_row
 from ._probe import NetworkProbe
 
 
@@ -58,8 +59,9 @@ class PathSteps:
         return {"path": self.path, "device": self.device, "_last": {}}
 
     def weights(self, index):
-        """Row ``index`` of the weight path, on the device (a new tensor)."""
-        return self.path.weights[index].to(self.device)
+        """Row ``index`` of the weight path, on the device (a copy, its pages released,
+        for a path stored on disk: :func:`~sklearn_pathkernel._path.read_row`)."""
+        return read_row(self.path.weights, index, self.device)
 
     def step(self, index):
         """Step ``index`` as a :class:`Step` (the calling thread's last one when it
@@ -78,7 +80,7 @@ class PathSteps:
         preconditioners = self.path.update.preconditioners
         if preconditioners is None:
             return None
-        scales = self.path.unflatten(preconditioners[index].to(self.device))
+        scales = self.path.unflatten(read_row(preconditioners, index, self.device))
         return [rule.flatten(scales) for rule in rules]
 
     def on_device(self, array):

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._path import layout_by_rules, on_layers, take_rows
+from .._path import layout_by_rules, on_layers, read_row, take_rows
 from ._progress import step_progress
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
@@ -97,7 +97,7 @@ class StepwiseDecomposition:
         )
         u = integrated.features.materialised()
         if self.update.preconditioners is not None:
-            scales = self.path.unflatten(self.update.preconditioners[index].to(self.device))
+            scales = self.path.unflatten(read_row(self.update.preconditioners, index, self.device))
             rules = self._probe().rules
             u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
         return u, integrated.start_factors

@@ -32,14 +32,18 @@ from .._explain import ExplanationMixin
 from .._training import (
     CLASSIFICATION_LOSSES,
     REGRESSION_LOSSES,
+    Float64Run,
     SolverSettings,
     check_module,
+    float64_run,
     solver_constraints,
     train_module,
 )
 from ._explanation_context import estimator_context
 
 DTYPE = torch.float64
+#: The ``dtype`` parameter's values: the dtype the network is trained in.
+TRAINING_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # Attributes validate_data(reset=True) sets on the estimator.
 _VALIDATION_ATTRS = ("n_features_in_", "feature_names_in_")
 
@@ -88,6 +92,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         "n_points": [Interval(Integral, 1, None, closed="left")],
         "n_jobs": [Integral, None],
         "path_storage": [StrOptions({"memory", "disk"}), str, os.PathLike],
+        "dtype": [StrOptions(set(TRAINING_DTYPES))],
         "device": [str, torch.device],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
@@ -115,14 +120,14 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         ``random_state`` while this runs.
         """
 
-    def _initial_module(self, X, n_outputs, seed, device=CPU):
+    def _initial_module(self, X, n_outputs, seed, device=CPU, dtype=DTYPE):
         # Seed torch's initialisers without touching the user's global RNG state.
         # Built on the CPU (its generator, its data), then moved: w_0 is the same
-        # on every device.
+        # on every device. In float32, w_0 is the float64 initialisation rounded.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = self._build_module(X, n_outputs)
-        return module.to(device=device, dtype=DTYPE)
+        return module.to(device=device, dtype=DTYPE).to(dtype)
 
     @_fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, sample_weight=None):
@@ -165,24 +170,28 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             raise ValueError("The sample weights must not all be zero.")
 
         rng = check_random_state(self.random_state)
+        dtype = TRAINING_DTYPES[self.dtype]
         X_t = as_tensor(X, CPU)
         module = self._initial_module(
-            X_t, targets.n_outputs, rng.randint(np.iinfo(np.int32).max), device
+            X_t, targets.n_outputs, rng.randint(np.iinfo(np.int32).max), device, dtype
         )
         X_t = X_t.to(device)
+        X_run = X_t.to(dtype)  # what the network is trained on (X_t itself in float64)
         # a copy: the targets may be the user's read-only array (a memmap)
         y_t = torch.tensor(targets.values, device=device)
+        if y_t.is_floating_point():
+            y_t = y_t.to(dtype)
         # Refused with the reason, or left in eval mode (the mode it is trained in; its
         # nn.Dropout and nn.Dropout2d layers in training mode drop units, masks recorded;
         # its nn.BatchNorm1d/2d layers in training mode use batch statistics, followed).
         loss = self._losses[self.loss]()
-        check_module(module, X_t, targets.n_outputs, classifier=loss.classifies)
+        check_module(module, X_run, targets.n_outputs, classifier=loss.classifies)
         result = train_module(
             module,
-            X_t,
+            X_run,
             y_t,
             loss=loss,
-            sample_weight=torch.as_tensor(sample_weight, dtype=DTYPE, device=device),
+            sample_weight=torch.as_tensor(sample_weight, dtype=dtype, device=device),
             solver=SolverSettings.of(self),
             learning_rate=self.learning_rate,
             max_iter=self.max_iter,
@@ -196,6 +205,9 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         )
         for param in module.parameters():
             param.requires_grad_(False)
+        # A float32 run's float64 replay, checked at fit: a run whose replay is another
+        # network than the float32 model is refused here, with the reason.
+        replay = None if dtype == DTYPE else float64_run(module, result.path, X_t, loss.link)
 
         # Assign only once training succeeded: a failed fit leaves self as it was.
         self.__dict__.update(targets.attributes)
@@ -210,6 +222,9 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         self._fit_targets = targets.values  # what explanations label the training rows by
         self._fit_sample_weight = sample_weight  # what counterfactual attribution differentiates
         self.__dict__.pop("_kernel_cache", None)
+        self.__dict__.pop("_replay_cache", None)
+        if replay is not None:
+            self.__dict__["_replay_cache"] = replay
         return self
 
     # -- the network -------------------------------------------------------
@@ -220,12 +235,31 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         with torch.no_grad():
-            output = self._loss.link(self.module_(as_tensor(X, self.device_)))
+            output = self._own_output(as_tensor(X, self.device_))
             if transform is not None:
                 output = transform(output)
             return output.cpu().numpy()
 
+    def _own_output(self, X):
+        """``f`` of the trained network itself on float64 rows ``X`` (a tensor on
+        ``device_``), evaluated in its training dtype, as float64."""
+        X = X.to(self.path_.weights.dtype)
+        return self._loss.link(self.module_(X)).to(DTYPE)
+
     # -- the path kernel ---------------------------------------------------
+
+    def _float64_run(self):
+        """The float64 network and path whose exact kernel the engine computes (a
+        ``Float64Run``): the fitted ones for a float64 fit, the float64 replay of a
+        float32 fit (:func:`~.._training._replay.float64_run`: built once, not pickled)."""
+        check_is_fitted(self)
+        if self.path_.weights.dtype == DTYPE:
+            return Float64Run(self.module_, self.path_)
+        cache = self.__dict__.get("_replay_cache")
+        if cache is None:
+            run = float64_run(self.module_, self.path_, self._fit_X, self._loss.link)
+            cache = self.__dict__["_replay_cache"] = run
+        return cache
 
     def _engine(self):
         """The kernel engine of the fitted path (built once, shared by callers)."""
@@ -240,9 +274,10 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         ):
             cache = None  # set_params after fit: the kernel follows the new settings
         if cache is None:
+            run = self._float64_run()
             cache = PathKernelEngine(
-                self.module_,
-                self.path_,
+                run.module,
+                run.path,
                 self._fit_X,
                 link=self._loss.output_link,
                 certificate_tolerance=self._loss.certificate_tolerance,
@@ -258,6 +293,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         state = super().__getstate__()
         state = dict(state)
         state.pop("_kernel_cache", None)
+        state.pop("_replay_cache", None)  # (rebuilt, bitwise the same, when needed)
         # Host tensors only: the pickle loads on a machine without the device.
         if "module_" in state:
             state["module_"] = on_host(state["module_"])
@@ -274,6 +310,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             self.device_ = device
             self.module_ = self.module_.to(device)
             self._fit_X = self._fit_X.to(device)
+        self.__dict__.setdefault("dtype", "float64")  # (pickled before the parameter)
 
     @property
     def kernel_(self):
@@ -331,18 +368,27 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             the network itself (not by the kernel engine), so that no error of the
             engine or of the recorded path can hide behind it;
             ``quadrature_error`` (n_samples,): the part of it the quadrature
-            accounts for, summed over steps. With BatchNorm trained in training
-            mode, also ``statistics`` (shaped as ``contributions``): the part of
-            each contribution that came through the running statistics' moves
-            (see the user guide's "Which modules").
+            accounts for, summed over steps; ``model_gap`` (n_samples,): ``max_k``
+            of the difference between the trained network's own output in its
+            training ``dtype`` and ``output`` (zero for ``dtype="float64"``; for
+            a float32 fit, ``output`` and ``residual`` are those of the float64
+            network at the final weights of the run's float64 replay, see
+            ``dtype``). With BatchNorm trained in training mode, also
+            ``statistics`` (shaped as ``contributions``): the part of each
+            contribution that came through the running statistics' moves (see the
+            user guide's "Which modules").
         """
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         X_t = as_tensor(X, self.device_)
         parts = self._engine().decompose(X_t, batch_size)
-        with torch.no_grad():  # the module's own forward, at its own (final) weights
-            output = self._loss.link(self.module_(X_t)).cpu().numpy()
-        return self._outputs_as_fitted(checked_against(parts, output))
+        network = self._float64_run().module  # (module_ itself for a float64 fit)
+        with torch.no_grad():  # the network's own forward, at its own (final) weights
+            output = self._loss.link(network(X_t)).cpu().numpy()
+            own = self._own_output(X_t).cpu().numpy()
+        return self._outputs_as_fitted(
+            checked_against(parts, output, model_gap=np.abs(own - output).max(axis=1))
+        )
 
     def _explanation_context(self):
         """See :class:`~.._explain._mixin.ExplanationMixin`."""

@@ -97,6 +97,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         n_points=100,
         n_jobs=None,
         path_storage="memory",
+        dtype="float64",
         device="cpu",
         random_state=None,
         verbose=0,
@@ -122,6 +123,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         self.n_points = n_points
         self.n_jobs = n_jobs
         self.path_storage = path_storage
+        self.dtype = dtype
         self.device = device
         self.random_state = random_state
         self.verbose = verbose

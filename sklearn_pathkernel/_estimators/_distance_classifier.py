@@ -154,6 +154,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         n_points=100,
         n_jobs=None,
         path_storage="memory",
+        dtype="float64",
         device="cpu",
         random_state=None,
         verbose=0,
@@ -184,6 +185,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         self.n_points = n_points
         self.n_jobs = n_jobs
         self.path_storage = path_storage
+        self.dtype = dtype
         self.device = device
         self.random_state = random_state
         self.verbose = verbose

@@ -189,7 +189,7 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Parallel jobs (joblib) over blocks of kernel computations.
     path_storage : "memory", "disk" or path-like, default="memory"
         Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
-        float64 numbers, is kept: ``"memory"`` (RAM), ``"disk"`` (a
+        numbers in the training ``dtype``, is kept: ``"memory"`` (RAM), ``"disk"`` (a
         memory-mapped file in the system's temporary directory) or a memory-mapped
         file in the given directory, for long trainings whose path does not fit
         in RAM. Kernels and decompositions are identical either way. Before
@@ -197,6 +197,21 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         free disk space) and a ``MemoryError`` names the sizes if it cannot fit.
         Pickling writes the weights into the pickle; the unpickled estimator
         holds them in memory.
+    dtype : {"float64", "float32"}, default="float64"
+        The dtype the network is trained in, as a user's own loop would: with
+        ``"float32"``, ``module_`` (what ``predict`` evaluates), the training
+        arithmetic and ``path_`` (4 bytes a number, half the float64 path) are
+        float32. The kernel is always computed in float64: for a float32 fit it
+        is the exact kernel of the run's float64 replay (the recorded ``w_0``,
+        batches, output gradients, rates and preconditioners, each gradient
+        recomputed in float64), built at the first kernel query, checked to end
+        within the run's float32 rounding bound of ``path_``'s final weights
+        (else refused: a ``RecordingRefused`` names the parameter), and held in
+        float64 where ``path_storage`` says (``8 (n_steps + 1) n_weights`` bytes
+        more; not pickled, rebuilt bitwise on the next query). ``decompose``'s
+        ``residual`` is then measured against that float64 network and
+        ``model_gap`` says how far the float32 network's own output is from it
+        (about ``1e-6`` on digits). See the user guide, "Precision".
     device : str or torch.device, default="cpu"
         Where the network is trained and evaluated and the kernel computed:
         ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a
@@ -216,12 +231,12 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         which moves with each recorded step of each tile of rows."""
 
 FITTED_ATTRIBUTES = """module_ : torch.nn.Module
-        The trained network (float64, weights ``w_S``), on ``device_``.
+        The trained network (in ``dtype``, weights ``w_S``), on ``device_``.
     device_ : torch.device
         Where ``module_`` and the training data live and the computations run:
         ``device`` at fit (after unpickling, the CPU if this machine lacks it).
     path_ : WeightPath
-        The recorded weight path, on the
+        The recorded weight path, in ``dtype``, on the
         host (RAM or a memory-mapped file, see ``path_storage``).
     n_iter_ : int
         Epochs run.

@@ -54,7 +54,7 @@ def _training_run(estimator, engine):
     """The fitted run as a ``TrainingRun``: what counterfactual attribution differentiates."""
     X = estimator._fit_X
     return TrainingRun(
-        module=estimator.module_,
+        module=engine.module,  # (the float64 network the engine's path ends at)
         path=engine.path,
         X=X,
         y=torch.as_tensor(estimator._fit_targets, device=X.device),
@@ -76,4 +76,5 @@ def _refit(estimator, targets, sample_weight, loss_scale):
         params = step.loss_scaling(loss_scale, estimator.get_params())
     X = estimator._fit_X.cpu().numpy()
     refitted = clone(estimator).set_params(**params).fit(X, targets, sample_weight=sample_weight)
-    return refitted.path_.weights[-1].clone(), refitted.path_.n_steps
+    path = refitted._float64_run().path  # (a float32 refit's float64 replay)
+    return path.weights[-1].clone(), path.n_steps

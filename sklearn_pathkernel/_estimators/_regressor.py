@@ -106,6 +106,7 @@ class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
         n_points=100,
         n_jobs=None,
         path_storage="memory",
+        dtype="float64",
         device="cpu",
         random_state=None,
         verbose=0,
@@ -131,6 +132,7 @@ class ExactPathKernelRegressor(MLPNetworkMixin, BasePathRegressor):
         self.n_points = n_points
         self.n_jobs = n_jobs
         self.path_storage = path_storage
+        self.dtype = dtype
         self.device = device
         self.random_state = random_state
         self.verbose = verbose

@@ -51,6 +51,8 @@ from ._weights import (
     WeightPath,
     allocate_weights,
     flatten_parameters,
+    read_row,
+    release_pages,
     storage_directory,
 )
 
@@ -82,6 +84,8 @@ __all__ = [
     "masks_applied",
     "take_rows",
     "allocate_weights",
+    "read_row",
+    "release_pages",
     "available_memory",
     "block_values",
     "blockwise",

@@ -1,9 +1,10 @@
 """The recorded weight path of a training run.
 
 Everything the exact path kernel needs from training: the weights ``w_0 .. w_S``
-as one contiguous float64 array, for every step the batch it used and each batch
-point's output gradient ``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's
-update in its linear form (:class:`~._update_record.UpdateRecord`).
+as one contiguous array in the run's dtype (float64, or float32 for a float32 run),
+for every step the batch it used and each batch point's output gradient
+``e_{s,i} = -dL_s / df(x_i; w_s)``, and the optimiser's update in its linear form
+(:class:`~._update_record.UpdateRecord`).
 The gradient of step ``s``'s loss is
 
     G_s = - sum_{i in B_s} sum_k e_{s,i,k} grad_w f_k(x_i; w_s)
@@ -13,9 +14,12 @@ The gradient of step ``s``'s loss is
 sample weight). For plain gradient descent ``w_{s+1} - w_s = -lr_s G_s``.
 """
 
+import ctypes
+import mmap
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +30,13 @@ from ._memory import available_memory
 from ._update_record import UpdateRecord
 
 PATH_STORAGES = ("memory", "disk")
+
+#: The weight files this process mapped (:func:`allocate_weights`): per mapping, a weak
+#: reference to its numpy memmap and its address range. Pages are only ever released
+#: inside these ranges (see :func:`release_pages`).
+_MAPPINGS = {}
+_MAPPINGS_LOCK = threading.Lock()
+_MADV_DONTNEED = 4  # (Linux, macOS and the BSDs)
 
 
 @dataclass
@@ -211,6 +222,8 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
         file of the system's temporary directory; a directory: a new file there.
         The file is deleted as soon as it is mapped (POSIX), so it never
         outlives the process; the operating system pages it in and out.
+    dtype : torch.dtype, default=torch.float64
+        The numbers' dtype: the run's (a float32 run's path takes 4 bytes a number).
 
     Returns
     -------
@@ -252,7 +265,8 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
             "lower max_iter (steps = max_iter x batches per epoch), use larger "
             "batches or a smaller network."
         )
-    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=".f64", dir=directory)
+    suffix = f".f{8 * itemsize}"  # .f64, .f32: the numbers' width
+    handle, filename = tempfile.mkstemp(prefix="pathkernel-weights-", suffix=suffix, dir=directory)
     os.close(handle)
     try:
         array = np.memmap(
@@ -268,7 +282,93 @@ def allocate_weights(n_rows, n_weights, path_storage="memory", dtype=torch.float
         os.remove(filename)  # POSIX: the mapping keeps the data until it is released
     except OSError:  # pragma: no cover - Windows cannot remove a mapped file
         weakref.finalize(array, _remove_quietly, filename)
+    _register_mapping(array)
     return torch.from_numpy(array), directory
+
+
+def _register_mapping(array):
+    start = array.ctypes.data
+    key = (start, id(array))
+    with _MAPPINGS_LOCK:
+        _MAPPINGS[key] = (weakref.ref(array), start, start + array.nbytes)
+    weakref.finalize(array, _unregister_mapping, key)
+
+
+def _unregister_mapping(key):
+    with _MAPPINGS_LOCK:
+        _MAPPINGS.pop(key, None)
+
+
+def _madvise():
+    """libc's ``madvise``, or None where it cannot be called."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - Windows
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MADVISE = _madvise()
+
+
+def _mapped_pages(tensor):
+    """The page-aligned address range around ``tensor``'s data when that data lies in
+    a live weight file mapped by :func:`allocate_weights`, else None."""
+    if _MADVISE is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with _MAPPINGS_LOCK:
+        for reference, low, high in _MAPPINGS.values():
+            if low <= start and end <= high and reference() is not None:
+                first = start - start % mmap.PAGESIZE  # (low is page-aligned)
+                return first, min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, high)
+    return None
+
+
+def release_pages(tensor):
+    """Give the resident pages of ``tensor`` back, if it lies in a weight file mapped
+    by :func:`allocate_weights`; return whether it did.
+
+    The mapping is shared and file-backed: ``madvise(MADV_DONTNEED)`` unmaps the pages
+    from this process (its resident memory falls) and the next read of them pages
+    the same numbers back in from the file (or the page cache). Memory that is not
+    such a mapping is never touched (there, ``MADV_DONTNEED`` would zero it): the
+    tensor's whole range must lie in a registered, live mapping.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        A contiguous host tensor, e.g. a row of a path's weights.
+
+    Returns
+    -------
+    bool
+        False for a tensor in ordinary memory, or where ``madvise`` is unavailable.
+    """
+    pages = _mapped_pages(tensor)
+    if pages is None:
+        return False
+    first, last = pages
+    return _MADVISE(first, last - first, _MADV_DONTNEED) == 0
+
+
+def read_row(rows, index, device):
+    """Row ``index`` of ``rows`` (a path's weights or preconditioners) on ``device``.
+
+    A row of a path stored on disk is copied and then its pages released
+    (:func:`release_pages`), so that reading the path step by step keeps only the
+    rows in use resident, whatever the number of steps (cost: one copy of the row);
+    a row in memory is ``rows[index].to(device)`` (no copy on the host).
+    """
+    row = rows[index]
+    if _mapped_pages(row) is None:
+        return row.to(device)
+    copy = row.to(device, copy=True)
+    release_pages(row)
+    return copy
 
 
 def _remove_quietly(filename):  # pragma: no cover - Windows only

@@ -114,7 +114,8 @@ def stated_run(recording):
             "statistics, and the running statistics' averaging is not part of the "
             "differentiated step. Use method='contributions'."
         )
-    module, replayed = recording._float64_run()
+    run64 = recording._float64_run()
+    module, replayed = run64.module, run64.path
     X = recording.X_train_.to(DTYPE)
     link = _identity if recording.link is None else recording.link
     loss = StatedLoss(resolve_loss(recording.loss), link)

@@ -35,7 +35,6 @@ the recorded network's, and refuses otherwise (or, with
 """
 
 import contextlib
-import copy
 import warnings
 from numbers import Integral
 
@@ -51,13 +50,8 @@ from sklearn.utils.validation import check_array
 from .._engine import PathKernelEngine, checked_against
 from .._estimators import ExactPathKernel
 from .._explain import ExplanationMixin
-from .._path import FunctionLink, load_statistics
-from .._training import (
-    RecordingRefused,
-    check_replay,
-    largest_difference,
-    replay_in_float64,
-)
+from .._path import FunctionLink
+from .._training import RecordingRefused, float64_run, largest_difference
 from ._explanation_context import recording_context
 from ._io import read_recording, read_stated, save_recording
 
@@ -361,23 +355,12 @@ class Recording(ExplanationMixin):
         return options
 
     def _float64_run(self):
-        """The float64 module at the final weights and its path: the recorded ones
-        for a float64 run, the float64 replay of a float32 one (built once)."""
+        """The float64 module at the final weights and its path (a ``Float64Run``):
+        the recorded ones for a float64 run, the float64 replay of a float32 one
+        (built once)."""
         if self._replay_cache is None:
-            module = copy.deepcopy(self.module_).to(DTYPE).eval()
-            path = self.path_
-            if path.weights.dtype != DTYPE:
-                link = output_function(self.link)
-                path = replay_in_float64(path, module, self.X_train_, link)
-                check_replay(self.path_, path)
-                final = path.unflatten(path.weights[-1])
-                with torch.no_grad():
-                    for name, param in module.named_parameters():
-                        if name in final:
-                            param.copy_(final[name])
-                if path.running_statistics is not None:  # BatchNorm's, replayed too
-                    load_statistics(module, path.running_statistics)
-            self._replay_cache = module, path
+            link = output_function(self.link)
+            self._replay_cache = float64_run(self.module_, self.path_, self.X_train_, link)
         return self._replay_cache
 
     def _engine(self):
@@ -387,10 +370,10 @@ class Recording(ExplanationMixin):
         options = self._options()
         cache = self._engine_cache
         if cache is None or options != {name: getattr(cache, name) for name in options}:
-            module, path = self._float64_run()
+            run = self._float64_run()
             self._engine_cache = PathKernelEngine(
-                module,
-                path,
+                run.module,
+                run.path,
                 self.X_train_.to(DTYPE),
                 link=FunctionLink(output_function(self.link)),
                 **options,

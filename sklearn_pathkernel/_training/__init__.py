@@ -19,7 +19,7 @@ from ._module_checks import check_module
 from ._optimizer_settings import OptimizerSettings, SettingsLog
 from ._optimizers import OPTIMIZER_RULES, SOLVERS, RecordingRefused
 from ._recorder import PathRecorder, RecordedRun
-from ._replay import check_replay, replay_in_float64
+from ._replay import Float64Run, check_replay, float64_run, replay_in_float64
 from ._solvers import (
     SolverSettings,
     solver_constraints,
@@ -42,6 +42,7 @@ __all__ = [
     "REGRESSION_LOSSES",
     "SOLVERS",
     "CrossEntropy",
+    "Float64Run",
     "Loss",
     "OptimizerSettings",
     "RecordingRefused",
@@ -58,6 +59,7 @@ __all__ = [
     "resolve_loss",
     "retrain",
     "check_replay",
+    "float64_run",
     "largest_difference",
     "register_loss",
     "replay_in_float64",

@@ -22,14 +22,72 @@ recording's ``model_gap``.
 
 import contextlib
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.func import functional_call
 
-from .._path import allocate_weights, masks_applied, row_shares
+from .._path import allocate_weights, load_statistics, masks_applied, release_pages, row_shares
 
 DTYPE = torch.float64
+#: Rows of a float32 path converted to float64 at once by :func:`replay_bound` (a
+#: block of ``8 ROW_BLOCK W`` bytes: the path is never converted whole).
+ROW_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Float64Run:
+    """The float64 network and path whose kernel stands for a run's.
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+        A float64 copy of the network in eval mode, at the final weights of ``path``.
+    path : WeightPath
+        The recorded path itself (a float64 run) or its float64 replay
+        (:func:`replay_in_float64`, checked by :func:`check_replay`).
+    """
+
+    module: torch.nn.Module
+    path: object
+
+
+def float64_run(module, path, X, link):
+    """The float64 run whose exact kernel the hosts compute, for a run recorded in
+    any floating dtype.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The trained network (any floating dtype; not changed).
+    path : WeightPath
+        Its recorded path, in the training dtype.
+    X : torch.Tensor of shape (n_samples, ...)
+        The training inputs the path's batches index (any floating dtype).
+    link : callable
+        ``f = link(module(x))``, the function whose output gradients were recorded.
+
+    Returns
+    -------
+    Float64Run
+        For a float64 path, a float64 copy of ``module`` and ``path`` itself; for
+        a float32 one, the float64 replay (refused with ``RecordingRefused`` when
+        it ends beyond the run's rounding bound from the recorded final weights)
+        and the float64 network at its final weights.
+    """
+    module64 = copy.deepcopy(module).to(DTYPE).eval()
+    if path.weights.dtype == DTYPE:
+        return Float64Run(module64, path)
+    replayed = replay_in_float64(path, module64, X.to(DTYPE), link)
+    check_replay(path, replayed)
+    final = replayed.unflatten(replayed.weights[-1])
+    with torch.no_grad():
+        for name, param in module64.named_parameters():
+            if name in final:
+                param.copy_(final[name])
+    if replayed.running_statistics is not None:  # BatchNorm's, replayed too
+        load_statistics(module64, replayed.running_statistics)
+    return Float64Run(module64, replayed)
 
 
 def replay_in_float64(path, module, X, link):
@@ -98,6 +156,7 @@ def replay_in_float64(path, module, X, link):
         )
         w = w + accumulation.move(step, w, gradient)
         weights[step + 1] = w.cpu()
+        release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
     replayed = replace(recorded, weights=weights, storage=storage)
     replayed.running_statistics = statistics.replayed()
     return replayed
@@ -230,14 +289,25 @@ def replay_bound(path):
     if path.weights.dtype == DTYPE:
         return dict.fromkeys(path.param_names, 0.0)
     u = torch.finfo(path.weights.dtype).eps / 2
-    bounds, offset = {}, 0
-    for name, shape in zip(path.param_names, path.param_shapes, strict=True):
-        numel = int(torch.Size(shape).numel())
-        columns = path.weights[:, offset : offset + numel].to(DTYPE)
-        sizes = columns[1:].abs().amax(dim=1) + columns.diff(dim=0).abs().amax(dim=1)
-        bounds[name] = ROUNDING_STEPS * u * float(sizes.sum())
-        offset += numel
-    return bounds
+    numels = [int(torch.Size(shape).numel()) for shape in path.param_shapes]
+    sums = [0.0] * len(numels)
+    weights = path.weights
+    # blocks of ROW_BLOCK steps (the rows s .. s + ROW_BLOCK, one shared with the next
+    # block), each converted to float64 on its own: memory 8 (ROW_BLOCK + 1) W bytes
+    for start in range(0, path.n_steps, ROW_BLOCK):
+        block = weights[start : min(start + ROW_BLOCK, path.n_steps) + 1]
+        rows = block.to(DTYPE, copy=True)
+        release_pages(block)
+        offset = 0
+        for index, numel in enumerate(numels):
+            columns = rows[:, offset : offset + numel]
+            if numel:
+                sizes = columns[1:].abs().amax(dim=1) + columns.diff(dim=0).abs().amax(dim=1)
+                sums[index] += float(sizes.sum())
+            offset += numel
+    return {
+        name: ROUNDING_STEPS * u * total for name, total in zip(path.param_names, sums, strict=True)
+    }
 
 
 def replay_differences(recorded, replayed):
@@ -278,7 +348,9 @@ def check_replay(recorded, replayed):
                 f"{bounds[name]:.3g}: the replay is another network than the float32 model, "
                 "so no certificate of it would be about the model. Either the run's rounding "
                 "grew along it (Adam's preconditioner amplifies it where second moments are "
-                "near zero, e.g. ReLU units dead in one run and not in the other: train in "
-                "float64), or the recorded steps are not what the optimiser did (a setting "
-                "the recorder does not represent)."
+                "near zero, e.g. ReLU units dead in one run and not in the other, or gradients "
+                "that round to zero in float32: train in float64, or give Adam an epsilon "
+                "well above the float32 rounding of the gradients, which bounds that "
+                "amplification by 1/epsilon), or the recorded steps are not what the "
+                "optimiser did (a setting the recorder does not represent)."
             )

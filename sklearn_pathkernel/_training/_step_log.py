@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .._path import UpdateRecord, WeightPath, allocate_weights, per_step, storage_directory
+from .._path import (
+    UpdateRecord,
+    WeightPath,
+    allocate_weights,
+    per_step,
+    release_pages,
+    storage_directory,
+)
 from ._optimizers import RecordingRefused, adam_scale
 from ._weight_watch import host_bytes_equal
 
@@ -179,6 +186,8 @@ class GrowingRows:
         else:
             _write_parts(row, parts, numels)
         self.n_rows += 1
+        if self.storage != "memory":  # written to the file: its pages leave this process
+            release_pages(row)
 
     def rows(self):
         """The rows written, as a view (to write into)."""
@@ -290,6 +299,9 @@ class StepLog:
                 part = slice(start, min(start + chunk, rows.stop - rows.start))
                 block = preconditioners[rows.start + part.start : rows.start + part.stop, columns]
                 adam_scale(block, step_size[part], correction[part], eps[part])
+                if not block.is_contiguous():  # (columns of a disk path: its rows' pages)
+                    block = preconditioners[rows.start + part.start : rows.start + part.stop]
+                release_pages(block)
             offset += numel
         self._finished_rows = rows.stop
 

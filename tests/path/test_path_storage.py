@@ -165,3 +165,101 @@ def test_astype_rounds_every_floating_tensor_and_keeps_the_rest(data):
     torch.testing.assert_close(single.weights, path.weights.float(), rtol=0, atol=0)
     assert single.batches is path.batches and single.n_steps == path.n_steps
     assert path.weights.dtype == torch.float64  # the original is untouched
+
+
+def mapped_file(tensor):
+    """The name of the mapped file a tensor's data lies in (Linux), or None."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            if low <= address < high and len(fields) == 6:
+                return fields[5].strip()
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_allocate_weights_on_disk_in_the_run_dtype(tmp_path, dtype):
+    weights, storage = allocate_weights(5, 7, tmp_path, dtype)
+    assert weights.dtype == dtype and storage == os.fspath(tmp_path)
+    assert is_memmap_backed(weights)
+    width = 8 * weights.element_size()
+    assert f".f{width} " in mapped_file(weights) + " "  # (the file's suffix: its numbers' width)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_float32_fit_keeps_its_path_in_float32_on_disk(data, tmp_path):
+    """A float32 run's path is float32 where it is stored (half the float64 bytes);
+    memory and disk give the same float32 numbers, replays and kernels, bitwise."""
+    X, _ = data
+    memory = fit(data, dtype="float32")
+    disk = fit(data, dtype="float32", path_storage=tmp_path)
+    double = fit(data)
+    assert disk.path_.weights.dtype == torch.float32 and is_memmap_backed(disk.path_.weights)
+    assert disk.path_.weights.nbytes * 2 == double.path_.weights.nbytes
+    assert torch.equal(memory.path_.weights, disk.path_.weights)
+    # the float64 replay the engine reads sits where the recorded path does
+    replay = disk._engine().path
+    assert replay.weights.dtype == torch.float64 and replay.storage == os.fspath(tmp_path)
+    assert is_memmap_backed(replay.weights)
+    assert torch.equal(memory._engine().path.weights, replay.weights)
+    parts_m, parts_d = memory.decompose(X[:3] + 0.25), disk.decompose(X[:3] + 0.25)
+    for key in ("contributions", "bias", "output", "residual", "model_gap"):
+        np.testing.assert_array_equal(parts_m[key], parts_d[key])
+    assert list(tmp_path.iterdir()) == []
+
+
+def resident_file_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("needs RssFile in /proc/self/status")  # pragma: no cover
+
+
+def test_released_pages_leave_the_process_and_keep_their_numbers(tmp_path):
+    """``release_pages`` unmaps a written weight file's pages (resident memory falls
+    by about its size) and the numbers read back afterwards are the ones written."""
+    if not os.path.exists("/proc/self/status"):  # pragma: no cover - not Linux
+        pytest.skip("needs /proc/self/status")
+    weights, _ = allocate_weights(64, 2**17, tmp_path)  # 64 MiB
+    values = torch.arange(64 * 2**17, dtype=torch.float64).reshape(64, 2**17)
+    weights.copy_(values)
+    before = resident_file_bytes()
+    assert path_module.release_pages(weights)
+    assert before - resident_file_bytes() > 48 * 2**20
+    assert torch.equal(weights, values)  # paged back in from the file
+    # row by row, as the engine reads: a private copy, the row's pages released
+    for index in (0, 17, 63):
+        row = path_module.read_row(weights, index, torch.device("cpu"))
+        assert torch.equal(row, values[index]) and row.data_ptr() != weights[index].data_ptr()
+
+
+def test_memory_that_is_not_a_weight_file_is_never_released(tmp_path):
+    """Releasing anonymous memory would zero it: refused for a tensor in RAM, a copy
+    of a mapped path, and a tensor that only starts inside a mapping."""
+    in_ram = torch.arange(2**20, dtype=torch.float64)
+    assert not path_module.release_pages(in_ram)
+    assert torch.equal(in_ram, torch.arange(2**20, dtype=torch.float64))
+    weights, _ = allocate_weights(4, 1024, tmp_path)
+    weights.fill_(1.5)
+    copied = weights.clone()
+    assert not path_module.release_pages(copied) and bool((copied == 1.5).all())
+    row = path_module.read_row(in_ram.reshape(4, -1), 2, torch.device("cpu"))
+    assert row.data_ptr() == in_ram.reshape(4, -1)[2].data_ptr()  # (in RAM: no copy)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_adam_paths_on_disk_give_bitwise_identical_kernels(data, tmp_path, dtype):
+    """Weights and Adam's preconditioners read row by row from disk, pages released:
+    the same numbers as in memory."""
+    X, _ = data
+    params = dict(solver="adam", epsilon=1e-4, batch_size=10, learning_rate=0.01, dtype=dtype)
+    memory = fit(data, **params)
+    disk = fit(data, path_storage=tmp_path, **params)
+    assert is_memmap_backed(disk.path_.update.preconditioners)
+    parts_m, parts_d = memory.decompose(X[:3] + 0.25), disk.decompose(X[:3] + 0.25)
+    for key in ("contributions", "bias", "decay", "output", "residual", "model_gap"):
+        np.testing.assert_array_equal(parts_m[key], parts_d[key])
+    np.testing.assert_array_equal(memory.kernel_(X[:5]), disk.kernel_(X[:5]))

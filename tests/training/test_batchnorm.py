@@ -400,7 +400,7 @@ def test_float32_run_is_exact_for_its_replay(name):
     parts = recording.decompose(X[:6] + 0.05)
     assert parts.residual.max() <= 1e-9
     assert 0 < parts.model_gap.max() <= 1e-5
-    replayed = recording._float64_run()[1].running_statistics
+    replayed = recording._float64_run().path.running_statistics
     recorded = recording.path_.running_statistics.values[-1].double()
     assert 0 < (replayed.values[-1] - recorded).abs().max() <= 1e-5
 

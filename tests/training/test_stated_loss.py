@@ -53,7 +53,7 @@ def loop(weights=None, loss=None, accumulate=False, n_steps=6):
 
 def stated(recording):
     loss = StatedLoss(CrossEntropy(), lambda out: out)
-    module = recording._float64_run()[0]
+    module = recording._float64_run().module
     y = loss_targets(recording.targets_, loss, 3, recording.X_train_.device)
     return loss, module, y
 

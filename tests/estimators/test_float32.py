@@ -1,0 +1,212 @@
+"""``dtype="float32"``: the network trained in float32, the kernel of its float64 replay.
+
+Independent computations: the float64 cross-entropy gradient by autograd at the
+replayed weights (plain full-batch gradient descent: ``w_{s+1} - w_s = -lr G_s``);
+the float64 network at the replayed final weights by ``functional_call``; the
+float32 network's own forward pass; the replay bound's formula written out.
+"""
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from sklearn.utils._param_validation import InvalidParameterError
+from torch.func import functional_call
+
+from sklearn_pathkernel import (
+    DistanceKernelClassifier,
+    ExactPathKernelClassifier,
+    ExactPathKernelRegressor,
+    RecordingRefused,
+)
+from sklearn_pathkernel._training._replay import replay_bound, replay_differences
+
+F32, F64 = torch.float32, torch.float64
+
+
+@pytest.fixture(scope="module")
+def digits():
+    X, y = load_digits(return_X_y=True)
+    return X[:200] / 16.0, y[:200]
+
+
+def fit(X, y, **params):
+    settings = dict(hidden_layer_sizes=(16,), max_iter=2, batch_size=50, random_state=0)
+    return ExactPathKernelClassifier(**{**settings, **params}).fit(X, y)
+
+
+def check_replayed_decomposition(clf, queries):
+    """The identity against the float64 network at the replayed final weights, and the
+    model gap against the float32 network's own output."""
+    parts = clf.decompose(queries)
+    path = clf._engine().path
+    module64 = copy.deepcopy(clf.module_).double()
+    Q = torch.as_tensor(queries)
+    with torch.no_grad():
+        final = path.unflatten(path.weights[-1])
+        output = torch.log_softmax(functional_call(module64, final, (Q,)), dim=1).numpy()
+        own = torch.log_softmax(clf.module_(Q.float()), dim=1).double().numpy()
+    np.testing.assert_array_equal(parts.output, output)
+    total = parts.bias + parts.contributions.sum(axis=1) + parts.decay
+    assert np.abs(total - output).max() <= 1e-9
+    assert parts.residual.max() <= 1e-9
+    np.testing.assert_array_equal(parts.model_gap, np.abs(own - output).max(axis=1))
+    return parts
+
+
+def test_float32_fit_trains_and_records_in_float32(digits):
+    X, y = digits
+    clf = fit(X, y, dtype="float32")
+    assert all(p.dtype == F32 for p in clf.module_.parameters())
+    assert clf.path_.weights.dtype == F32
+    assert all(g.dtype == F32 for g in clf.path_.output_gradients)
+    single = fit(X, y)
+    assert clf.path_.weights.nbytes * 2 == single.path_.weights.nbytes
+    # w_0 is the float64 initialisation rounded to float32
+    np.testing.assert_array_equal(clf.path_.weights[0], single.path_.weights[0].float())
+    # predictions are the float32 network's
+    with torch.no_grad():
+        own = torch.softmax(clf.module_(torch.as_tensor(X, dtype=F32)), dim=1).double()
+    np.testing.assert_allclose(clf.predict_proba(X), own.numpy(), rtol=1e-6, atol=1e-7)
+    assert (clf.predict(X) == single.predict(X)).mean() > 0.95
+
+
+def test_full_batch_replay_is_gradient_descent_in_float64(digits):
+    """The replay's moves are -lr times the float64 gradient, by autograd at the
+    replayed weights, of the recorded output gradients' linear form
+    ``-sum_i <e_{s,i}, f(x_i; w)>`` (the e_{s,i} are the float32 run's)."""
+    X, y = digits
+    clf = fit(X, y, dtype="float32", batch_size=None, max_iter=4, learning_rate=0.3)
+    path = clf._engine().path
+    assert path.weights.dtype == F64 and clf.path_.weights.dtype == F32
+    module64 = copy.deepcopy(clf.module_).double()
+    X64 = torch.as_tensor(X)
+    for step in range(path.n_steps):
+        weights = path.unflatten(path.weights[step])
+        params = {k: v.clone().requires_grad_(True) for k, v in weights.items()}
+        f = torch.log_softmax(functional_call(module64, params, (X64[path.batches[step]],)), 1)
+        e = path.output_gradients[step].double()
+        grads = torch.autograd.grad(-(f * e).sum(), list(params.values()))
+        gradient = torch.cat([g.reshape(-1) for g in grads])
+        move = path.weights[step + 1] - path.weights[step]
+        assert (move + 0.3 * gradient).abs().max() <= 1e-15 * float(path.weights[step].abs().max())
+    # and it follows the float32 run within its rounding
+    assert 0 < (path.weights - clf.path_.weights.double()).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("solver", "margin"),
+    [
+        (dict(solver="sgd", momentum=0.9, learning_rate=0.05), 20),
+        (dict(solver="adam", epsilon=1e-4, learning_rate=0.01), 4),
+    ],
+    ids=["sgd-momentum", "adam-eps1e-4"],
+)
+def test_float32_fit_is_exact_for_its_float64_replay(digits, solver, margin):
+    """SGD with momentum stays within 1/20 of the replay bound, Adam (epsilon 1e-4:
+    its preconditioner at most 1e4) measured at 0.06 of it."""
+    X, y = digits
+    clf = fit(X, y, dtype="float32", weight_decay=1e-3, **solver)
+    parts = check_replayed_decomposition(clf, X[:4] + 0.01)
+    assert 0 < parts.model_gap.max() <= 1e-5
+    bounds = replay_bound(clf.path_)
+    differences = replay_differences(clf.path_, clf._engine().path)
+    assert max(differences[k] / bounds[k] for k in bounds) < 1 / margin
+
+
+def test_float64_fit_has_no_model_gap(digits):
+    X, y = digits
+    clf = fit(X, y)
+    parts = clf.decompose(X[:3])
+    np.testing.assert_array_equal(parts.model_gap, np.zeros(3))
+    assert clf._engine().path is clf.path_
+
+
+def test_adam_whose_gradients_round_to_zero_is_refused_at_fit(digits):
+    """Adam's default epsilon (1e-8): at step 0 an output bias's gradient can be zero in
+    exact arithmetic (zero output layer, a class with a tenth of the batch), 1e-8 in
+    float32, and 1 / (sqrt(v) + eps) ~ 5e7 makes that a move of half the learning
+    rate: the replay ends beyond the bound, the fit says so and leaves the estimator
+    unfitted."""
+    X, y = digits
+    clf = ExactPathKernelClassifier(
+        hidden_layer_sizes=(16,), max_iter=2, batch_size=50, random_state=0,
+        solver="adam", learning_rate=0.01, dtype="float32",
+    )  # fmt: skip
+    with pytest.raises(RecordingRefused, match="beyond the run's rounding bound.*epsilon"):
+        clf.fit(X, y)
+    assert not hasattr(clf, "module_") and not hasattr(clf, "n_features_in_")
+
+
+def test_an_error_in_the_recorded_path_beyond_the_bound_is_refused(digits):
+    X, y = digits
+    clf = fit(X, y, dtype="float32", solver="sgd", momentum=0.9, learning_rate=0.05)
+    clf.path_.weights[3:] *= 1.0 + 1e-3  # what an unnoticed edit of the steps would leave
+    clf.__dict__.pop("_replay_cache")
+    clf.__dict__.pop("_kernel_cache", None)
+    with pytest.raises(RecordingRefused, match="beyond the run's rounding bound"):
+        clf.decompose(X[:2])
+
+
+def test_an_error_in_the_replayed_path_shows_in_the_residual(digits):
+    X, y = digits
+    clf = fit(X, y, dtype="float32", solver="sgd", momentum=0.9, learning_rate=0.05)
+    replayed = clf._engine().path
+    replayed.weights[5] += 1e-6  # one step's weights off, within the float32 bound
+    clf.__dict__.pop("_kernel_cache")
+    assert clf.decompose(X[:3]).residual.max() > 1e-8
+
+
+def test_pickled_float32_fit_rebuilds_the_same_kernel(digits):
+    X, y = digits
+    clf = fit(X, y, dtype="float32", solver="sgd", momentum=0.9, learning_rate=0.05)
+    before = clf.decompose(X[:2])
+    loaded = pickle.loads(pickle.dumps(clf))
+    assert "_replay_cache" not in loaded.__dict__  # (rebuilt from path_ on the next query)
+    after = loaded.decompose(X[:2])
+    for key in ("contributions", "bias", "decay", "output", "residual", "model_gap"):
+        np.testing.assert_array_equal(after[key], before[key])
+
+
+def test_float32_regressor_and_distance_classifier(digits):
+    X, y = digits
+    reg = ExactPathKernelRegressor(
+        hidden_layer_sizes=(16,), max_iter=2, batch_size=50, learning_rate=0.01,
+        random_state=0, dtype="float32",
+    ).fit(X, y.astype(float))  # fmt: skip
+    assert reg.path_.weights.dtype == F32
+    parts = reg.decompose(X[:3])
+    assert parts.residual.max() <= 1e-9 and 0 < parts.model_gap.max() <= 1e-4
+    with torch.no_grad():
+        own = reg.module_(torch.as_tensor(X[:3], dtype=F32))[:, 0].double().numpy()
+    np.testing.assert_allclose(reg.predict(X[:3]), own, rtol=0, atol=0)
+    dist = DistanceKernelClassifier(
+        hidden_layer_sizes=(8,), max_iter=2, batch_size=50, random_state=0, dtype="float32"
+    ).fit(X, y)
+    assert dist.path_.weights.dtype == F32
+    parts = dist.decompose(X[:3])
+    assert parts.residual.max() <= 1e-9 and 0 < parts.model_gap.max() <= 1e-5
+
+
+@pytest.mark.parametrize("value", ["float16", "double", torch.float32, None])
+def test_invalid_dtype_is_refused(digits, value):
+    X, y = digits
+    with pytest.raises(InvalidParameterError, match="'dtype' parameter"):
+        ExactPathKernelClassifier(dtype=value).fit(X, y)
+
+
+def test_counterfactual_of_a_float32_fit_differentiates_the_float64_replay(digits):
+    """The adjoint sweep runs on the float64 replayed network; its own replay of the
+    run recomputes the output gradients in float64 (the kernel's replay keeps the
+    float32 run's), so it reports a replay error at the float32 level, not zero."""
+    X, y = digits
+    params = dict(solver="sgd", momentum=0.9, learning_rate=0.05)
+    single = fit(X, y, dtype="float32", **params)
+    double = fit(X, y, **params)
+    result = single.counterfactual(X[:2], y[:2], target="margin")
+    reference = double.counterfactual(X[:2], y[:2], target="margin")
+    assert 1e-12 < result.replay_error < 1e-6 and reference.replay_error < 1e-13
+    np.testing.assert_allclose(result.scores, reference.scores, rtol=1e-3, atol=1e-6)
