@@ -334,8 +334,11 @@ class NetworkProbe:
         else:
             parts = [(slice(0, split[0]), None), (slice(split[0], None), split[1])]
         factors = [[] for _ in parts]
+        n_batched = None  # the backward pass's cotangents per row: K, K' or one
+        if outputs is None:
+            n_batched = output.shape[1] if cotangents is None else cotangents.shape[1]
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
-            delta = _layer_cotangents(out, grad, output.shape[1] if outputs is None else None)
+            delta = _layer_cotangents(out, grad, n_batched)
             at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
             if at_own_t and row_weights is None:
                 row_steps = None if row_t is None else self.params(base_direction)
@@ -366,6 +369,8 @@ def _backward_roots(logits, output, outputs, cotangents):
     if cotangents is None:
         return [output], [eye[:, None, :].expand(n_outputs, *output.shape)]
     n = cotangents.shape[0]
+    if n < output.shape[0] and cotangents.shape[1] != n_outputs:
+        raise ValueError("Rows with every output join only nodes with K cotangents each.")
     roots, grads = [logits[:n]], [cotangents.to(logits.dtype).transpose(0, 1)]
     if n < output.shape[0]:
         roots.append(output[n:])
