@@ -70,8 +70,7 @@ class Decomposition(SharedByTasks):
         feature_bytes = 4 * 8 * n_outputs * self.path.n_weights if accumulated else 0
         check_fits(
             (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes) * X.shape[0],
-            f"decompose on {X.shape[0]} rows ({self.n_train} training points, "
-            f"{n_outputs} outputs)",
+            f"decompose on {X.shape[0]} rows ({self.n_train} training points, {n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
         # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step

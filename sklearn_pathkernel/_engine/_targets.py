@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch.func import grad, vmap
 
-
 #: The targets by the name ``target=`` takes (:func:`register_target`).
 TARGETS = {}
 

@@ -29,6 +29,7 @@ from ._retraining import retraining_certificate
 from ._self_influence import SelfInfluence
 from ._streaming import query_tiles
 
+
 @dataclass(frozen=True)
 class CounterfactualAttribution:
     """Each training row's first-order effect on each query's target.

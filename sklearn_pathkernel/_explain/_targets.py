@@ -51,7 +51,9 @@ def decomposition_targets(context, queries, target, y=None):
         context.require_classes("target='predicted'")
         return QueryTargets(OutputTarget(), _predicted(context, queries))
     if target not in TARGETS:
-        raise ValueError(f"target must be one of {target_names()} or output indices, got {target!r}.")
+        raise ValueError(
+            f"target must be one of {target_names()} or output indices, got {target!r}."
+        )
     loss = None
     if not TARGETS[target].column_label:
         if context.training_run is None:

@@ -3,9 +3,10 @@
 By the chain rule, ``<phi_s(x), w_{s+1} - w_s> = f(x; w_{s+1}) - f(x; w_s)``
 exactly; a quadrature's features miss it by their integration error. Per row,
 :meth:`Certificate.check` measures ``max_k |f(w_{s+1}) - f(w_s) - <phi_s,
-w_{s+1} - w_s>|`` (for a scalar target per row, ``T(f)`` in place of ``f``) and holds it to the engine's ``certificate_tolerance``, or to
-the rounding floor of the logits where that is larger (and, in float32, at
-least the rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
+w_{s+1} - w_s>|`` (for a scalar target per row, ``T(f)`` in place of ``f``)
+and holds it to the engine's ``certificate_tolerance``, or to the rounding
+floor of the logits where that is larger (and, in float32, at least the
+rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
 (:class:`._quadrature.KinkSplittingRule`) then integrates the failing rows again
 (:meth:`Certificate.refine`): on finer kink grids (``REFINEMENT_GRIDS``), then
 by bisecting their pieces until each piece passes its own certificate.
