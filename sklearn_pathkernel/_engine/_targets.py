@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from torch.func import grad, vmap
+from torch.func import vmap
 
 #: The targets by the name ``target=`` takes (:func:`register_target`).
 TARGETS = {}
@@ -56,6 +56,17 @@ class Target(ABC):
     def __call__(self, f, label):
         """:math:`T` (a 0-d tensor) of the output ``f`` (K,) and the query's ``label``."""
 
+    def values(self, f, labels):
+        """:math:`T` of many rows: ``f`` (n, K), ``labels`` (n, ...) -> (n,)."""
+        return vmap(self)(f, labels)
+
+    def gradients(self, f, labels):
+        """:math:`\\nabla_f T` of many rows (n, K): one backward pass (each value
+        depends on its own row)."""
+        f = f.detach().requires_grad_(True)
+        with torch.enable_grad():
+            return torch.autograd.grad(self.values(f, labels).sum(), f)[0]
+
 
 @register_target("output")
 class OutputTarget(Target):
@@ -66,6 +77,12 @@ class OutputTarget(Target):
     def __call__(self, f, label):
         return f.gather(0, label.reshape(1))[0]
 
+    def values(self, f, labels):
+        return f.gather(1, labels.reshape(-1, 1))[:, 0]
+
+    def gradients(self, f, labels):
+        return torch.nn.functional.one_hot(labels, f.shape[1]).to(f.dtype)
+
 
 @register_target("margin", needs_classes=True)
 class MarginTarget(Target):
@@ -75,6 +92,11 @@ class MarginTarget(Target):
         own = torch.arange(f.shape[0], device=f.device) == label
         others = torch.where(own, torch.full_like(f, -torch.inf), f)
         return f.gather(0, label.reshape(1))[0] - torch.logsumexp(others, 0)
+
+    def values(self, f, labels):
+        own = torch.arange(f.shape[1], device=f.device)[None] == labels.reshape(-1, 1)
+        others = torch.where(own, torch.full_like(f, -torch.inf), f)
+        return f.gather(1, labels.reshape(-1, 1))[:, 0] - torch.logsumexp(others, 1)
 
 
 @register_target("loss")
@@ -94,6 +116,9 @@ class LossTarget(Target):
 
     def __call__(self, f, label):
         return self.loss.per_sample(f[None], label[None])[0]
+
+    def values(self, f, labels):
+        return self.loss.per_sample(f, labels)
 
 
 @dataclass(frozen=True)
@@ -132,18 +157,18 @@ class QueryTargets:
     def values(self, f):
         """:math:`T` of each row's output ``f`` (n, K): (n, 1)."""
         with torch.no_grad():
-            return vmap(self.target)(f, self.labels)[:, None]
+            return self.target.values(f, self.labels)[:, None]
 
     def output_gradients(self, f):
         """:math:`\\nabla_f T` at each row's output ``f`` (n, K): (n, K), the
         cotangent on ``f`` whose backward pass is the gradient of :math:`T`."""
-        return vmap(grad(self.target))(f.detach(), self.labels)
+        return self.target.gradients(f, self.labels)
 
     def logit_gradients(self, link, z):
         """:math:`\\nabla_z T(\\mathrm{link}(z))` at each row's logits ``z`` (n, K):
         (n, K), the cotangent at the logits."""
 
-        def composed(logits, label):
-            return self.target(link(logits[None])[0], label)
-
-        return vmap(grad(composed))(z.detach(), self.labels)
+        z = z.detach().requires_grad_(True)
+        with torch.enable_grad():  # one backward pass: each value depends on its own row
+            values = self.target.values(link(z), self.labels)
+            return torch.autograd.grad(values.sum(), z)[0]

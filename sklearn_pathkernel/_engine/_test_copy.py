@@ -170,7 +170,7 @@ class TestCopy:
             moved = {"direction": step.direction, "t": t, "cotangents": weights.cotangents}
             if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
                 factors, start_factors = probe.factors_with(
-                    step.start, X[rows], X_start, outputs, **moved
+                    step.start, X[rows], X_start, outputs, node_outputs=weights.outputs, **moved
                 )
             else:
                 factors = probe.factors(step.start, X[rows], weights.outputs, **moved)
@@ -195,8 +195,10 @@ class TestCopy:
         every output for the joining rows too, so they join when they need every
         output, or when that extra work is at most the nodes' own backward pass.
         """
-        if not self.probes.current().per_row_t or self.targets is not None:
-            return False  # (a target's nodes take one cotangent each, not K)
+        if not self.probes.current().per_row_t:
+            return False
+        if self.targets is not None:  # one cotangent per row for all: free to join
+            return outputs is not None
         extra = 0 if outputs is None else (self.n_outputs - 1) * X_start.shape[0]
         return extra <= self.n_outputs * n_nodes
 

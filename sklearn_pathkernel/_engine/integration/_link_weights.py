@@ -220,7 +220,17 @@ class JacobianTargetWeights(JacobianWeights):
         return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
 
     def _weighted(self, coefficients, z, targets):
-        """``sum_m coefficients[q, m] grad_z T(link(z[p, m]))`` (P, Q, 1, K)."""
+        """``sum_m coefficients[q, m] grad_z T(link(z[p, m]))`` (P, Q, 1, K).
+
+        A target linear in ``f`` has a constant ``c = grad_f T``: its weights are
+        ``c^T W_q`` from the link's own weighted Jacobians (closed form, ``P Q K^2``);
+        another takes the gradient of ``T(link(z))`` at every sample point
+        (autograd, one backward pass of ``P M`` rows).
+        """
+        if targets.target.linear:
+            slope = targets.output_gradients(z.new_zeros((z.shape[0], z.shape[2])))
+            matrices = self.link.weighted_jacobians(coefficients, z)  # (P, Q, K, K)
+            return torch.einsum("pk,pqkj->pqj", slope, matrices)[:, :, None, :]
         n_points = z.shape[1]
         gradients = targets.repeated(n_points).logit_gradients(self.link, z.flatten(0, 1))
         gradients = gradients.reshape(z.shape)
