@@ -21,6 +21,7 @@ full decomposition.
 import argparse
 import os
 import time
+from functools import partial
 
 import numpy as np
 from sklearn.datasets import load_digits
@@ -85,7 +86,7 @@ def main():
         Q = X[test]
         for target in ("predicted", "margin"):
             (full_s, target_s), (full, found) = _fastest(
-                [lambda: clf.decompose(Q), lambda t=target: clf.decompose(Q, target=t)],
+                [partial(clf.decompose, Q), partial(clf.decompose, Q, target=target)],
                 args.repeats,
             )
             column = ""
