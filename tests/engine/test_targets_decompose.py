@@ -199,3 +199,71 @@ def test_bad_targets_are_refused_by_name():
         reg.decompose(Xr[:2], target="margin")
     with pytest.raises(ValueError, match="needs classes"):
         reg.decompose(Xr[:2], target="predicted")
+
+
+def _column_and_identity(engine, Q, columns, target=MarginTarget(), identity=1e-12):
+    """The output target equals the full decomposition's column; ``target`` adds up."""
+    from sklearn_pathkernel._engine import QueryTargets
+
+    full = engine.decompose(Q)
+    picked = engine.decompose(Q, targets=QueryTargets(OutputTarget(), columns))
+    rows = np.arange(Q.shape[0])
+    scale = max(1.0, np.abs(full.contributions).max())
+    np.testing.assert_allclose(
+        picked.contributions[..., 0], full.contributions[rows, :, columns.numpy()],
+        rtol=0, atol=1e-12 * scale,
+    )  # fmt: skip
+    found = engine.decompose(Q, targets=QueryTargets(target, columns))
+    total = found.bias + found.contributions.sum(1) + found.decay
+    assert np.abs(total - found.output).max() <= identity
+    return found
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+def test_convolutional_max_pool_network(engine_cases, solver):
+    """Conv and max-pool layers (the conv rule, kinks of max-pool and ReLU)."""
+    from sklearn_pathkernel._training import SolverSettings
+
+    lr = 0.3 if solver == "sgd" else 0.02
+    module, path, X, y = engine_cases.trained(
+        engine_cases.SmallCNN(3), n=20, n_features=36, steps=4, lr=lr,
+        solver=SolverSettings(solver),
+    )  # fmt: skip
+    engine = engine_cases.engine_for(module, path, X, y)
+    Q = engine_cases.queries(36, n=3)
+    _column_and_identity(engine, Q, torch.tensor([0, 2, 1]))
+
+
+def test_distance_network():
+    """The distance layers' rules."""
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    X, y = _digits(30)
+    clf = DistanceKernelClassifier(max_iter=3, random_state=0).fit(X, y)
+    Q = torch.as_tensor(X[:3] + 0.01)
+    _column_and_identity(clf._engine(), Q, torch.tensor([1, 0, 2]), identity=1e-9)
+
+
+def test_whole_network_jacobian_fallback(engine_cases, monkeypatch):
+    """The probe's whole-network Jacobian rule: the target's cotangent on f per node."""
+    from sklearn_pathkernel._engine._probe import NetworkProbe
+
+    init = NetworkProbe.__init__
+
+    def forced(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "force_jacobian": True})
+
+    monkeypatch.setattr(NetworkProbe, "__init__", forced)
+    module, path, X, y = engine_cases.trained(engine_cases.mlp([5, 8, 3]), n=20, steps=4)
+    engine = engine_cases.engine_for(module, path, X, y)
+    assert engine.probe.jacobian is not None
+    _column_and_identity(engine, engine_cases.queries(5, n=3), torch.tensor([2, 1, 0]),
+                         identity=1e-9)  # fmt: skip
+
+
+def test_fixed_quadrature_is_the_column_of_the_same_rule(engine_cases):
+    """A fixed rule (riemann): the target's nodes are the rule's own."""
+    module, path, X, y = engine_cases.trained(engine_cases.mlp([5, 8, 3]), n=20, steps=4)
+    engine = engine_cases.engine_for(module, path, X, y, quadrature="riemann", n_points=7)
+    _column_and_identity(engine, engine_cases.queries(5, n=3), torch.tensor([0, 0, 2]),
+                         identity=np.inf)  # fmt: skip
