@@ -201,10 +201,11 @@ def test_bad_targets_are_refused_by_name():
         reg.decompose(Xr[:2], target="predicted")
 
 
-def _column_and_identity(engine, Q, columns, target=MarginTarget(), identity=1e-12):
-    """The output target equals the full decomposition's column; ``target`` adds up."""
+def _column_and_identity(engine, Q, columns, identity=1e-12):
+    """The output target equals the full decomposition's column; the margin adds up."""
     from sklearn_pathkernel._engine import QueryTargets
 
+    target = MarginTarget()
     full = engine.decompose(Q)
     picked = engine.decompose(Q, targets=QueryTargets(OutputTarget(), columns))
     rows = np.arange(Q.shape[0])
