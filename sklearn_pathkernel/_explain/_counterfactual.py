@@ -29,6 +29,10 @@ from ._retraining import retraining_certificate
 from ._self_influence import SelfInfluence
 from ._streaming import query_tiles
 
+#: The ``target=`` name, besides the registered targets', of the output of each
+#: query's predicted class.
+PREDICTED = "predicted"
+
 
 @dataclass(frozen=True)
 class CounterfactualAttribution:
@@ -150,6 +154,10 @@ def counterfactual_attribution(
     run = context.training_run()
     if hessian is None:
         hessian = run.update.stable_adjoint
+    if target == PREDICTED:  # the output of each query's predicted class
+        if not context.is_classifier:
+            raise ValueError("target='predicted' needs classes, but this model is a regressor.")
+        target, y, output = "output", None, None
     target_fn = resolve_target(target, context.is_classifier, run.loss)
     n = queries.shape[0]
     if columns is None:

@@ -348,9 +348,10 @@ class Explainer:
             The queries' labels or values: a classifier's ``"output"`` and
             ``"margin"`` targets are its class (default: the predicted class);
             ``target="loss"`` needs them.
-        target : {"output", "margin", "loss"}, default="output"
+        target : {"output", "predicted", "margin", "loss"}, default="output"
             ``"output"``: :math:`f_c(x)`, a classifier's log-probability of class
-            ``c``, a regressor's output ``c``; ``"margin"``: :math:`\log p_c -
+            ``c``, a regressor's output ``c``; ``"predicted"``: that of the
+            predicted class, whatever ``y`` says; ``"margin"``: :math:`\log p_c -
             \log(1 - p_c)` (classifiers); ``"loss"``: the training loss at
             ``(x, y)``.
         output : int or None, default=None
@@ -373,7 +374,9 @@ class Explainer:
 
         Notes
         -----
-        Cost: a replay of the run (one gradient per step, keeping the optimiser's
+        One adjoint vector per query: a scalar target costs one output, never
+        ``K`` (the ``method="counterfactual"`` explanations without a target sweep
+        ``K`` per query). Cost: a replay of the run (one gradient per step, keeping the optimiser's
         state: ``8 S n_state W`` bytes) and, per tile of ``batch_size`` queries,
         ``S`` steps of one forward pass of the batch and one backward and
         double-backward pass batched over the queries (memory about ``8

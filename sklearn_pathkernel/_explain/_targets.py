@@ -11,11 +11,8 @@ import numpy as np
 import torch
 
 from .._engine import TARGETS, OutputTarget, QueryTargets
-from ._counterfactual import class_codes, resolve_target
+from ._counterfactual import PREDICTED, class_codes, resolve_target
 from ._streaming import check_columns
-
-#: ``target=`` names besides the registered targets': the predicted class's output.
-PREDICTED = "predicted"
 
 
 def target_names():

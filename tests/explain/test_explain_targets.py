@@ -65,3 +65,13 @@ def test_counterfactual_scores_of_a_target_are_its_counterfactual():
     np.testing.assert_allclose(scores, expected, rtol=1e-12, atol=1e-15)
     explained = explainer.explain(X[:3], k=4, target="margin", y=y[:3])
     np.testing.assert_array_equal(explained.proponent_indices[:, 0], _top(expected, 4)[0])
+
+
+def test_counterfactual_predicted_target_is_the_output_of_the_prediction():
+    clf, X, y = classifier("sgd-mini")
+    predicted = clf.counterfactual(X[:3], y[:3], target="predicted")
+    expected = clf.counterfactual(X[:3], target="output")  # (without y: the prediction)
+    np.testing.assert_array_equal(predicted.scores, expected.scores)
+    np.testing.assert_array_equal(
+        predicted.columns, np.searchsorted(clf.classes_, clf.predict(X[:3]))
+    )
