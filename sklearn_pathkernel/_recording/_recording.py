@@ -418,7 +418,9 @@ class Recording(ExplanationMixin):
         """
         X64 = self._rows(X)
         engine = self._engine()
-        targets = decomposition_targets(self._explanation_context(), X64, target, y)
+        targets = None
+        if target is not None:
+            targets = decomposition_targets(self._explanation_context(), X64, target, y)
         parts = engine.decompose(X64, batch_size, targets)
         own_module = self.module_ if self._live_module is None else self._live_module
         with torch.no_grad():
