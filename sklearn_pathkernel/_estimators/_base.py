@@ -361,7 +361,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         X = validate_data(self, X, dtype=np.float64, reset=False)
         X_t = as_tensor(X, self.device_)
         targets = None
-        if target is not None:
+        if target is not None or y is not None:
             targets = decomposition_targets(self._explanation_context(), X_t, target, y)
         parts = self._engine().decompose(X_t, batch_size, targets)
         with torch.no_grad():  # the module's own forward, at its own (final) weights

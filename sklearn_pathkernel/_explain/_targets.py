@@ -38,6 +38,8 @@ def decomposition_targets(context, queries, target, y=None):
         The queries' labels (classes) or values.
     """
     if target is None:
+        if y is not None:
+            raise ValueError("y holds the queries' labels for a target: pass target= too.")
         return None
     n, n_outputs = queries.shape[0], context.engine.n_outputs
     device = queries.device

@@ -419,7 +419,7 @@ class Recording(ExplanationMixin):
         X64 = self._rows(X)
         engine = self._engine()
         targets = None
-        if target is not None:
+        if target is not None or y is not None:
             targets = decomposition_targets(self._explanation_context(), X64, target, y)
         parts = engine.decompose(X64, batch_size, targets)
         own_module = self.module_ if self._live_module is None else self._live_module

@@ -194,6 +194,8 @@ def test_bad_targets_are_refused_by_name():
         clf.decompose(X[:2], target=np.array([0, 7]))
     with pytest.raises(ValueError, match="labels the model was not trained on"):
         clf.decompose(X[:2], target="output", y=np.array([0, 9]))
+    with pytest.raises(ValueError, match="pass target= too"):
+        clf.decompose(X[:2], y=y[:2])
     reg, Xr, _ = _regressor("sgd")
     with pytest.raises(ValueError, match="needs classes"):
         reg.decompose(Xr[:2], target="margin")
@@ -268,3 +270,17 @@ def test_fixed_quadrature_is_the_column_of_the_same_rule(engine_cases):
     engine = engine_cases.engine_for(module, path, X, y, quadrature="riemann", n_points=7)
     _column_and_identity(engine, engine_cases.queries(5, n=3), torch.tensor([0, 0, 2]),
                          identity=np.inf)  # fmt: skip
+
+
+def test_one_output_regressor_loss():
+    """A regressor fitted on a 1-d ``y``: ``y`` of the queries 1-d too."""
+    X, y = _digits(30)
+    reg = ExactPathKernelRegressor(hidden_layer_sizes=(5,), max_iter=2, batch_size=10,
+                                   random_state=0).fit(X, y.astype(float))  # fmt: skip
+    found = reg.decompose(X[:3], target="loss", y=y[:3].astype(float))
+    assert found.contributions.shape == (3, 30)
+    assert found.residual.max() <= 1e-12
+    np.testing.assert_allclose(found.output, 0.5 * (reg.predict(X[:3]) - y[:3]) ** 2, rtol=1e-12)
+    full = reg.decompose(X[:3])
+    np.testing.assert_allclose(reg.decompose(X[:3], target="output").contributions,
+                               full.contributions, rtol=0, atol=1e-12)  # fmt: skip
