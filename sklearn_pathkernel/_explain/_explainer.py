@@ -291,7 +291,8 @@ class Explainer:
             Sum the training points of each class (classifiers only).
         columns : array-like of int, shape (n_queries,), or None
             One output per query (e.g. the predicted class's index): ``values``
-            then has one output, that one; None keeps every output.
+            then has one output, that one, computed as a scalar target (one
+            output's work per step, not ``K``); None keeps every output.
         filename : path-like or None
             Stream ``values`` into a ``.npy`` file there (a ``numpy.memmap``)
             instead of memory: ``batch_size`` queries are resolved at a time.
