@@ -19,6 +19,11 @@ product with the batch's factors (per-step updates: every layer keeps its
 factored rule); for updates that mix steps, the features materialised
 (``K W`` numbers per row) and one matrix product with the batch's per-example
 gradients.
+
+A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
+the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
+one output everywhere above, so the backward passes, the materialised features
+and the products cost one output's work instead of ``K``.
 """
 
 from functools import partial

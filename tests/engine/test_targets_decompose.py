@@ -108,9 +108,7 @@ def test_regressor_targets_add_up_and_columns_match(solver):
     assert found.residual.max() <= 1e-12
     loss = reg.decompose(Xq, target="loss", y=Yq)
     assert loss.residual.max() <= 1e-12
-    np.testing.assert_allclose(
-        loss.output, 0.5 * ((reg.predict(Xq) - Yq) ** 2).mean(1), rtol=1e-12
-    )
+    np.testing.assert_allclose(loss.output, 0.5 * ((reg.predict(Xq) - Yq) ** 2).mean(1), rtol=1e-12)
 
 
 class _TargetReference(NaivePathKernelEngine):
