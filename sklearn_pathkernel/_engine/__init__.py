@@ -9,21 +9,33 @@ per-example gradient products.
 """
 
 from ._adjoint import AdjointSweep, TrainingRun
-from ._certified import checked_against
+from ._certified import checked_against, checked_for_targets, target_values
 from ._device import CPU, as_tensor, loadable_device, on_host, resolve_device
 from ._facade import PathKernelEngine
-from ._targets import LossTarget, MarginTarget, OutputTarget
+from ._targets import (
+    TARGETS,
+    LossTarget,
+    MarginTarget,
+    OutputTarget,
+    QueryTargets,
+    Target,
+)
 
 __all__ = [
     "AdjointSweep",
+    "TARGETS",
     "LossTarget",
     "MarginTarget",
     "OutputTarget",
+    "QueryTargets",
+    "Target",
     "TrainingRun",
     "CPU",
     "PathKernelEngine",
     "as_tensor",
     "checked_against",
+    "checked_for_targets",
+    "target_values",
     "loadable_device",
     "on_host",
     "resolve_device",

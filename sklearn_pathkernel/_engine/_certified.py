@@ -1,6 +1,7 @@
 """A decomposition as the hosts return it, certified against the network's own output."""
 
 import numpy as np
+import torch
 from sklearn.utils import Bunch
 
 
@@ -22,3 +23,24 @@ def checked_against(parts, output, **extra):
         quadrature_error=parts.quadrature_error,
         **extra,
     )
+
+
+def target_values(targets, f):
+    """The targets' values (n,) of a host array ``f`` (n, K) of outputs."""
+    device = targets.labels.device
+    return targets.values(torch.as_tensor(f, device=device))[:, 0].cpu().numpy()
+
+
+def checked_for_targets(parts, output, targets, **extra):
+    """:func:`checked_against` for the decomposition of a scalar target per query
+    (``parts`` from ``decompose(X, targets=targets)``): ``output`` (n, K), the
+    network's own, is taken through the target, and the arrays lose their output
+    axis: ``contributions`` (n, M), ``bias``, ``decay``, ``output`` (n,), with
+    ``target`` (its name) and ``labels`` (n,) or (n, K) (each query's label)."""
+    checked = checked_against(parts, target_values(targets, output)[:, None], **extra)
+    for name in ("contributions", "bias", "decay", "output", "statistics"):
+        if name in checked:
+            checked[name] = checked[name][..., 0]
+    checked["target"] = targets.target.name
+    checked["labels"] = targets.labels.cpu().numpy()
+    return checked

@@ -19,6 +19,11 @@ product with the batch's factors (per-step updates: every layer keeps its
 factored rule); for updates that mix steps, the features materialised
 (``K W`` numbers per row) and one matrix product with the batch's per-example
 gradients.
+
+A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
+the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
+one output everywhere above, so the backward passes, the materialised features
+and the products cost one output's work instead of ``K``.
 """
 
 from functools import partial
@@ -60,36 +65,42 @@ class Decomposition(SharedByTasks):
         self.X_train, self.n_nodes = fitted.X_train, fitted.nodes.per_piece
         self.n_outputs, self.n_train = fitted.n_outputs, fitted.n_train
 
-    def decompose(self, X, batch_size=None):
+    def decompose(self, X, batch_size=None, targets=None):
         """See ``PathKernelEngine.decompose``; ``X`` on the device, at most
-        ``batch_size`` rows per tile (None: the planner's tiles)."""
+        ``batch_size`` rows per tile (None: the planner's tiles); ``targets`` (a
+        :class:`~._targets.QueryTargets` of ``X``'s rows, or None) makes the
+        output one scalar per row."""
         accumulated = not self.path.update.per_step
-        row_bytes = 8 * self.n_train * self.n_outputs
+        n_outputs = self.n_outputs if targets is None else 1
+        row_bytes = 8 * self.n_train * n_outputs
         # The features, buffer and psi of a row, materialised over the weights.
-        feature_bytes = 4 * 8 * self.n_outputs * self.path.n_weights if accumulated else 0
+        feature_bytes = 4 * 8 * n_outputs * self.path.n_weights if accumulated else 0
         check_fits(
             (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes) * X.shape[0],
-            f"decompose on {X.shape[0]} rows ({self.n_train} training points, "
-            f"{self.n_outputs} outputs)",
+            f"decompose on {X.shape[0]} rows ({self.n_train} training points, {n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
         # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step
         # for a CNN), measured on a sample, not the nodes of one smooth piece.
-        nodes = self.test_copy.nodes_per_row(X)
+        nodes = self._test_copy_of(targets)[0].nodes_per_row(X)
         tiles = self.planner.query_tiles(
             X.shape[0], 2 * row_bytes + feature_bytes, nodes, max_rows=batch_size
         )
+
+        def of(tile):
+            return None if targets is None else targets.take(tile)
+
         if accumulated:  # the steps run backward, in order: tiles of rows only
             keys = [(tile, None) for tile in tiles]
-            tasks = [partial(self._accumulated, X[tile]) for tile in tiles]
+            tasks = [partial(self._accumulated, X[tile], of(tile)) for tile in tiles]
         else:
             keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
-            tasks = [partial(self._per_step, X[tile], steps) for tile, steps in keys]
+            tasks = [partial(self._per_step, X[tile], steps, of(tile)) for tile, steps in keys]
         results = self.scheduler.run(
             tasks, units=len(tiles) * self.path.n_steps, desc=f"decompose {X.shape[0]} rows"
         )
-        contributions = np.zeros((X.shape[0], self.n_train, self.n_outputs))
-        decay = np.zeros((X.shape[0], self.n_outputs))
+        contributions = np.zeros((X.shape[0], self.n_train, n_outputs))
+        decay = np.zeros((X.shape[0], n_outputs))
         quadrature_error = np.zeros(X.shape[0])
         coupled = self.path.running_statistics is not None
         statistics = np.zeros_like(contributions) if coupled else None
@@ -101,24 +112,35 @@ class Decomposition(SharedByTasks):
                 statistics[tile] += part.statistics
         probe = self.probes.current()
         extra = {} if statistics is None else {"statistics": statistics}
+
+        def value(f):
+            return f if targets is None else targets.values(f)
+
         return Bunch(
             **extra,
             contributions=contributions,
-            bias=probe.output(self.steps.weights(0), X).cpu().numpy(),
+            bias=value(probe.output(self.steps.weights(0), X)).cpu().numpy(),
             decay=decay,
-            output=probe.output(self.steps.weights(-1), X).cpu().numpy(),
+            output=value(probe.output(self.steps.weights(-1), X)).cpu().numpy(),
             quadrature_error=quadrature_error,
         )
 
-    def _per_step(self, X, steps):
+    def _test_copy_of(self, targets):
+        """The test copy, and the outputs per row, of the rows of a task."""
+        if targets is None:
+            return self.test_copy, self.n_outputs
+        return self.test_copy.for_targets(targets), 1
+
+    def _per_step(self, X, steps, targets=None):
         """Steps whose training gradients meet ``step_scale(s) * phi_s`` alone."""
         update = self.path.update
+        test_copy, n_outputs = self._test_copy_of(targets)
         contributions = torch.zeros(
-            (X.shape[0], self.n_train, self.n_outputs), dtype=X.dtype, device=X.device
+            (X.shape[0], self.n_train, n_outputs), dtype=X.dtype, device=X.device
         )
-        decay = torch.zeros((X.shape[0], self.n_outputs), dtype=X.dtype, device=X.device)
+        decay = torch.zeros((X.shape[0], n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(X.shape[0])
-        statistics = self._statistics_block(X)
+        statistics = self._statistics_block(X, n_outputs)
         for index in self.progress.over(range(steps.start, steps.stop)):
             batch = self.steps.on_device(self.path.batches[index])
             scale = update.step_scale(index)
@@ -127,10 +149,10 @@ class Decomposition(SharedByTasks):
             # (with dropout masks, or rows coupled through BatchNorm, the training rows
             # take a pass of their own)
             own_pass = bool(masks) or statistics is not None
-            integrated = self.test_copy.integrate(
+            integrated = test_copy.integrate(
                 index,
                 X,
-                outputs_per_pair=self.n_outputs,
+                outputs_per_pair=n_outputs,
                 with_rows=None if own_pass else (self.X_train[batch], gradients),
                 measure_error=True,
             )
@@ -141,7 +163,7 @@ class Decomposition(SharedByTasks):
                 )
             quadrature_error += integrated.quadrature_error
             step_block = torch.zeros(
-                (X.shape[0], batch.numel(), self.n_outputs), dtype=X.dtype, device=X.device
+                (X.shape[0], batch.numel(), n_outputs), dtype=X.dtype, device=X.device
             )
             # (n, batch, K, 1): a training row's factors hold the gradient of
             # sum_k e_{s,i,k} f_k (its output gradient as the cotangent)
@@ -164,11 +186,11 @@ class Decomposition(SharedByTasks):
                 decay += factor * integrated.features.directional(direction)
         return self._part(contributions, decay, quadrature_error, statistics)
 
-    def _statistics_block(self, X):
+    def _statistics_block(self, X, n_outputs):
         """(n, M, K) zeros for the running statistics' shares, or None without them."""
         if self.path.running_statistics is None:
             return None
-        shape = (X.shape[0], self.n_train, self.n_outputs)
+        shape = (X.shape[0], self.n_train, n_outputs)
         return torch.zeros(shape, dtype=X.dtype, device=X.device)
 
     def _add_statistics(self, index, features, batch, statistics, X):
@@ -179,7 +201,7 @@ class Decomposition(SharedByTasks):
         shares = stats.shares[index].to(device=X.device, dtype=X.dtype)
         factors = Gradients(statistics_factors(shares, self.path.n_weights - stats.n_statistics))
         block = torch.zeros(
-            (X.shape[0], len(batch), self.n_outputs), dtype=X.dtype, device=X.device
+            (X.shape[0], len(batch), statistics.shape[2]), dtype=X.dtype, device=X.device
         )
         features.add_inner([factors], OutputMode.PAIRS, block.unsqueeze(-1))
         statistics.index_add_(1, self.steps.on_device(batch), block)
@@ -194,7 +216,7 @@ class Decomposition(SharedByTasks):
             contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error, statistics
         )
 
-    def _accumulated(self, X):
+    def _accumulated(self, X, targets=None):
         """All steps, backward, for updates that mix steps or are preconditioned.
 
         With ``u_s = P_s * phi_s`` (materialised per layer) and ``psi_s`` from
@@ -204,11 +226,12 @@ class Decomposition(SharedByTasks):
         (W, |B_s|).
         """
         update = self.path.update
-        n, n_outputs = X.shape[0], self.n_outputs
+        test_copy, n_outputs = self._test_copy_of(targets)
+        n = X.shape[0]
         contributions = torch.zeros((n, self.n_train, n_outputs), dtype=X.dtype, device=X.device)
         decay = torch.zeros((n, n_outputs), dtype=X.dtype, device=X.device)
         quadrature_error = np.zeros(n)
-        statistics = self._statistics_block(X)
+        statistics = self._statistics_block(X, n_outputs)
         probe = self.probes.current()
         accumulation = update.backward(
             layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
@@ -226,7 +249,7 @@ class Decomposition(SharedByTasks):
                 and statistics is None
                 and len(self.planner.tiles(len(batch), 8 * self.path.n_weights)) == 1
             )
-            integrated = self.test_copy.integrate(
+            integrated = test_copy.integrate(
                 index,
                 X,
                 outputs_per_pair=n_outputs,

@@ -53,6 +53,7 @@ from ._planning import Planner
 from ._scheduling import Scheduler
 from ._steps import PathSteps, ThreadProbes
 from ._stepwise import StepwiseDecomposition
+from ._targets import QueryTargets
 from ._test_copy import TestCopy
 from .integration._certificate import Certificate
 from .integration._degree import path_degree
@@ -172,8 +173,12 @@ class PathKernelEngine:
             path_degree(self.module, self.path.param_names, self.X_train[:1], link).degree
             for link in (self.link, IdentityLink())
         )
+        per_layer = self._probes.current().jacobian is None
         self._weighting, self.nodes = self._rule.node_weighting(
-            self.link, degrees, self.n_nodes, self._probes.current().jacobian is None
+            self.link, degrees, self.n_nodes, per_layer
+        )
+        self._target_weighting = self._rule.target_weighting(
+            self.link, degrees, self.n_nodes, per_layer
         )
         self._steps = PathSteps(self.path, self.device)
         self._scheduler = Scheduler(self.n_jobs, self.verbose, self.path.n_steps)
@@ -202,7 +207,9 @@ class PathKernelEngine:
             self.n_outputs,
         )
         certificate = Certificate(self._probes, self._steps, self.certificate_tolerance)
-        self._test_copy = TestCopy(self._fitted, certificate, self._weighting)
+        self._test_copy = TestCopy(
+            self._fitted, certificate, self._weighting, self._target_weighting
+        )
         self._decomposition = Decomposition(self._fitted, self._test_copy)
         self._gram = Gram(self._fitted, GramBlocks(self._fitted, self._test_copy))
 
@@ -236,8 +243,9 @@ class PathKernelEngine:
         """
         return self._probes.current()
 
-    def decompose(self, X, batch_size=None):
-        """Contributions of every training point to the network's output on ``X``.
+    def decompose(self, X, batch_size=None, targets=None):
+        """Contributions of every training point to the network's output on ``X``,
+        or to a scalar target of it per row.
 
         The update of step ``s`` is linear in the gradients of its own and earlier
         steps (see ``UpdateRecord``). When each step moves along its own gradient,
@@ -257,6 +265,15 @@ class PathKernelEngine:
             working budget holds, from the memory a row's quadrature nodes
             take (measured on a sample of the rows); the result, ``8 n M K``
             bytes, is held whole either way.
+        targets : QueryTargets or None, default=None
+            A scalar target :math:`T(f)` per row (its labels on the device):
+            the decomposition of :math:`T` instead of the ``K`` outputs, exactly
+            (``T(f(w_S)) - T(f(w_0))`` as a sum over the training points), at the
+            cost of one output: each quadrature node back-propagates the one
+            cotangent :math:`\\nabla T` (at the logits, integrated against the
+            interpolation basis where the link's Jacobian route is exact), and
+            the test features meet the training side with one output, not ``K``.
+            The certificate checks :math:`T`.
 
         Returns
         -------
@@ -265,11 +282,23 @@ class PathKernelEngine:
             ``output`` (n, K) (``f`` at the path's last weights) and ``quadrature_error``
             (n,) (the quadrature's certificate, summed over steps), as float64
             numpy arrays; with running statistics in the path (BatchNorm trained in
-            training mode), ``statistics`` (n, M, K), their part of ``contributions``.
+            training mode), ``statistics`` (n, M, K), their part of ``contributions``;
+            with ``targets``, ``K`` is 1 and the values are ``T``'s.
         """
         if batch_size is not None:
             check_scalar(batch_size, "batch_size", Integral, min_val=1)
-        return self._decomposition.decompose(X.to(self.device), batch_size)
+        if targets is not None:
+            if targets.n_rows != X.shape[0]:
+                raise ValueError(
+                    f"targets has {targets.n_rows} labels for {X.shape[0]} rows: one per row."
+                )
+            targets = QueryTargets(targets.target, targets.labels.to(self.device))
+        return self._decomposition.decompose(X.to(self.device), batch_size, targets)
+
+    def output(self, X):
+        """``f`` of the rows of ``X`` at the path's final weights: (n, K), a tensor on
+        the device."""
+        return self.probe.output(self._steps.weights(-1), X.to(self.device))
 
     def stepwise(self):
         """The decomposition step by step, and the self-influence of the training

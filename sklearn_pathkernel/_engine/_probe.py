@@ -346,7 +346,10 @@ class NetworkProbe:
         result = self.per_row(_FactorsAt(self, outputs, cotangents), start, X, direction, t)
         return result.output, result.factors
 
-    def factors_with(self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None):
+    def factors_with(
+        self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None,
+        node_outputs=None,
+    ):  # fmt: skip
         """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
         X_start, outputs_start)`` from one forward and one backward pass.
 
@@ -355,6 +358,11 @@ class NetworkProbe:
         so one pass instead of two pays when ``X_start`` is small next to ``X`` or
         needs every output anyway. Needs ``per_row_t``. ``cotangents`` (one per
         row of ``X``) as in :meth:`output_and_factors`.
+
+        Where the rows of ``X`` take one cotangent each (a scalar target per
+        query: ``cotangents`` (n, 1, K) at the logits, or ``node_outputs`` (n, K)
+        on ``f``) and ``outputs_start`` one per row too, the backward pass
+        carries one cotangent per row for all of them, not ``K``.
 
         Returns
         -------
@@ -367,11 +375,20 @@ class NetworkProbe:
         X_all = torch.cat([X, X_start])
         t_all = torch.cat([t, t.new_zeros(X_start.shape[0])])
         _, (factors, start_factors) = self._factors(
-            start, X_all, None, direction, t_all, split=(n, outputs_start), cotangents=cotangents
+            start,
+            X_all,
+            None,
+            direction,
+            t_all,
+            split=(n, outputs_start),
+            cotangents=cotangents,
+            node_outputs=node_outputs,
         )
         return factors, start_factors
 
-    def _factors(self, start, X, outputs, direction, t, split=None, cotangents=None):
+    def _factors(
+        self, start, X, outputs, direction, t, split=None, cotangents=None, node_outputs=None
+    ):
         # ``split=(n, picked)``: rows from n on get their own factors, with every
         # output or, per row, the output ``picked`` (see ``factors_with``).
         # ``cotangents`` (n_c, K, K): the first n_c rows back-propagate these
@@ -410,19 +427,32 @@ class NetworkProbe:
             logits = self._forward(start, X, direction, t, hook=capture, logits=True)
             output = self.link(logits)
         outs = [out for _, out in captured]
-        roots, cotangent = _backward_roots(logits, output, outputs, cotangents)
+        single = (
+            split is not None
+            and split[1] is not None
+            and (node_outputs is not None or (cotangents is not None and cotangents.shape[1] == 1))
+        )
+        if single:  # one cotangent per row, nodes and start rows alike
+            roots, cotangent = _single_roots(logits, output, split, cotangents, node_outputs)
+        else:
+            roots, cotangent = _backward_roots(logits, output, outputs, cotangents)
+        batched = outputs is None and not single
         grads = torch.autograd.grad(
-            roots, outs, cotangent, allow_unused=True, is_grads_batched=outputs is None
+            roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
         )
         point = RowWeights(self.params(start))
         row_weights = None
         if split is None:
             parts = [(slice(None), None)]
         else:
-            parts = [(slice(0, split[0]), None), (slice(split[0], None), split[1])]
+            picked = None if single else split[1]
+            parts = [(slice(0, split[0]), None), (slice(split[0], None), picked)]
         factors = [[] for _ in parts]
+        n_batched = None  # the backward pass's cotangents per row: K, K' or one
+        if batched:
+            n_batched = output.shape[1] if cotangents is None else cotangents.shape[1]
         for rule, (inputs, out), grad in zip(self.rules, captured, grads, strict=True):
-            delta = _layer_cotangents(out, grad, output.shape[1] if outputs is None else None)
+            delta = _layer_cotangents(out, grad, n_batched)
             at_own_t = rule.row_evaluation is RowEvaluation.OUTPUT_AT
             if at_own_t and row_weights is None:
                 row_steps = None if row_t is None else self.params(base_direction)
@@ -453,11 +483,27 @@ def _backward_roots(logits, output, outputs, cotangents):
     if cotangents is None:
         return [output], [eye[:, None, :].expand(n_outputs, *output.shape)]
     n = cotangents.shape[0]
+    if n < output.shape[0] and cotangents.shape[1] != n_outputs:
+        raise ValueError("Rows with every output join only nodes with K cotangents each.")
     roots, grads = [logits[:n]], [cotangents.to(logits.dtype).transpose(0, 1)]
     if n < output.shape[0]:
         roots.append(output[n:])
         grads.append(eye[:, None, :].expand(n_outputs, output.shape[0] - n, n_outputs))
     return roots, grads
+
+
+def _single_roots(logits, output, split, cotangents, node_outputs):
+    """One cotangent per row: the first ``split[0]`` rows' at the logits
+    (``cotangents`` (n, 1, K)) or on ``f`` (``node_outputs`` (n, K)), the others'
+    on ``f`` (``split[1]``, as :func:`output_cotangent` takes it)."""
+    n, picked = split
+    n_outputs, dtype = output.shape[1], output.dtype
+    if node_outputs is not None:
+        first = (output[:n], output_cotangent(node_outputs, n_outputs, dtype))
+    else:
+        first = (logits[:n], cotangents[:, 0].to(logits.dtype))
+    second = (output[n:], output_cotangent(picked, n_outputs, dtype))
+    return [first[0], second[0]], [first[1], second[1]]
 
 
 def _layer_cotangents(out, grad, n_outputs):

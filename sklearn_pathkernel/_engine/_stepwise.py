@@ -89,11 +89,13 @@ class StepwiseDecomposition:
     def _probe(self):
         return self.probes.current()
 
-    def _scaled_features(self, index, X, with_rows=None):
+    def _scaled_features(self, index, X, with_rows=None, targets=None):
         """``u_s = P_s phi_s(X)`` per rule (n, K, W_l), and the start factors of
-        ``with_rows`` when given."""
-        integrated = self.test_copy.integrate(
-            index, X, outputs_per_pair=self.n_outputs, with_rows=with_rows
+        ``with_rows`` when given; with ``targets`` (a ``QueryTargets`` of ``X``'s
+        rows), of the scalar targets: (n, 1, W_l)."""
+        test_copy = self.test_copy if targets is None else self.test_copy.for_targets(targets)
+        integrated = test_copy.integrate(
+            index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows
         )
         u = integrated.features.materialised()
         if self.update.preconditioners is not None:
@@ -142,13 +144,16 @@ class StepwiseDecomposition:
 
     # -- the terms -----------------------------------------------------------
 
-    def terms(self, X):
+    def terms(self, X, targets=None):
         """Each step's term of the decomposition of ``X``, the steps last to first.
 
         Parameters
         ----------
         X : torch.Tensor of shape (n, ...)
             Query rows (on the test copy), on the engine's device.
+        targets : QueryTargets or None, default=None
+            A scalar target per row (see ``PathKernelEngine.decompose``): the
+            terms of ``T``, one output's work, ``values`` (n, b, 1).
 
         Yields
         ------
@@ -162,9 +167,11 @@ class StepwiseDecomposition:
         for index in progress.over(reversed(range(self.path.n_steps))):
             batch = np.asarray(self.path.batches[index])
             gradients = self._training_gradients(index, batch)
-            values = np.empty((X.shape[0], batch.size, self.n_outputs))
+            n_outputs = self.n_outputs if targets is None else 1
+            values = np.empty((X.shape[0], batch.size, n_outputs))
             for tile, accumulation in zip(tiles, accumulations, strict=True):
-                u, _ = self._scaled_features(index, X[tile])
+                of_tile = None if targets is None else targets.take(tile)
+                u, _ = self._scaled_features(index, X[tile], targets=of_tile)
                 psi = accumulation.psi(index, u)
                 values[tile] = _inner(psi, gradients).cpu().numpy()
             yield StepTerm(index, batch, values)

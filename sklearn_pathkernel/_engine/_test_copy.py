@@ -64,16 +64,34 @@ class TestCopy:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, fitted, certificate, weighting=None):
+    def __init__(self, fitted, certificate, weighting=None, target_weighting=None):
         self.probes, self.steps, self.planner = fitted.probes, fitted.steps, fitted.planner
         self.rule, self.certificate = fitted.rule, certificate
         self.n_nodes, self.n_outputs = fitted.nodes.per_piece, fitted.n_outputs
         self.weighting = GaussWeights(self.n_nodes) if weighting is None else weighting
+        self.target_weighting = target_weighting
+        self.targets = None
+
+    def for_targets(self, targets):
+        """This test copy for a scalar target per row (a
+        :class:`~._targets.QueryTargets` of the rows of the ``X`` it will be given):
+        one term per node, :math:`\\int \\nabla_w T(f(x; w_s(t))) dt`, instead of ``K``;
+        its certificate checks :math:`T`. The rows' factors have one output."""
+        if self.target_weighting is None:
+            raise ValueError("This test copy has no weighting for scalar targets.")
+        other = copy.copy(self)
+        other.weighting = self.target_weighting.bind(targets)
+        other.n_nodes = other.weighting.nodes_per_piece
+        other.n_outputs, other.targets = 1, targets
+        other.certificate = self.certificate.for_targets(targets)
+        return other
 
     def with_gauss_weights(self, n_nodes):
         """This test copy with ``n_nodes`` Gauss-Legendre nodes per piece and
         their scalar weights (what products of two gradients, node by node,
         need)."""
+        if self.targets is not None:
+            raise ValueError("Node-by-node products are for the K outputs, not a target.")
         other = copy.copy(self)
         other.n_nodes, other.weighting = n_nodes, GaussWeights(n_nodes)
         return other
@@ -125,7 +143,12 @@ class TestCopy:
         for part, weights in self._parts(probe, step, X, nodes):
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
             factors = probe.factors(
-                step.start, X[rows], direction=step.direction, t=t, cotangents=weights.cotangents
+                step.start,
+                X[rows],
+                weights.outputs,
+                direction=step.direction,
+                t=t,
+                cotangents=weights.cotangents,
             )
             chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         return chunks
@@ -147,10 +170,10 @@ class TestCopy:
             moved = {"direction": step.direction, "t": t, "cotangents": weights.cotangents}
             if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
                 factors, start_factors = probe.factors_with(
-                    step.start, X[rows], X_start, outputs, **moved
+                    step.start, X[rows], X_start, outputs, node_outputs=weights.outputs, **moved
                 )
             else:
-                factors = probe.factors(step.start, X[rows], **moved)
+                factors = probe.factors(step.start, X[rows], weights.outputs, **moved)
             chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         if start_factors is None:
             start_factors = probe.factors(step.start, X_start, outputs)
@@ -174,6 +197,8 @@ class TestCopy:
         """
         if not self.probes.current().per_row_t:
             return False
+        if self.targets is not None:  # one cotangent per row for all: free to join
+            return outputs is not None
         extra = 0 if outputs is None else (self.n_outputs - 1) * X_start.shape[0]
         return extra <= self.n_outputs * n_nodes
 

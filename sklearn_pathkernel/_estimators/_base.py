@@ -24,11 +24,13 @@ from .._engine import (
     PathKernelEngine,
     as_tensor,
     checked_against,
+    checked_for_targets,
     loadable_device,
     on_host,
     resolve_device,
+    target_values,
 )
-from .._explain import ExplanationMixin
+from .._explain import ExplanationMixin, decomposition_targets
 from .._training import (
     CLASSIFICATION_LOSSES,
     REGRESSION_LOSSES,
@@ -326,8 +328,9 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
 
         return ExactPathKernel(self._engine())
 
-    def decompose(self, X, *, batch_size=None):
-        """Write the network's output on ``X`` as an exact sum over training points.
+    def decompose(self, X, *, target=None, y=None, batch_size=None):
+        """Write the network's output on ``X`` (or a scalar target of it per query)
+        as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals the network's output
         ``f(X)`` (``predict_log_proba(X)`` for the cross-entropy of the
@@ -344,6 +347,25 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features)
+        target : {"predicted", "output", "margin", "loss"}, array-like of int \
+                of shape (n_samples,) or None, default=None
+            Decompose one scalar :math:`T` per query instead of every output, at
+            the cost of one output instead of ``n_outputs`` (each quadrature node
+            back-propagates :math:`\\nabla T` alone, and the query's features meet
+            the training points with one output): ``"predicted"``, the
+            log-probability of each query's predicted class (classifiers);
+            ``"output"``, of its class ``y`` (without ``y``, the predicted class;
+            a regressor's output 0); ``"margin"``, :math:`\\log p_c - \\log(1 - p_c)`
+            of its class ``y`` (classifiers; without ``y``, the predicted class);
+            ``"loss"``, the training loss at ``(x, y)`` (``y`` required); an int
+            array, the output of that index per query. The identity and the
+            certificate are those of :math:`T`: ``bias + contributions.sum(1) +
+            decay == T(f)``, exactly as for the outputs (the quadrature integrates
+            :math:`\\nabla_f T(f(w(t)))` along each step, see the user guide,
+            "Scalar targets"). For an output index it equals that output's column
+            of the full decomposition. None: every output.
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
+            The queries' labels (classes) or values, for ``target``.
         batch_size : int or None, default=None
             Rows integrated at once, at most. None: as many as the engine's
             working budget (1 GiB, or a quarter of the available memory) holds,
@@ -377,15 +399,25 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             ``statistics`` (shaped as ``contributions``): the part of each
             contribution that came through the running statistics' moves (see the
             user guide's "Which modules").
+            With ``target``, ``contributions`` (n_samples, n_train), ``bias``,
+            ``decay``, ``output`` and ``model_gap`` (n_samples,) are :math:`T`'s
+            (``statistics`` too), and ``target`` (its name) and ``labels`` (each
+            query's label: an output index, a class code or values) are added.
         """
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
         X_t = as_tensor(X, self.device_)
-        parts = self._engine().decompose(X_t, batch_size)
+        targets = None
+        if target is not None or y is not None:
+            targets = decomposition_targets(self._explanation_context(), X_t, target, y)
+        parts = self._engine().decompose(X_t, batch_size, targets)
         network = self._float64_run().module  # (module_ itself for a float64 fit)
         with torch.no_grad():  # the network's own forward, at its own (final) weights
             output = self._loss.link(network(X_t)).cpu().numpy()
             own = self._own_output(X_t).cpu().numpy()
+        if targets is not None:
+            gap = np.abs(target_values(targets, own) - target_values(targets, output))
+            return checked_for_targets(parts, output, targets, model_gap=gap)
         return self._outputs_as_fitted(
             checked_against(parts, output, model_gap=np.abs(own - output).max(axis=1))
         )

@@ -17,6 +17,7 @@ from ._mixin import ExplanationMixin
 from ._over_time import TimeAttribution
 from ._retraining import RetrainingCertificate
 from ._self_influence import SelfInfluence
+from ._targets import decomposition_targets, target_names
 
 __all__ = [
     "CounterfactualAttribution",
@@ -27,4 +28,6 @@ __all__ = [
     "RetrainingCertificate",
     "SelfInfluence",
     "TimeAttribution",
+    "decomposition_targets",
+    "target_names",
 ]

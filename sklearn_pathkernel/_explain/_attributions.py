@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._counterfactual import counterfactual_outputs, counterfactual_self_influence
+from .._engine import AdjointSweep
+from ._counterfactual import counterfactual_outputs, counterfactual_self_influence, sweep_queries
 from ._self_influence import self_influence
 
 #: The attributions, by the name ``method=`` takes.
@@ -41,7 +42,8 @@ class ScoreTile:
     Attributes
     ----------
     scores : ndarray of shape (n, M, K)
-        Training point ``i``'s score for query ``q`` and output ``k``.
+        Training point ``i``'s score for query ``q`` and output ``k`` (``K`` is 1
+        for a scalar target per query).
     output : ndarray of shape (n, K)
         The network's output at the queries.
     bias, decay : ndarray of shape (n, K)
@@ -69,8 +71,10 @@ class Attribution(ABC):
     decomposes = False
 
     @abstractmethod
-    def tile(self, context, queries):
-        """The :class:`ScoreTile` of ``queries`` (a tensor of query rows)."""
+    def tile(self, context, queries, targets=None):
+        """The :class:`ScoreTile` of ``queries`` (a tensor of query rows); with
+        ``targets`` (a ``QueryTargets`` of those rows), of one scalar per query at
+        the cost of one output: ``K`` is 1."""
 
     @abstractmethod
     def self_influence(self, context, first_epoch, batch_size):
@@ -96,13 +100,13 @@ class Attribution(ABC):
 class Contributions(Attribution):
     """The exact terms of ``decompose``: what each point added in this run.
 
-    Cost per tile: one ``decompose`` of its queries.
+    Cost per tile: one ``decompose`` of its queries (of one output with a target).
     """
 
     decomposes = True
 
-    def tile(self, context, queries):
-        parts = context.engine.decompose(queries)
+    def tile(self, context, queries, targets=None):
+        parts = context.engine.decompose(queries, targets=targets)
         return ScoreTile(parts.contributions, parts.output, parts.bias, parts.decay)
 
     def self_influence(self, context, first_epoch, batch_size):
@@ -119,7 +123,8 @@ class Counterfactual(Attribution):
     hessian : bool or None, default=None
         As ``counterfactual``'s: None follows the optimiser family's rule.
 
-    Cost per tile: ``n K`` adjoint vectors swept over the run.
+    Cost per tile: ``n K`` adjoint vectors swept over the run (``n`` with a
+    target).
     """
 
     def __init__(self, hessian=None):
@@ -129,8 +134,22 @@ class Counterfactual(Attribution):
     def from_options(cls, hessian=None):
         return cls(hessian=hessian)
 
-    def tile(self, context, queries):
+    def tile(self, context, queries, targets=None):
         n = queries.shape[0]
+        if targets is not None:
+            if context.training_run is None:
+                raise ValueError(
+                    "Counterfactual attribution needs the training loss, targets, sample "
+                    "weights and optimiser, which this model does not hold."
+                )
+            run = context.training_run()
+            hessian = run.update.stable_adjoint if self.hessian is None else self.hessian
+            found = sweep_queries(
+                AdjointSweep(run), queries, targets.target, targets.labels, n, hessian
+            )
+            output = found["values"][:, None]
+            missing = np.full_like(output, np.nan)
+            return ScoreTile(found["scores"][..., None], output, missing, missing)
         scores, output = counterfactual_outputs(context, queries, n, False, self.hessian)
         missing = np.full_like(output, np.nan)
         return ScoreTile(scores, output, missing, missing)

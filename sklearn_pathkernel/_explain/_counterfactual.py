@@ -24,17 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._engine import AdjointSweep, LossTarget, MarginTarget, OutputTarget
+from .._engine import TARGETS, AdjointSweep, LossTarget
 from ._retraining import retraining_certificate
 from ._self_influence import SelfInfluence
 from ._streaming import query_tiles
 
-#: The targets by name: (class, whether a classifier is required).
-TARGETS = {
-    "output": (OutputTarget, False),
-    "margin": (MarginTarget, True),
-    "loss": (LossTarget, False),
-}
+#: The ``target=`` name, besides the registered targets', of the output of each
+#: query's predicted class.
+PREDICTED = "predicted"
 
 
 @dataclass(frozen=True)
@@ -117,8 +114,8 @@ def resolve_target(name, is_classifier, loss):
     """The :class:`~sklearn_pathkernel._engine._targets.Target` named ``name``."""
     if name not in TARGETS:
         raise ValueError(f"target must be one of {sorted(TARGETS)}, got {name!r}.")
-    cls, needs_classes = TARGETS[name]
-    if needs_classes and not is_classifier:
+    cls = TARGETS[name]
+    if cls.needs_classes and not is_classifier:
         raise ValueError(f"target={name!r} needs classes, but this model is a regressor.")
     return cls(loss) if cls is LossTarget else cls()
 
@@ -158,6 +155,10 @@ def counterfactual_attribution(
     run = context.training_run()
     if hessian is None:
         hessian = run.update.stable_adjoint
+    if target == PREDICTED:  # the output of each query's predicted class
+        if not context.is_classifier:
+            raise ValueError("target='predicted' needs classes, but this model is a regressor.")
+        target, y, output = "output", None, None
     target_fn = resolve_target(target, context.is_classifier, run.loss)
     n = queries.shape[0]
     if columns is None:

@@ -18,6 +18,7 @@ from ._explanation import Explanation
 from ._over_time import attribute_over_time
 from ._scoring import class_totals, path_norms
 from ._streaming import StreamedTopK, influence_matrix, query_tiles
+from ._targets import decomposition_targets
 from ._topk import check_k
 
 
@@ -85,43 +86,66 @@ class Explainer:
         norms = path_norms(context.engine)
         return lambda scores: scores / norms[None, :, None]
 
-    def _tiles(self, context, queries):
-        """``(slice, ScoreTile)`` of consecutive tiles of ``batch_size`` queries."""
+    def _tiles(self, context, queries, targets=None):
+        """``(slice, ScoreTile)`` of consecutive tiles of ``batch_size`` queries
+        (of their ``targets``, a ``QueryTargets``, when given)."""
         for tile in query_tiles(queries.shape[0], self.batch_size):
-            yield tile, self.attribution.tile(context, queries[tile])
+            if targets is None:  # (attributions written before targets take two arguments)
+                yield tile, self.attribution.tile(context, queries[tile])
+            else:
+                yield tile, self.attribution.tile(context, queries[tile], targets.take(tile))
 
     # -- explanations -----------------------------------------------------------
 
-    def explain(self, X, k=10):
-        """Top-``k`` proponents and opponents of every query, per output.
+    def explain(self, X, k=10, *, target=None, y=None):
+        """Top-``k`` proponents and opponents of every query, per output (or of one
+        scalar target per query).
 
         Parameters
         ----------
         X : array-like of shape (n_queries, n_features)
         k : int, default=10
             Training points per query, output and side; at most ``M``.
+        target : {"predicted", "output", "margin", "loss"}, array-like of int \
+                of shape (n_queries,) or None, default=None
+            Rank the training points for one scalar per query instead of every
+            output, at the cost of one output (see ``decompose``'s ``target``):
+            ``"predicted"``, the log-probability of the predicted class;
+            ``"output"``, ``"margin"``, of the class ``y``; ``"loss"``, the loss at
+            ``(x, y)``; an int array, that output per query. The result then has
+            one output, named after the target. None (the default): every output,
+            the explanation of each ``f_k``.
+        y : array-like of shape (n_queries,) or (n_queries, n_outputs), default=None
+            The queries' labels or values, for ``target``.
 
         Returns
         -------
         Explanation
             With ``to_frame()`` and ``plot()``. For the contributions it equals a
-            stable sort of ``decompose(X).contributions`` along the training axis.
+            stable sort of ``decompose(X, target=target, y=y).contributions``
+            along the training axis.
 
         Notes
         -----
         Cost: that of the attribution on ``X`` (``decompose(X)`` for the
-        contributions; plus the path norms once, with ``normalize``), and
-        ``O(n M K)`` for the selection.
+        contributions, of one output with a target; plus the path norms once,
+        with ``normalize``), and ``O(n M K)`` for the selection.
         """
         context = self._context()
         k = check_k(k, context.n_train)
         queries = context.queries(X)
-        n, K = queries.shape[0], context.engine.n_outputs
-        top = StreamedTopK(k, self._transform(context)).run(self._tiles(context, queries), n, K)
+        targets = decomposition_targets(context, queries, target, y)
+        n = queries.shape[0]
+        K = context.engine.n_outputs if targets is None else 1
+        tiles = self._tiles(context, queries, targets)
+        top = StreamedTopK(k, self._transform(context)).run(tiles, n, K)
         mass = np.where(top.mass > 0, top.mass, 1.0)[..., None]
         predicted = (
-            np.argmax(top.output, axis=1) if context.is_classifier else np.zeros(n, dtype=int)
+            np.argmax(top.output, axis=1)
+            if context.is_classifier and targets is None
+            else np.zeros(n, dtype=int)
         )
+        output_names = context.output_names if targets is None else (_target_name(target),)
         return Explanation(
             proponent_indices=top.proponents.indices,
             proponent_values=top.proponents.values,
@@ -136,14 +160,14 @@ class Explainer:
             decay=top.decay,
             output=top.output,
             predicted=predicted,
-            output_names=context.output_names,
+            output_names=output_names,
             normalized=self.normalize,
             method=self.method,
             queries=queries.cpu().numpy().reshape(n, -1),
             training_rows=context.training_rows().reshape(context.n_train, -1),
         )
 
-    def influence_matrix(self, X, *, columns=None, filename=None):
+    def influence_matrix(self, X, *, columns=None, target=None, y=None, filename=None):
         """The scores of every training point for every query, streamed.
 
         Parameters
@@ -151,7 +175,13 @@ class Explainer:
         X : array-like of shape (n_queries, n_features)
         columns : array-like of int, shape (n_queries,), or None
             One output per query (e.g. the predicted class's index): the result
-            is (n_queries, M); None keeps every output, (n_queries, M, K).
+            is (n_queries, M), computed as that output's scalar target (the work
+            of one output, not ``K``); None keeps every output, (n_queries, M, K).
+        target : {"predicted", "output", "margin", "loss"} or None, default=None
+            One scalar per query instead (see :meth:`explain`): (n_queries, M),
+            at the cost of one output. Not with ``columns``.
+        y : array-like, default=None
+            The queries' labels or values, for ``target``.
         filename : path-like or None
             Stream into a ``.npy`` file there (a ``numpy.memmap``, readable with
             ``np.load(filename, mmap_mode="r")``) instead of memory.
@@ -160,14 +190,28 @@ class Explainer:
         -------
         ndarray or numpy.memmap
         """
+        if columns is not None and target is not None:
+            raise ValueError("Give columns or target, not both.")
         context = self._context()
         queries = context.queries(X)
+        n = queries.shape[0]
+        targets = decomposition_targets(context, queries, target if columns is None else columns, y)
+        if targets is None:
+            return influence_matrix(
+                self._tiles(context, queries),
+                n,
+                context.n_train,
+                context.engine.n_outputs,
+                columns=None,
+                filename=filename,
+                transform=self._transform(context),
+            )
         return influence_matrix(
-            self._tiles(context, queries),
-            queries.shape[0],
+            self._tiles(context, queries, targets),
+            n,
             context.n_train,
-            context.engine.n_outputs,
-            columns=columns,
+            1,
+            columns=np.zeros(n, dtype=int),  # the target's one output
             filename=filename,
             transform=self._transform(context),
         )
@@ -247,7 +291,8 @@ class Explainer:
             Sum the training points of each class (classifiers only).
         columns : array-like of int, shape (n_queries,), or None
             One output per query (e.g. the predicted class's index): ``values``
-            then has one output, that one; None keeps every output.
+            then has one output, that one, computed as a scalar target (one
+            output's work per step, not ``K``); None keeps every output.
         filename : path-like or None
             Stream ``values`` into a ``.npy`` file there (a ``numpy.memmap``)
             instead of memory: ``batch_size`` queries are resolved at a time.
@@ -304,9 +349,10 @@ class Explainer:
             The queries' labels or values: a classifier's ``"output"`` and
             ``"margin"`` targets are its class (default: the predicted class);
             ``target="loss"`` needs them.
-        target : {"output", "margin", "loss"}, default="output"
+        target : {"output", "predicted", "margin", "loss"}, default="output"
             ``"output"``: :math:`f_c(x)`, a classifier's log-probability of class
-            ``c``, a regressor's output ``c``; ``"margin"``: :math:`\log p_c -
+            ``c``, a regressor's output ``c``; ``"predicted"``: that of the
+            predicted class, whatever ``y`` says; ``"margin"``: :math:`\log p_c -
             \log(1 - p_c)` (classifiers); ``"loss"``: the training loss at
             ``(x, y)``.
         output : int or None, default=None
@@ -330,7 +376,9 @@ class Explainer:
 
         Notes
         -----
-        Cost: a replay of the run (one gradient per step, keeping the optimiser's
+        One adjoint vector per query: a scalar target costs one output, never
+        ``K`` (the ``method="counterfactual"`` explanations without a target sweep
+        ``K`` per query). Cost: a replay of the run (one gradient per step, keeping the optimiser's
         state: ``8 S n_state W`` bytes) and, per tile of ``batch_size`` queries,
         ``S`` steps of one forward pass of the batch and one backward and
         double-backward pass batched over the queries (memory about ``8
@@ -350,3 +398,8 @@ class Explainer:
             random_state=random_state,
             hessian=self.hessian,
         )
+
+
+def _target_name(target):
+    """The name of a target's one output in an explanation."""
+    return target if isinstance(target, str) else "output"

@@ -27,17 +27,22 @@ class ExplanationMixin:
     def _explanation_context(self):
         """The fitted model as an :class:`~._context.ExplanationContext`."""
 
-    def explain(self, X, k=10, *, normalize=False, batch_size=64, method="contributions"):
-        """Top-``k`` proponents and opponents of every query, per output:
+    def explain(
+        self, X, k=10, *, target=None, y=None, normalize=False, batch_size=64,
+        method="contributions",
+    ):  # fmt: skip
+        """Top-``k`` proponents and opponents of every query, per output (or of one
+        scalar ``target`` per query, at the cost of one output):
         ``Explainer(self, method=method, normalize=normalize,
-        batch_size=batch_size).explain(X, k)`` (see :meth:`Explainer.explain`).
+        batch_size=batch_size).explain(X, k, target=target, y=y)`` (see
+        :meth:`Explainer.explain`).
 
         Returns
         -------
         Explanation
         """
         explainer = Explainer(self, method=method, normalize=normalize, batch_size=batch_size)
-        return explainer.explain(X, k)
+        return explainer.explain(X, k, target=target, y=y)
 
     def self_influence(
         self, *, first_epoch=0, normalize=False, method="contributions", batch_size=64,
@@ -105,16 +110,17 @@ class ExplanationMixin:
         return explainer.class_contributions(X)
 
     def influence_matrix(
-        self, X, *, columns=None, filename=None, normalize=False, batch_size=64,
-        method="contributions",
+        self, X, *, columns=None, target=None, y=None, filename=None, normalize=False,
+        batch_size=64, method="contributions",
     ):  # fmt: skip
         """The scores of every training point for every query, streamed:
-        ``Explainer(self, ...).influence_matrix(X, columns=columns,
-        filename=filename)`` (see :meth:`Explainer.influence_matrix`).
+        ``Explainer(self, ...).influence_matrix(X, columns=columns, target=target,
+        y=y, filename=filename)`` (see :meth:`Explainer.influence_matrix`); with
+        ``columns`` or ``target``, one output's work per query, not ``K``.
 
         Returns
         -------
         ndarray or numpy.memmap
         """
         explainer = Explainer(self, method=method, normalize=normalize, batch_size=batch_size)
-        return explainer.influence_matrix(X, columns=columns, filename=filename)
+        return explainer.influence_matrix(X, columns=columns, target=target, y=y, filename=filename)

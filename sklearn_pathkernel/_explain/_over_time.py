@@ -17,7 +17,9 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from .._engine import OutputTarget, QueryTargets
 from ._checks import check_index
 from ._frames import pandas
 from ._plotting import new_axes
@@ -145,15 +147,17 @@ def attribute_over_time(
             "filename= to stream it to disk."
         )
     values = result_array((n, n_periods, n_groups, width), filename)
+    # one output per query: its terms as a scalar target, one output's work
+    targets = None
+    if columns is not None:
+        targets = QueryTargets(OutputTarget(), torch.as_tensor(columns, device=X.device))
     for tile in query_tiles(n, batch_size):
         tile_values = np.zeros((tile.stop - tile.start, n_periods, n_groups, width))
-        for term in stepwise.terms(X[tile]):
+        of_tile = None if targets is None else targets.take(tile)
+        for term in stepwise.terms(X[tile], of_tile):
             found = term.values
             if norms is not None:
                 found = found / norms[term.batch][None, :, None]
-            if columns is not None:
-                picked = columns[tile][:, None, None]
-                found = np.take_along_axis(found, picked, axis=2)
             target = tile_values[:, per_step[term.step]]
             if groups is None:
                 target[:, term.batch] += found  # a batch holds each point once

@@ -47,9 +47,9 @@ from sklearn.utils._param_validation import (
 )
 from sklearn.utils.validation import check_array
 
-from .._engine import PathKernelEngine, checked_against
+from .._engine import PathKernelEngine, checked_against, checked_for_targets, target_values
 from .._estimators import ExactPathKernel
-from .._explain import ExplanationMixin
+from .._explain import ExplanationMixin, decomposition_targets
 from .._path import FunctionLink
 from .._training import RecordingRefused, float64_run, largest_difference
 from ._explanation_context import recording_context
@@ -385,8 +385,9 @@ class Recording(ExplanationMixin):
         inputs' device."""
         return check_rows(X, self.X_train_.shape[1:], self.X_train_.device, name=name)
 
-    def decompose(self, X, *, batch_size=None):
-        """Write the network's output on ``X`` as an exact sum over training points.
+    def decompose(self, X, *, target=None, y=None, batch_size=None):
+        """Write the network's output on ``X`` (or a scalar target of it per query)
+        as an exact sum over training points.
 
         ``bias + contributions.sum(axis=1) + decay`` equals ``output``, the float64
         evaluation of the module at the recorded final weights.
@@ -395,6 +396,13 @@ class Recording(ExplanationMixin):
         ----------
         X : torch.Tensor or array-like of shape (n, ...)
             Query rows, shaped like the training inputs.
+        target : {"predicted", "output", "margin"}, array-like of int of shape \
+                (n,) or None, default=None
+            One scalar per query instead of every output, at the cost of one
+            output (see the estimators' ``decompose``; ``"loss"`` needs the
+            training loss, which a recording does not know). None: every output.
+        y : array-like of shape (n,), default=None
+            The queries' classes, for ``target``.
         batch_size : int or None, default=None
             Rows integrated at once, at most (None: as many as the working
             budget holds, from the memory a row's quadrature nodes take); the
@@ -419,10 +427,16 @@ class Recording(ExplanationMixin):
             (0.0: the same network, bitwise). With BatchNorm trained in
             training mode, also ``statistics`` (n, n_train, K): the part of each
             contribution that came through the running statistics' moves.
+            With ``target``, the arrays are ``T``'s (``contributions`` (n,
+            n_train), the others (n,)), with ``target`` and ``labels`` (see the
+            estimators' ``decompose``).
         """
         X64 = self._rows(X)
         engine = self._engine()
-        parts = engine.decompose(X64, batch_size)
+        targets = None
+        if target is not None or y is not None:
+            targets = decomposition_targets(self._explanation_context(), X64, target, y)
+        parts = engine.decompose(X64, batch_size, targets)
         own_module = self.module_ if self._live_module is None else self._live_module
         with torch.no_grad():
             link = output_function(self.link)
@@ -431,6 +445,14 @@ class Recording(ExplanationMixin):
             # would drop units or normalise by the query batch, and move its statistics)
             with _in_eval_mode(own_module):
                 own = link(own_module(X64.to(self.dtype))).to(DTYPE).cpu().numpy()
+        if targets is not None:
+            return checked_for_targets(
+                parts,
+                output,
+                targets,
+                model_gap=np.abs(target_values(targets, own) - target_values(targets, output)),
+                model_difference=self.model_difference_,
+            )
         return checked_against(
             parts,
             output,

@@ -39,3 +39,20 @@ def test_loss_is_the_per_sample_loss():
     y = torch.tensor(np.random.default_rng(1).normal(size=(4, 3)))
     values = vmap(LossTarget(SquaredError()))(f, y)
     torch.testing.assert_close(values, 0.5 * ((f - y) ** 2).mean(1))
+
+
+def test_batched_values_and_gradients_are_the_vmapped_ones():
+    from torch.func import grad
+
+    f, _ = _log_proba(n=5, K=4)
+    labels = torch.tensor([1, 0, 3, 2, 2])
+    y = torch.tensor(np.random.default_rng(2).normal(size=(5, 4)))
+    cases = [
+        (OutputTarget(), labels),
+        (MarginTarget(), labels),
+        (LossTarget(CrossEntropy()), labels),
+        (LossTarget(SquaredError()), y),
+    ]
+    for target, label in cases:
+        torch.testing.assert_close(target.values(f, label), vmap(target)(f, label))
+        torch.testing.assert_close(target.gradients(f, label), vmap(grad(target))(f, label))

@@ -210,3 +210,21 @@ def test_counterfactual_of_a_float32_fit_differentiates_the_float64_replay(digit
     reference = double.counterfactual(X[:2], y[:2], target="margin")
     assert 1e-12 < result.replay_error < 1e-6 and reference.replay_error < 1e-13
     np.testing.assert_allclose(result.scores, reference.scores, rtol=1e-3, atol=1e-6)
+
+
+def test_a_scalar_target_of_a_float32_fit_is_checked_against_the_replay(digits):
+    X, y = digits
+    clf = fit(X, y, dtype="float32", solver="sgd", momentum=0.9)
+    queries = X[:4]
+    full = clf.decompose(queries)
+    parts = clf.decompose(queries, target="predicted")
+    rows = np.arange(4)
+    np.testing.assert_array_equal(parts.output, full.output[rows, parts.labels])
+    assert parts.residual.max() <= 1e-9
+    Q = torch.as_tensor(queries)
+    with torch.no_grad():
+        own = torch.log_softmax(clf.module_(Q.float()), dim=1).double().numpy()
+    np.testing.assert_allclose(
+        parts.model_gap, np.abs(own[rows, parts.labels] - parts.output), rtol=1e-12
+    )
+    assert 0 < parts.model_gap.max() <= 1e-4

@@ -123,3 +123,20 @@ def test_bad_queries_and_missing_targets(classifier_recording):
             recording.self_influence()
     finally:
         recording.targets_ = targets
+
+
+def test_decompose_of_a_target_is_the_column_and_adds_up(classifier_recording):
+    recording, X, y = classifier_recording
+    queries = X[:4] + 0.05
+    full = recording.decompose(queries)
+    columns = np.array([2, 0, 1, 1])
+    found = recording.decompose(queries, target=columns)
+    assert found.contributions.shape == (4, X.shape[0])
+    np.testing.assert_allclose(
+        found.contributions, full.contributions[np.arange(4), :, columns], rtol=0, atol=1e-12
+    )
+    margin = recording.decompose(queries, target="margin")
+    assert margin.residual.max() <= 1e-9
+    np.testing.assert_array_equal(margin.labels, full.output.argmax(1))
+    with pytest.raises(ValueError, match="training loss"):
+        recording.decompose(queries, target="loss", y=y[:4].numpy())

@@ -523,3 +523,27 @@ def test_a_pickled_estimator_keeps_its_statistics():
     after = loaded.decompose(X[:3])
     np.testing.assert_array_equal(after.contributions, before.contributions)
     np.testing.assert_array_equal(after.statistics, before.statistics)
+
+
+@pytest.mark.parametrize("target", ["predicted", "margin"])
+def test_scalar_targets_take_the_statistics_shares(target):
+    """A scalar target per query: its contributions (the statistics' shares
+    included) add up to T's move, and the output column equals the full
+    decomposition's column with its statistics part."""
+    X, y = data()
+    model = mlp()
+    recording = run(model, OPTIMIZERS["momentum"](model.parameters()), X, y)
+    queries = X[:5] + 0.05
+    full = recording.decompose(queries)
+    parts = recording.decompose(queries, target=target)
+    assert parts.contributions.shape == parts.statistics.shape == (5, X.shape[0])
+    moved = parts.output - parts.bias - parts.decay
+    np.testing.assert_allclose(parts.contributions.sum(axis=1), moved, atol=1e-9)
+    assert parts.residual.max() <= 1e-9
+    if target == "predicted":
+        column = parts.labels
+        rows = np.arange(5)
+        np.testing.assert_allclose(
+            parts.contributions, full.contributions[rows, :, column], atol=1e-12
+        )
+        np.testing.assert_allclose(parts.statistics, full.statistics[rows, :, column], atol=1e-12)

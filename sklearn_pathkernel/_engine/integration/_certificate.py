@@ -3,9 +3,10 @@
 By the chain rule, ``<phi_s(x), w_{s+1} - w_s> = f(x; w_{s+1}) - f(x; w_s)``
 exactly; a quadrature's features miss it by their integration error. Per row,
 :meth:`Certificate.check` measures ``max_k |f(w_{s+1}) - f(w_s) - <phi_s,
-w_{s+1} - w_s>|`` and holds it to the engine's ``certificate_tolerance``, or to
-the rounding floor of the logits where that is larger (and, in float32, at
-least the rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
+w_{s+1} - w_s>|`` (for a scalar target per row, ``T(f)`` in place of ``f``)
+and holds it to the engine's ``certificate_tolerance``, or to the rounding
+floor of the logits where that is larger (and, in float32, at least the
+rounding of ``f`` itself: :func:`least_tolerance`). An adaptive rule
 (:class:`._quadrature.KinkSplittingRule`) then integrates the failing rows again
 (:meth:`Certificate.refine`): on finer kink grids (``REFINEMENT_GRIDS``), then
 by bisecting their pieces until each piece passes its own certificate.
@@ -16,6 +17,7 @@ failing row, the kink search and nodes of each finer grid, then two forward
 passes and the nodes of every piece per bisection level.
 """
 
+import copy
 from typing import NamedTuple
 
 import numpy as np
@@ -96,6 +98,21 @@ class Certificate:
 
     def __init__(self, probes, steps, tolerance):
         self.probes, self.steps, self.tolerance = probes, steps, tolerance
+        self.targets = None
+
+    def for_targets(self, targets):
+        """This certificate for a scalar target per row of the ``X`` it will be
+        given (a ``QueryTargets``): it compares ``T(f(w_{s+1})) - T(f(w_s))`` with
+        the features' one output."""
+        other = copy.copy(self)
+        other.targets = targets
+        return other
+
+    def _values(self, f, rows=None):
+        """``f`` (n, K), or its target values (n, 1) for the rows ``rows`` of ``X``."""
+        if self.targets is None:
+            return f
+        return self.targets.values(f) if rows is None else self.targets.take(rows).values(f)
 
     def ends(self, step, X):
         """``f`` and the largest logit of each row of ``X`` at both ends of ``step``."""
@@ -112,7 +129,8 @@ class Certificate:
         """
         ends = self.ends(step, X) if ends is None else ends
         direction = self.probes.current().params(step.direction)
-        error = ends.f_end - ends.f_start - features.directional(direction)
+        change = self._values(ends.f_end) - self._values(ends.f_start)
+        error = change - features.directional(direction)
         floor = rounding_floor(ends.scale_start, ends.scale_end)
         tolerance = torch.clamp(floor, min=least_tolerance(floor.dtype, self.tolerance))
         return StepCheck(error.abs().amax(1).cpu().numpy(), tolerance.cpu().numpy())
@@ -186,6 +204,7 @@ class Certificate:
             f_ab, scale_ab = probe.output_with_scale(
                 step.start, X_rows, step.direction, on_device(np.concatenate([a, b]))
             )
+            f_ab = self._values(f_ab, on_device(np.concatenate([piece_rows, piece_rows])))
             (f_a, f_b), (scale_a, scale_b) = f_ab.chunk(2), scale_ab.chunk(2)
             floor = torch.clamp(rounding_floor(scale_a, scale_b), min=tolerance)
             ok = ((f_b - f_a - estimate).abs().amax(1) <= floor).cpu().numpy()

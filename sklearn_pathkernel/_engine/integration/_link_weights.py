@@ -30,6 +30,15 @@ per piece, where the Gauss rule takes ``n_nodes`` (4) nodes of ``K``.
 Cost per step: one forward pass of ``(D + 1) / D`` times the nodes' rows, and
 ``P M K (D + 1)`` numbers for ``P`` pieces (the log-softmax's Jacobian is ``I - 1
 p^T``: :meth:`~sklearn_pathkernel._training._losses.LogSoftmaxLink.weighted_jacobians`).
+
+A scalar target :math:`T(f)` per query (:class:`~.._targets.QueryTargets`) needs
+one cotangent per node, not ``K`` (:class:`TargetWeighting` chooses how):
+:class:`JacobianTargetWeights` integrates :math:`w_q = \\int_a^b L_q(t)
+\\nabla_z T(\\mathrm{link}(z(t)))\\, dt` as above (exact: ``T`` composed with the
+link is analytic in the logits), :class:`GaussTargetWeights` back-propagates
+:math:`\\nabla_f T` at each node's own ``f`` (one forward pass of the nodes more)
+with the nodes' weights: exact where ``T`` is linear and ``f`` polynomial,
+certified otherwise.
 """
 
 import math
@@ -58,14 +67,18 @@ class NodeWeights:
     ----------
     weights : np.ndarray of shape (n,)
         The scalar weight of each node's gradients.
-    cotangents : torch.Tensor of shape (n, K, K) or None
+    cotangents : torch.Tensor of shape (n, K', K) or None
         Per node, the cotangents at the logits whose gradients are the node's
-        ``K`` terms (row ``k`` for output ``k``); None: every output of ``f``
-        itself is back-propagated.
+        ``K'`` terms (row ``k`` for output ``k``; one row for a scalar target);
+        None: ``f`` itself is back-propagated.
+    outputs : torch.Tensor of shape (n, K) or None
+        With ``cotangents`` None: per node, one cotangent on ``f`` (a scalar
+        target's gradient, the node's one term); None: every output of ``f``.
     """
 
     weights: np.ndarray
     cotangents: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
 
 
 class NodeWeighting(ABC):
@@ -128,9 +141,11 @@ class JacobianWeights(NodeWeighting):
         matrices = self.piece_weights(logits, torch.as_tensor(width, **like))
         return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
 
-    def piece_weights(self, logits, widths):
+    def piece_weights(self, logits, widths, targets=None):
         """``W_q`` (P, D, K, K) of ``P`` pieces from their logits at the
-        :func:`interpolation_points` (P, D + 1, K) and their widths (P,).
+        :func:`interpolation_points` (P, D + 1, K) and their widths (P,)
+        (``targets``: the pieces' :class:`~.._targets.QueryTargets`, for
+        :class:`JacobianTargetWeights`).
 
         Each pair of ``ORDERS`` is taken in one evaluation of the link's
         Jacobians; a piece whose two results differ by more than ``ROUNDING``
@@ -139,7 +154,8 @@ class JacobianWeights(NodeWeighting):
         result = None
         pending = torch.arange(logits.shape[0], device=logits.device)
         for orders in zip(ORDERS[::2], ORDERS[1::2], strict=True):
-            coarse, fine = self._integrals(logits[pending], orders).chunk(2, dim=1)
+            of_pending = None if targets is None else targets.take(pending)
+            coarse, fine = self._integrals(logits[pending], orders, of_pending).chunk(2, dim=1)
             if result is None:
                 result = fine
             else:
@@ -150,13 +166,132 @@ class JacobianWeights(NodeWeighting):
                 break
         return widths.to(result.dtype)[:, None, None, None] * result
 
-    def _integrals(self, logits, orders):
+    def _integrals(self, logits, orders, targets=None):
         """``int_0^1 L_q(u) J(z(u)) du`` with Gauss-Legendre rules of each of
         ``orders`` points: (P, len(orders) D, K, K), the orders one after the other."""
         coefficients, interpolation = _unit_integrals(self.degree, self.nodes_per_piece, orders)
         like = {"dtype": logits.dtype, "device": logits.device}
         z = torch.einsum("mi,pik->pmk", torch.as_tensor(interpolation, **like), logits)
-        return self.link.weighted_jacobians(torch.as_tensor(coefficients, **like), z)
+        return self._weighted(torch.as_tensor(coefficients, **like), z, targets)
+
+    def _weighted(self, coefficients, z, targets):
+        """``sum_m coefficients[q, m] J(z[p, m])`` (P, Q, K, K)."""
+        return self.link.weighted_jacobians(coefficients, z)
+
+
+class JacobianTargetWeights(JacobianWeights):
+    """``w_q = int_a^b L_q(t) grad_z T(link(z(t))) dt`` at ``degree`` Gauss nodes per
+    piece: one cotangent row per node for a scalar target per query row.
+
+    Exact as :class:`JacobianWeights` (``T`` composed with the link is analytic in
+    the logits); the gradients at the ``M`` sample points are taken by
+    ``torch.func`` (``P M`` gradients of a K-vector function per order).
+
+    Parameters
+    ----------
+    link : Link
+    degree : int
+    targets : QueryTargets
+        The target of each row of the ``X`` that :meth:`weigh` is given.
+    """
+
+    def __init__(self, link, degree, targets):
+        super().__init__(link, degree)
+        self.targets = targets
+
+    def weigh(self, probe, step, X, nodes):
+        n = self.nodes_per_piece
+        if nodes.rows.size % n:
+            raise ValueError(f"{nodes.rows.size} nodes are no whole number of pieces of {n}.")
+        like = {"dtype": step.start.dtype, "device": step.start.device}
+        rows = nodes.rows[::n]
+        width = nodes.weights.reshape(-1, n).sum(1)
+        start = nodes.t[::n] - width * gauss_on_unit(n)[0][0]
+        points = start[:, None] + width[:, None] * interpolation_points(self.degree)
+        logits = probe.logits(
+            step.start,
+            X[torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"])],
+            step.direction,
+            torch.as_tensor(points.ravel(), **like),
+        )
+        logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
+        targets = self.targets.take(torch.as_tensor(rows, device=like["device"]))
+        matrices = self.piece_weights(logits, torch.as_tensor(width, **like), targets)
+        return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
+
+    def _weighted(self, coefficients, z, targets):
+        """``sum_m coefficients[q, m] grad_z T(link(z[p, m]))`` (P, Q, 1, K).
+
+        A target linear in ``f`` has a constant ``c = grad_f T``: its weights are
+        ``c^T W_q`` from the link's own weighted Jacobians (closed form, ``P Q K^2``);
+        another takes the gradient of ``T(link(z))`` at every sample point
+        (autograd, one backward pass of ``P M`` rows).
+        """
+        if targets.target.linear:
+            slope = targets.output_gradients(z.new_zeros((z.shape[0], z.shape[2])))
+            matrices = self.link.weighted_jacobians(coefficients, z)  # (P, Q, K, K)
+            return torch.einsum("pk,pqkj->pqj", slope, matrices)[:, :, None, :]
+        n_points = z.shape[1]
+        gradients = targets.repeated(n_points).logit_gradients(self.link, z.flatten(0, 1))
+        gradients = gradients.reshape(z.shape)
+        return torch.einsum("qm,pmk->pqk", coefficients.to(z.dtype), gradients)[:, :, None, :]
+
+
+class GaussTargetWeights(NodeWeighting):
+    """The nodes' own weights, with the cotangent :math:`\\nabla_f T` of each node's
+    row at its own ``f`` (a forward pass of the nodes): one term per node.
+
+    Parameters
+    ----------
+    nodes_per_piece : int
+    targets : QueryTargets
+        The target of each row of the ``X`` that :meth:`weigh` is given.
+    """
+
+    def __init__(self, nodes_per_piece, targets):
+        self.nodes_per_piece, self.targets = nodes_per_piece, targets
+
+    def weigh(self, probe, step, X, nodes):
+        device = step.start.device
+        rows = torch.as_tensor(nodes.rows, device=device)
+        t = torch.as_tensor(nodes.t, dtype=step.start.dtype, device=device)
+        targets = self.targets.take(rows)
+        if targets.target.linear:  # a constant gradient: f anywhere gives it
+            f = probe.output(step.start, X)[rows]
+        else:
+            f = probe.output(step.start, X[rows], step.direction, t)
+        return NodeWeights(nodes.weights, outputs=targets.output_gradients(f))
+
+
+class TargetWeighting:
+    """How the nodes of a scalar target per query are weighted.
+
+    :meth:`bind` gives, for the targets of some query rows, a
+    :class:`NodeWeighting` with one term per node: :class:`JacobianTargetWeights`
+    where the logits are a polynomial in ``t`` of known degree ``D <= n_nodes``,
+    the link has a closed form and the probe per-layer rules (exact), except for a
+    target linear in ``f`` of an affine link (``f`` polynomial itself: the
+    engine's Gauss nodes are exact, ``ceil(D / 2)`` of them); else
+    :class:`GaussTargetWeights` with the engine's nodes (certified, refined by an
+    adaptive rule).
+
+    Parameters
+    ----------
+    link : Link
+    degree : int or None
+        The logits' degree where the Jacobian route applies, else None.
+    gauss_nodes : int
+        The engine's nodes per piece for the Gauss route.
+    """
+
+    def __init__(self, link, degree, gauss_nodes):
+        self.link, self.degree, self.gauss_nodes = link, degree, gauss_nodes
+
+    def bind(self, targets):
+        """The :class:`NodeWeighting` of ``targets`` (a ``QueryTargets``)."""
+        if self.degree is None or (targets.target.linear and self.link.affine):
+            return GaussTargetWeights(self.gauss_nodes, targets)
+        return JacobianTargetWeights(self.link, self.degree, targets)
 
 
 @lru_cache
@@ -235,3 +370,13 @@ def node_weighting(link, degrees, n_nodes, test_test_factor, per_layer):
         return GaussWeights(counts.per_piece), counts
     weighting = JacobianWeights(link, z_degree)
     return weighting, NodeCounts(weighting.nodes_per_piece, counts.test_test, f_degree)
+
+
+def target_weighting(link, degrees, n_nodes, per_layer):
+    """The exact rule's :class:`TargetWeighting` (arguments as :func:`node_weighting`)."""
+    f_degree, z_degree = degrees
+    jacobian = (
+        per_layer and link.closed_form and z_degree is not None and max(1, z_degree) <= n_nodes
+    )
+    gauss = NodeCounts.of(f_degree, n_nodes, 1).per_piece
+    return TargetWeighting(link, z_degree if jacobian else None, gauss)

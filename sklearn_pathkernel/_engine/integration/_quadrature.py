@@ -22,7 +22,7 @@ import numpy as np
 
 from ._degree import NodeCounts
 from ._kinks import StepEnds, row_kinks
-from ._link_weights import GaussWeights, node_weighting
+from ._link_weights import GaussWeights, TargetWeighting, node_weighting, target_weighting
 from ._link_weights import gauss_on_unit as gauss_legendre
 
 #: The test x test integrand is a product of two gradients (twice the polynomial
@@ -139,6 +139,11 @@ class QuadratureRule(ABC):
         whether the probe has per-layer rules: a fixed rule's own weights."""
         return GaussWeights(n_nodes), self.node_counts(degrees[0], n_nodes)
 
+    def target_weighting(self, link, degrees, n_nodes, per_layer):
+        """The :class:`~._link_weights.TargetWeighting` of scalar targets per query
+        (arguments as :meth:`node_weighting`): a fixed rule's own nodes."""
+        return TargetWeighting(link, None, self.node_counts(degrees[0], n_nodes).per_piece)
+
     @abstractmethod
     def shared_nodes(self, probe, step, X, n_nodes):
         """One set of nodes valid for every row of ``X``: a :class:`SharedNodes`.
@@ -172,6 +177,13 @@ class KinkSplittingRule(QuadratureRule):
         ``f`` is a closed-form link of polynomial logits
         (:func:`~._link_weights.node_weighting`), else ``n_nodes``."""
         return node_weighting(link, degrees, n_nodes, TEST_TEST_NODES, per_layer)
+
+    def target_weighting(self, link, degrees, n_nodes, per_layer):
+        """Exact nodes for a scalar target per query: the logits' degree with
+        target-gradient weights where :meth:`node_weighting` would take Jacobian
+        weights (and for nonlinear targets of an affine link), else the Gauss
+        nodes of :meth:`node_weighting` (:func:`~._link_weights.target_weighting`)."""
+        return target_weighting(link, degrees, n_nodes, per_layer)
 
     def row_nodes(self, probe, step, X, n_nodes):
         return self.refined_nodes(probe, step, X, np.arange(X.shape[0]), (0.0, 1.0), n_nodes)
