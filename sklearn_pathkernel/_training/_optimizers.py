@@ -97,7 +97,7 @@ class StepScales:
     ----------
     scales : list of (float or torch.Tensor)
         Per path parameter: its :math:`P_s` (a number for every coordinate, or
-        a tensor of the parameter's shape); 0 for a skipped parameter. With
+        a tensor of the parameter's shape, or flat); 0 for a skipped parameter. With
         ``adam_terms``, the tensors are Adam's second moments ``v``, and
         :math:`P_s` follows from them later (:func:`adam_scale`), off the loop.
     decoupled_decay : float or Blockwise
@@ -457,6 +457,7 @@ class AdamRule(OptimizerRule):
         seconds, sizes, corrections, eps = [], [], [], []
         settings, terms = {}, {}  # per group, and per (group, step count): computed once
         states = self.optimizer.state
+        groups = self._groups
         for param, k, on in zip(self.params, self.group_of, active, strict=True):
             if not on:
                 seconds.append(0.0)
@@ -464,27 +465,35 @@ class AdamRule(OptimizerRule):
                 corrections.append(1.0)
                 eps.append(1.0)
                 continue
-            group = self._groups[k]
-            if k not in settings:
-                settings[k] = (
+            setting = settings.get(k)
+            if setting is None:
+                group = groups[k]
+                setting = settings[k] = (
                     _number(group["lr"]),
                     *(_number(b) for b in group["betas"]),
                     _number(group["eps"]),
+                    "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
                 )
-            lr, beta_1, beta_2, group_eps = settings[k]
+            lr, beta_1, beta_2, group_eps, second = setting
             state = states[param]
             count = _number(state["step"])
-            if (k, count) not in terms:
+            term = terms.get((k, count))
+            if term is None:
                 # torch.optim.Adam, step by step (_single_tensor_adam).
-                terms[k, count] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5)
-            size, correction = terms[k, count]
-            sizes.append(size)
-            corrections.append(correction)
+                term = terms[k, count] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5)
+            sizes.append(term[0])
+            corrections.append(term[1])
             eps.append(group_eps)
-            seconds.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
+            # (flat: a view of the optimiser's own tensor, copied by the step log)
+            seconds.append(_flat(state[second]))
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
         return StepScales(seconds, self._decoupled_decay, terms, rate)
+
+
+def _flat(tensor):
+    """``tensor`` as a 1-d tensor (a view when it is contiguous)."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
 @register_optimizer("adamw")

@@ -153,8 +153,8 @@ class GrowingRows:
         self._data, self.storage = allocate_weights(capacity, width, storage, dtype)
         self.n_rows = 0
 
-    def write(self, parts, numels):
-        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
+    def _next_row(self):
+        """The row to write next (a view), the array grown first when full."""
         if self.n_rows == self._data.shape[0]:
             if self.storage != "memory":
                 raise RecordingRefused(
@@ -163,7 +163,17 @@ class GrowingRows:
             grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
             grown[: self.n_rows] = self._data
             self._data = grown
-        row = self._data[self.n_rows]
+        return self._data[self.n_rows]
+
+    def write_flat(self, flat):
+        """Append a row made of ``flat``: 1-d host tensors of the rows' dtype, without
+        autograd, whose sizes add up to the width (one ``torch.cat`` into the row)."""
+        torch.cat(flat, out=self._next_row())
+        self.n_rows += 1
+
+    def write(self, parts, numels):
+        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
+        row = self._next_row()
         flat = [
             part if part.ndim == 1 and not part.requires_grad else part.detach().reshape(-1)
             for part in parts
@@ -241,28 +251,48 @@ class StepLog:
         """Record one step: the parameters after it, its rows and output gradients, its
         :class:`~._optimizers.StepScales` and a learning rate (the largest of the
         groups, for display). Cost: one copy of the weights (and of a
-        per-coordinate scale) into the host arrays."""
-        self._weights.write(weights, self._numels)
+        per-coordinate scale) into the host arrays: one ``torch.cat`` each when
+        they are 1-d host tensors of the path's dtype (``weights`` from
+        :meth:`WeightWatch.flat_views`, Adam's second moments from its rule)."""
+        if self._host_parts(weights):
+            self._weights.write_flat(weights)
+        else:
+            self._weights.write(weights, self._numels)
         self._batches.append(rows)
         self._masks.append(masks)
         # (the recorder's own tensor, from the backward hook: no copy on the host)
         self._gradients.append(output_gradient if output_gradient.is_cpu else output_gradient.cpu())
         scales = step_scales.scales
+        terms = step_scales.adam_terms
         self._rates.append(step_scales.rate)
-        if step_scales.adam_terms is not None:
-            self._adam_terms.append(step_scales.adam_terms)
-        if (
-            step_scales.adam_terms is None
-            and all(isinstance(s, float) for s in scales)
-            and len(set(scales)) == 1
-        ):
+        if terms is not None:
+            self._adam_terms.append(terms)
+        if terms is None and all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
             self._uniform.append(scales[0])
         else:
-            self._fill_uniform(len(self._uniform))  # earlier uniform steps
-            self._scale_rows().write(scales, self._numels)
+            rows_written = self._scale_rows()
+            if rows_written.n_rows < len(self._uniform):
+                self._fill_uniform(len(self._uniform))  # earlier uniform steps
+            if self._host_parts(scales):
+                rows_written.write_flat(scales)
+            else:
+                rows_written.write(scales, self._numels)
             self._uniform.append(None)
         self._decays.append(step_scales.decoupled_decay)
         self._learning_rates.append(learning_rate)
+
+    def _host_parts(self, parts):
+        """Whether ``parts`` are 1-d host tensors of the path's dtype without autograd,
+        one per parameter (a row is then one ``torch.cat`` of them)."""
+        dtype = self._dtype
+        return len(parts) == len(self._numels) and all(
+            type(part) is torch.Tensor
+            and part.ndim == 1
+            and part.is_cpu
+            and part.dtype == dtype
+            and not part.requires_grad
+            for part in parts
+        )
 
     def _finish_adam(self, preconditioners):
         """Turn the rows that hold Adam's second moments into :math:`P_s`, in place,
