@@ -55,6 +55,7 @@ from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
 from ._weight_watch import (
     ConstantWatch,
     WeightWatch,
+    host_numpy,
     largest_difference,
     matching_steps,
     same_bits,
@@ -128,6 +129,9 @@ class PathRecorder:
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
         self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
+        self._n_rows = X.shape[0]
+        # (the training rows of a batch are gathered from this view, when X has one)
+        self._X_numpy = host_numpy(X)
         self.y = None if y is None else np.asarray(torch.as_tensor(y).cpu().numpy())
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -184,7 +188,8 @@ class PathRecorder:
             its gradient is recorded instead of the module output's.
         """
         rows = self._copied_rows(indices)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
+        # (one reduction: a negative index read as unsigned is at least 2**63)
+        if rows.size and rows.view(np.uint64).max() >= self._n_rows:
             raise IndexError(
                 f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
             )
@@ -202,7 +207,7 @@ class PathRecorder:
         same values (full-batch training) shares the previous copy."""
         previous, source = self._last_rows
         if isinstance(indices, torch.Tensor):
-            values = indices.detach().cpu().numpy()
+            values = indices.numpy() if indices.is_cpu else indices.cpu().numpy()
         else:
             values = np.asarray(indices)
         if indices is source and np.array_equal(previous, values):
@@ -341,9 +346,11 @@ class PathRecorder:
         return [p._version for p in self._params]
 
     def _fingerprints(self):
-        """Per parameter: what identifies its gradient now (None without one)."""
-        check = self.check
-        return [None if p.grad is None else _fingerprint(check, p.grad) for p in self._params]
+        """Per parameter: what identifies its gradient now (None without one; see
+        :func:`_fingerprint`, written out here for the usual case: every step)."""
+        if self.check == "every":
+            return [None if p.grad is None else _fingerprint("every", p.grad) for p in self._params]
+        return [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
 
     def _backward_started(self):
         """The first gradient hook of a backward pass through the output, before any
@@ -395,7 +402,7 @@ class PathRecorder:
             )
         versions = self._versions()
         for batch in batches:
-            batch.check(step, self.X, versions)
+            batch.check(step, self.X, versions, self._X_numpy)
         if not self._weights.unchanged(self._log.last_weights()):
             self._refuse_changed_weights(step)
         if self._constants.touched():

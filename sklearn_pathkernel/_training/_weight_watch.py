@@ -21,6 +21,19 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _NUMPY = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32)
 
 
+def host_numpy(tensor):
+    """A numpy view of a contiguous host tensor of a numpy dtype without autograd,
+    else None."""
+    if (
+        tensor.is_cpu
+        and tensor.dtype in _NUMPY
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+    ):
+        return tensor.numpy()
+    return None
+
+
 def host_bytes_equal(a, b):
     """Whether two contiguous host tensors of a numpy dtype hold the same bytes (a
     ``memcmp`` of copies: for a few thousand numbers, several times faster than
