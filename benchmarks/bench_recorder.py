@@ -67,7 +67,7 @@ class WithoutWeightCheck(TrainingRecorder):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._weights.unchanged = lambda row: True
+        self._weights.unchanged = lambda log: True
         self._weights.after_step = lambda: None
 
 

@@ -412,6 +412,20 @@ class AdamRule(OptimizerRule):
             "weight_decay": float(values["weight_decay"]),
         }
 
+    def __init__(self, optimizer, params, names):
+        super().__init__(optimizer, params, names)
+        self._counts = {}  # per parameter: its step-count tensor and a numpy view of it
+
+    def _step_count(self, index, value):
+        """The parameter's step count ``value`` (``state["step"]``) as a number; a host
+        tensor is read through a numpy view of it, kept while the state holds the
+        same tensor (torch.optim increments it in place)."""
+        held = self._counts.get(index)
+        if held is None or held[0] is not value:
+            held = self._counts[index] = (value, _scalar_view(value))
+        view = held[1]
+        return float(view) if view is not None else _number(value)
+
     def _decoupled(self, group):
         return bool(group.get("decoupled_weight_decay", False)) or isinstance(
             self.optimizer, torch.optim.AdamW
@@ -458,7 +472,8 @@ class AdamRule(OptimizerRule):
         settings, terms = {}, {}  # per group, and per (group, step count): computed once
         states = self.optimizer.state
         groups = self._groups
-        for param, k, on in zip(self.params, self.group_of, active, strict=True):
+        parameters = zip(self.params, self.group_of, active, strict=True)
+        for index, (param, k, on) in enumerate(parameters):
             if not on:
                 seconds.append(0.0)
                 sizes.append(0.0)
@@ -476,7 +491,7 @@ class AdamRule(OptimizerRule):
                 )
             lr, beta_1, beta_2, group_eps, second = setting
             state = states[param]
-            count = _number(state["step"])
+            count = self._step_count(index, state["step"])
             term = terms.get((k, count))
             if term is None:
                 # torch.optim.Adam, step by step (_single_tensor_adam).
@@ -489,6 +504,14 @@ class AdamRule(OptimizerRule):
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
         return StepScales(seconds, self._decoupled_decay, terms, rate)
+
+
+def _scalar_view(value):
+    """A numpy view of a one-number host tensor (read without a torch call), else None."""
+    if isinstance(value, torch.Tensor) and value.is_cpu and value.numel() == 1:
+        if value.dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+            return value.detach().numpy()
+    return None
 
 
 def _flat(tensor):

@@ -403,7 +403,7 @@ class PathRecorder:
         versions = self._versions()
         for batch in batches:
             batch.check(step, self.X, versions, self._X_numpy)
-        if not self._weights.unchanged(self._log.last_weights()):
+        if not self._weights.unchanged(self._log):
             self._refuse_changed_weights(step)
         if self._constants.touched():
             changed = self._constants.difference(self.module)

@@ -163,6 +163,7 @@ class GrowingRows:
 
     def __init__(self, width, dtype, capacity=64, storage="memory"):
         self._data, self.storage = allocate_weights(capacity, width, storage, dtype)
+        self._numpy = host_numpy(self._data)  # (a numpy view, to compare rows by memcmp)
         self.n_rows = 0
 
     def _next_row(self):
@@ -174,7 +175,7 @@ class GrowingRows:
                 )
             grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
             grown[: self.n_rows] = self._data
-            self._data = grown
+            self._data, self._numpy = grown, host_numpy(grown)
         return self._data[self.n_rows]
 
     def write_flat(self, flat):
@@ -205,6 +206,10 @@ class GrowingRows:
     def last(self):
         """The last row written (a view)."""
         return self._data[self.n_rows - 1]
+
+    def last_bytes(self):
+        """The last row written, as bytes (None without a numpy view of the rows)."""
+        return None if self._numpy is None else self._numpy[self.n_rows - 1].tobytes()
 
     def view(self):
         """The rows written: a view on disk, a copy in memory when rows are unused
@@ -251,6 +256,11 @@ class StepLog:
     def n_steps(self):
         return len(self._batches)
 
+    @property
+    def dtype(self):
+        """The dtype of the recorded weights."""
+        return self._dtype
+
     def weights(self):
         """The weights recorded so far, ``w_0 .. w_s`` (a view)."""
         return self._weights.rows()
@@ -258,6 +268,11 @@ class StepLog:
     def last_weights(self):
         """The last recorded weights (a view of their row)."""
         return self._weights.last()
+
+    def last_weight_bytes(self):
+        """The last recorded weights as bytes (None when they are not a host array of a
+        numpy dtype)."""
+        return self._weights.last_bytes()
 
     def append(self, weights, rows, output_gradient, step_scales, learning_rate, masks=None):
         """Record one step: the parameters after it, its rows and output gradients, its

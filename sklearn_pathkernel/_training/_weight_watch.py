@@ -123,13 +123,15 @@ class WeightWatch:
         if not self._on_host:
             self._reference.copy_(self._flat())
 
-    def unchanged(self, recorded_row):
-        """Whether the weights now are bitwise the reference: ``recorded_row`` (the
-        host row of the last recorded weights) or the device copy."""
+    def unchanged(self, log):
+        """Whether the weights now are bitwise the reference: the last recorded weights
+        of ``log`` (a :class:`~._step_log.StepLog`, on the host) or the device copy."""
         flat = self._flat()
-        if self._bytes is not None and recorded_row.dtype == flat.dtype:
-            return self._bytes.tobytes() == recorded_row.numpy().tobytes()
-        reference = recorded_row if self._on_host else self._reference
+        if self._bytes is not None:
+            recorded = log.last_weight_bytes()  # (None unless a host array of a numpy dtype)
+            if recorded is not None and log.dtype == self._scratch.dtype:
+                return self._bytes.tobytes() == recorded
+        reference = log.last_weights() if self._on_host else self._reference
         return same_bits(flat, reference)
 
     def flat(self):
