@@ -111,17 +111,25 @@ class StepScales:
         step, so that ``scales`` are relative to it (all ones with one group).
         The kernel's per-step metric is :math:`P_s` (the Gram of a plain SGD run
         carries no learning rate), so the split follows the estimators'.
+    flat : bool, default=False
+        Whether ``scales`` are 1-d host tensors, one per parameter, in the
+        parameters' dtypes (the step log then writes them with one ``torch.cat``).
     """
 
     scales: list
     decoupled_decay: object
     adam_terms: list = None
     rate: float = 1.0
+    flat: bool = False
 
 
 def _relative(values, active):
     """The largest value among active parameters, and each value relative to it
     (0 for skipped ones): exactly 1.0 where a value equals the largest."""
+    if all(active):
+        rate = max(values, default=0.0)
+        if rate != 0:
+            return rate, [v / rate for v in values]
     rate = max((v for v, on in zip(values, active, strict=True) if on), default=0.0)
     if rate == 0:
         return 0.0, [0.0 if not on else 1.0 for on in active]
@@ -414,17 +422,7 @@ class AdamRule(OptimizerRule):
 
     def __init__(self, optimizer, params, names):
         super().__init__(optimizer, params, names)
-        self._counts = {}  # per parameter: its step-count tensor and a numpy view of it
-
-    def _step_count(self, index, value):
-        """The parameter's step count ``value`` (``state["step"]``) as a number; a host
-        tensor is read through a numpy view of it, kept while the state holds the
-        same tensor (torch.optim increments it in place)."""
-        held = self._counts.get(index)
-        if held is None or held[0] is not value:
-            held = self._counts[index] = (value, _scalar_view(value))
-        view = held[1]
-        return float(view) if view is not None else _number(value)
+        self._held = [None] * len(params)  # per parameter: its _StateViews
 
     def _decoupled(self, group):
         return bool(group.get("decoupled_weight_decay", False)) or isinstance(
@@ -472,6 +470,8 @@ class AdamRule(OptimizerRule):
         settings, terms = {}, {}  # per group, and per (group, step count): computed once
         states = self.optimizer.state
         groups = self._groups
+        held = self._held
+        flat = True
         parameters = zip(self.params, self.group_of, active, strict=True)
         for index, (param, k, on) in enumerate(parameters):
             if not on:
@@ -479,6 +479,7 @@ class AdamRule(OptimizerRule):
                 sizes.append(0.0)
                 corrections.append(1.0)
                 eps.append(1.0)
+                flat = False
                 continue
             setting = settings.get(k)
             if setting is None:
@@ -491,7 +492,11 @@ class AdamRule(OptimizerRule):
                 )
             lr, beta_1, beta_2, group_eps, second = setting
             state = states[param]
-            count = self._step_count(index, state["step"])
+            count, moment = state["step"], state[second]
+            kept = held[index]
+            if kept is None or not kept.holds(count, moment):
+                kept = held[index] = _StateViews(count, moment)
+            count = kept.count()
             term = terms.get((k, count))
             if term is None:
                 # torch.optim.Adam, step by step (_single_tensor_adam).
@@ -500,10 +505,48 @@ class AdamRule(OptimizerRule):
             corrections.append(term[1])
             eps.append(group_eps)
             # (flat: a view of the optimiser's own tensor, copied by the step log)
-            seconds.append(_flat(state[second]))
+            seconds.append(kept.moment())
+            flat = flat and kept.on_host
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
-        return StepScales(seconds, self._decoupled_decay, terms, rate)
+        return StepScales(seconds, self._decoupled_decay, terms, rate, flat)
+
+
+class _StateViews:
+    """Views of one parameter's Adam state, kept while the optimiser holds the same
+    tensors (torch.optim updates them in place): the step count through numpy (read
+    without a torch call, when it is a host tensor) and the second moment flat.
+
+    Parameters
+    ----------
+    count : torch.Tensor or number
+        ``state["step"]``.
+    moment : torch.Tensor
+        ``state["exp_avg_sq"]`` (or ``"max_exp_avg_sq"``).
+    """
+
+    def __init__(self, count, moment):
+        self._held = count, moment
+        self._count = _scalar_view(count)
+        self._value = count
+        self._flat = moment.detach().view(-1) if moment.is_contiguous() else None
+        self.on_host = self._flat is not None and moment.is_cpu
+
+    def holds(self, count, moment):
+        """Whether these are views of ``count`` and ``moment``."""
+        return self._held[0] is count and self._held[1] is moment
+
+    def moment(self):
+        """The second moment now, flat (a view; a copy when it is not contiguous)."""
+        if self._flat is not None:
+            return self._flat
+        return self._held[1].detach().reshape(-1)
+
+    def count(self):
+        """The step count now, as a float."""
+        if self._count is not None:
+            return float(self._count)
+        return _number(self._value)
 
 
 def _scalar_view(value):
@@ -512,11 +555,6 @@ def _scalar_view(value):
         if value.dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
             return value.detach().numpy()
     return None
-
-
-def _flat(tensor):
-    """``tensor`` as a 1-d tensor (a view when it is contiguous)."""
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
 @register_optimizer("adamw")

@@ -479,7 +479,7 @@ class PathRecorder:
         weights = self._weights.flat_views()
         scales = self._rule.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._rule.groups())
-        self._log.append(weights, rows, gradient, scales, lr, masks)
+        self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
         self._weights.after_step()
         self._leftover = self._saved
         self._open, self._done, self._saved, self._rows = [], [], {}, None

@@ -168,7 +168,7 @@ class GrowingRows:
 
     def _next_row(self):
         """The row to write next (a view), the array grown first when full."""
-        if self.n_rows == self._data.shape[0]:
+        if self.n_rows == len(self._data):
             if self.storage != "memory":
                 raise RecordingRefused(
                     f"More steps than max_steps ({self._data.shape[0]} rows) on disk storage."
@@ -176,7 +176,7 @@ class GrowingRows:
             grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
             grown[: self.n_rows] = self._data
             self._data, self._numpy = grown, host_numpy(grown)
-        return self._data[self.n_rows]
+        return self._data.select(0, self.n_rows)
 
     def write_flat(self, flat):
         """Append a row made of ``flat``: 1-d host tensors of the rows' dtype, without
@@ -244,6 +244,8 @@ class StepLog:
         self._storage = storage
         self._scales = None  # allocated at the first step that needs per-coordinate scales
         self._capacity, self._dtype = capacity, dtype
+        # (every parameter in the path's dtype: flat parts need no conversion)
+        self._uniform_dtype = all(p.dtype == dtype for p in initial)
         self._uniform = []  # per step: its one scale, or None when written in _scales
         self._rates = []  # per step: the rate folded into alpha_s and zeta_s
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
@@ -274,14 +276,16 @@ class StepLog:
         numpy dtype)."""
         return self._weights.last_bytes()
 
-    def append(self, weights, rows, output_gradient, step_scales, learning_rate, masks=None):
+    def append(
+        self, weights, rows, output_gradient, step_scales, learning_rate, masks=None, flat=False
+    ):
         """Record one step: the parameters after it, its rows and output gradients, its
         :class:`~._optimizers.StepScales` and a learning rate (the largest of the
-        groups, for display). Cost: one copy of the weights (and of a
-        per-coordinate scale) into the host arrays: one ``torch.cat`` each when
-        they are 1-d host tensors of the path's dtype (``weights`` from
-        :meth:`WeightWatch.flat_views`, Adam's second moments from its rule)."""
-        if self._host_parts(weights):
+        groups, for display); ``flat``: the weights are 1-d host tensors in the
+        parameters' dtypes (:meth:`WeightWatch.flat_views`). Cost: one copy of the
+        weights (and of a per-coordinate scale) into the host arrays, one
+        ``torch.cat`` each when they are flat host tensors of the path's dtype."""
+        if flat and self._uniform_dtype or self._host_parts(weights):
             self._weights.write_flat(weights)
         else:
             self._weights.write(weights, self._numels)
@@ -300,7 +304,7 @@ class StepLog:
             rows_written = self._scale_rows()
             if rows_written.n_rows < len(self._uniform):
                 self._fill_uniform(len(self._uniform))  # earlier uniform steps
-            if self._host_parts(scales):
+            if step_scales.flat and self._uniform_dtype or self._host_parts(scales):
                 rows_written.write_flat(scales)
             else:
                 rows_written.write(scales, self._numels)

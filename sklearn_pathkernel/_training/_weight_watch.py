@@ -99,6 +99,8 @@ class WeightWatch:
         self._on_host = first.device.type == "cpu"
         self._reference = None if self._on_host else torch.empty_like(self._scratch)
         self._views, self._pointers = None, None
+        #: Whether the views are 1-d host tensors (of the parameters' memory).
+        self.on_host_views = False
         # (on the host, the scratch's bytes are compared with the row's by memcmp)
         self._bytes = self._scratch.numpy() if self._on_host and first.dtype in _NUMPY else None
 
@@ -107,6 +109,7 @@ class WeightWatch:
         the parameters keep their memory: ``p.data = t`` gives new views)."""
         pointers = [p.data_ptr() for p in self.params]
         if pointers != self._pointers:
+            self.on_host_views = all(p.is_cpu for p in self.params)
             if not all(p.is_contiguous() for p in self.params):  # (copies: not kept)
                 return [p.detach().reshape(-1) for p in self.params]
             self._views = [p.detach().view(-1) for p in self.params]
