@@ -231,10 +231,12 @@ class OptimizerRule(ABC):
             return by_group[self._used[0]]
         return blockwise([by_group[k] for k in self.group_of], self.numels)
 
-    def form(self, step):
+    def form(self, step, settings=None):
         """The linear form of step ``step``, checked to be the same at every step
-        (built again only when the settings it is made of change)."""
-        settings = [self.form_settings(group) for group in self.groups()]
+        (built again only when the settings it is made of change); ``settings``:
+        the used groups' :meth:`form_settings`, when already read."""
+        if settings is None:
+            settings = [self.form_settings(group) for group in self.groups()]
         if settings == self._form_settings:
             return self._form
         form = self.linear_form(step)
@@ -450,19 +452,27 @@ class AdamRule(OptimizerRule):
         return LinearForm(beta_1, gradient_scale, coupled, 1.0, 0.0, preconditioned=True)
 
     def before_step(self, step, active, removed):
-        self.check_options(step)
-        form = self.form(step)
         groups = self.optimizer.param_groups
+        # each used group read once: its options, form settings and decoupled decay
+        settings, by_group = [], {}
+        for k in self._used:
+            group = groups[k]
+            if group.get("maximize", False):
+                self.check_options(step)  # (refuses, naming the option)
+            decoupled = self._decoupled(group)
+            decay = _number(group["weight_decay"])
+            settings.append((_number(group["betas"][0]), decoupled, decay))
+            # torch.optim skips a parameter without a gradient: no decay there
+            by_group[k] = -(_number(group["lr"]) * decay) if decoupled else 0.0
+        form = self.form(step, settings)
         self.check_skips(step, active, form, removed)
-        # torch.optim skips a parameter without a gradient: no decay there
-        by_group = {
-            k: -(_number(groups[k]["lr"]) * _number(groups[k]["weight_decay"]))
-            if self._decoupled(groups[k])
-            else 0.0
-            for k in self._used
-        }
-        decays = [by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)]
-        self._decoupled_decay = blockwise(decays, self.numels)
+        if len(by_group) == 1 and all(active):  # (blockwise's outcome, sooner)
+            self._decoupled_decay = by_group[self._used[0]]
+        else:
+            decays = [
+                by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)
+            ]
+            self._decoupled_decay = blockwise(decays, self.numels)
         self._groups = groups
 
     def after_step(self, step, active):

@@ -337,7 +337,7 @@ class PathRecorder:
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
         batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
-        batch.masks = self._dropout.take()
+        batch.masks = self._dropout.take() if self._dropout.layers else {}
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -380,9 +380,13 @@ class PathRecorder:
         for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
             if now is not None and now != before:
                 self._saved[index] = now
-        finished = [b for b in self._open if b.output_gradient is not None]
-        self._open = [b for b in self._open if b.output_gradient is None]
-        self._done.extend(finished)
+        open_batches = self._open
+        if len(open_batches) == 1 and open_batches[0].output_gradient is not None:
+            self._done.append(open_batches[0])  # (the usual case, sooner)
+            self._open = []
+            return
+        self._done.extend(b for b in open_batches if b.output_gradient is not None)
+        self._open = [b for b in open_batches if b.output_gradient is None]
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -423,7 +427,7 @@ class PathRecorder:
         else:
             rows = np.concatenate([b.rows for b in batches])
             gradient = torch.cat([b.output_gradient for b in batches])
-        masks = _step_masks(step, batches)
+        masks = _step_masks(step, batches) if self._dropout.layers else None
         if self.check == "every" or (self.check == "first" and step == 0):
             self._verify(step, batches, active)
         self._pending = (rows, gradient, active, masks)
