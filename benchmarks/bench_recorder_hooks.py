@@ -1,0 +1,143 @@
+"""Where the recorder's time goes in a step: the median time of each of its hooks.
+
+The loop of ``bench_recorder.py`` (digits-sized random inputs, AdamW, float32, one
+thread, batches of 64, 150 steps per run) runs with the recorder of this tree and
+of the commits given, interleaved in one process; every call of the recorder's
+hooks (and of the main parts inside them) is timed, and the median per call is
+printed, per commit. Medians of many calls are robust to the moments a loaded
+machine takes the core away, which sums of wall-clock times are not; they still
+include what other jobs do to the caches. A hook's time is what it costs inside
+the loop, which is several times what the same call costs repeated alone (the
+loop's forward, backward and optimiser step evict what the hook touches).
+
+Top-level hooks (their sum is the recorder's per-step time in Python, without
+creating the recorder and ``finish``): ``rows`` (the user's call),
+``_on_forward`` (module forward hook), ``take_gradient`` (the output's gradient
+hook, with the start of the backward pass), ``_backward_finished`` (end of the
+backward pass), ``_before_step`` and ``_after_step`` (the optimiser's step
+hooks). Inside them: ``check`` (a batch's inputs against ``X[rows]``),
+``unchanged`` (the bitwise weight check), ``before_step``/``after_step`` (the
+optimiser rule reading ``param_groups`` and state), ``append`` (the step log's
+host copies).
+
+Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``.
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sklearn_pathkernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _baseline import import_commit  # noqa: E402
+
+TOP = ("rows", "_on_forward", "take_gradient", "_backward_finished", "_before_step", "_after_step")
+INNER = ("check", "unchanged", "before_step", "after_step", "append")
+
+
+def build(network):
+    if network == "mlp":
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(72, 10),
+    )
+
+
+def instrument(package, calls):
+    """Time the hooks of ``package``'s recorder into ``calls`` (name -> list of ns);
+    returns its ``TrainingRecorder``."""
+
+    def module(name):
+        return importlib.import_module(f"{package.__name__}._training.{name}")
+
+    recorder, step_log = module("_recorder"), module("_step_log")
+    optimizers, weight_watch = module("_optimizers"), module("_weight_watch")
+
+    def wrap(owner, name):
+        function = getattr(owner, name)
+        times = calls.setdefault(name, [])
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                times.append(time.perf_counter_ns() - start)
+
+        setattr(owner, name, timed)
+
+    for name in ("rows", "_on_forward", "_backward_finished", "_before_step", "_after_step"):
+        wrap(recorder.PathRecorder, name)
+    wrap(step_log.MicroBatch, "take_gradient")
+    wrap(step_log.MicroBatch, "check")
+    wrap(weight_watch.WeightWatch, "unchanged")
+    wrap(optimizers.AdamRule, "before_step")
+    wrap(optimizers.AdamRule, "after_step")
+    wrap(step_log.StepLog, "append")
+    return package.TrainingRecorder
+
+
+def run(recorder_class, network, X, y, n_steps=150, batch_size=64):
+    torch.manual_seed(0)
+    model = build(network)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-3)
+    recorder = recorder_class(model, optimizer, X, max_steps=n_steps)
+    order = torch.randperm(X.shape[0])
+    span = X.shape[0] - X.shape[0] % batch_size
+    for step in range(n_steps):
+        start = (batch_size * step) % span
+        rows = order[start : start + batch_size].clone()
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    recorder.finish()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--network", choices=("mlp", "cnn"), default="mlp")
+    parser.add_argument("--commits", nargs="*", default=[], help="earlier commits to compare")
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    X = torch.rand(1200, 64, generator=generator)
+    y = torch.randint(0, 10, (1200,), generator=generator)
+    versions = ["this", *args.commits]
+    calls = {version: {} for version in versions}
+    classes = {
+        version: instrument(
+            sklearn_pathkernel if version == "this" else import_commit(version), calls[version]
+        )
+        for version in versions
+    }
+    for _ in range(args.repeats):
+        for version in versions:
+            run(classes[version], args.network, X, y)
+    print(f"{args.network}, batch 64, AdamW, float32: median us per call, {args.repeats} runs")
+    print(f"{'':<20}" + "".join(f"{version[:10]:>11}" for version in versions))
+    for name in TOP + INNER:
+        indent = "" if name in TOP else "  "
+        medians = [statistics.median(calls[v][name]) / 1e3 for v in versions]
+        print(f"{indent + name:<20}" + "".join(f"{m:11.1f}" for m in medians))
+    sums = [sum(statistics.median(calls[v][n]) for n in TOP) / 1e3 for v in versions]
+    print(f"{'hooks per step':<20}" + "".join(f"{s:11.1f}" for s in sums))
+
+
+if __name__ == "__main__":
+    main()
