@@ -31,6 +31,15 @@ What each hook records (no extra forward or backward pass):
   ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
   Adam's preconditioner.
 
+Per step the hooks do a fixed number of operations whatever the batch (a few per
+parameter): a batch's inputs are compared with ``X[rows]`` by one numpy gather and
+one ``memcmp``, the weights with the previous step's result by one concatenation
+and one ``memcmp``, the optimiser's groups are read once, and Adam's state through
+views kept while the optimiser holds the same tensors; the host copies are one
+``torch.cat`` per row. In the loop each such operation costs several times what
+it costs alone (numpy reductions most: a batch's row range is checked with
+Python's ``min``/``max`` of a list); the user guide's "Cost" gives the figures.
+
 The network's output ``f`` is the module's own output (logits for a classifier):
 the kernel decomposes it. Since ``G_s = sum_i J_i^T dL/dout_i`` by the chain rule,
 this holds for any loss of the output; a loss that also depends on the weights
