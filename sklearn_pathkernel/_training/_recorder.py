@@ -215,7 +215,7 @@ class PathRecorder:
         same values (full-batch training) shares the previous copy."""
         previous, source = self._last_rows
         if isinstance(indices, torch.Tensor):
-            values = indices.numpy() if indices.is_cpu else indices.cpu().numpy()
+            values = indices.detach().cpu().numpy()
         else:
             values = np.asarray(indices)
         if indices is source and np.array_equal(previous, values):
