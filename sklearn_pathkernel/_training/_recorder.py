@@ -324,7 +324,8 @@ class PathRecorder:
             return
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        if torch.is_autocast_enabled(output.device.type):
+        # (is_cpu first: making the device object costs more than the check itself)
+        if torch.is_autocast_enabled("cpu" if output.is_cpu else output.device.type):
             step = self.n_steps
             raise RecordingRefused(
                 f"Step {step}: the module runs under autocast (mixed precision); the kernel "
