@@ -20,6 +20,13 @@ hooks). Inside them: ``check`` (a batch's inputs against ``X[rows]``),
 optimiser rule reading ``param_groups`` and state), ``append`` (the step log's
 host copies).
 
+Also printed, per run (median, milliseconds of the thread's CPU time): creating
+the recorder (``__init__``, with the module checks on a float64 copy,
+``_check_module``) and ``finish`` (with Adam's :math:`P_s` of all steps,
+``_finish_adam``). With ``--prefault`` the step log's host arrays are written
+once when they are allocated (their pages faulted in then), so that ``append``
+shows the copies without the first writes into fresh memory.
+
 Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``.
 """
 
@@ -87,10 +94,51 @@ def instrument(package, calls):
     wrap(optimizers.AdamRule, "before_step")
     wrap(optimizers.AdamRule, "after_step")
     wrap(step_log.StepLog, "append")
+    for owner, name in (
+        (recorder.PathRecorder, "__init__"),
+        (package.TrainingRecorder, "finish"),
+        (recorder, "_check_module"),
+        (step_log.StepLog, "_finish_adam"),
+    ):
+        wrap_cpu(owner, name, calls)
     return package.TrainingRecorder
 
 
-def run(recorder_class, network, X, y, n_steps=150, batch_size=64):
+def wrap_cpu(owner, name, calls):
+    """Time ``owner.name`` by the thread's CPU time, summed per run (the key's list
+    gets one entry per run, see :func:`run`)."""
+    function = getattr(owner, name)
+    totals = calls.setdefault(name, [0])
+
+    def timed(*args, **kwargs):
+        start = time.thread_time_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[-1] += time.thread_time_ns() - start
+
+    setattr(owner, name, timed)
+
+
+def prefault(package):
+    """Make the step log's host arrays write every row once when allocated."""
+    step_log = importlib.import_module(f"{package.__name__}._training._step_log")
+    allocate = step_log.allocate_weights
+
+    def allocate_and_touch(*args, **kwargs):
+        weights, storage = allocate(*args, **kwargs)
+        weights.fill_(0)
+        return weights, storage
+
+    step_log.allocate_weights = allocate_and_touch
+
+
+FIXED = ("__init__", "_check_module", "finish", "_finish_adam")
+
+
+def run(recorder_class, network, X, y, calls, n_steps=150, batch_size=64):
+    for name in FIXED:
+        calls[name].append(0)  # (this run's total)
     torch.manual_seed(0)
     model = build(network)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-3)
@@ -113,6 +161,7 @@ def main():
     parser.add_argument("--network", choices=("mlp", "cnn"), default="mlp")
     parser.add_argument("--commits", nargs="*", default=[], help="earlier commits to compare")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--prefault", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -120,15 +169,17 @@ def main():
     y = torch.randint(0, 10, (1200,), generator=generator)
     versions = ["this", *args.commits]
     calls = {version: {} for version in versions}
-    classes = {
-        version: instrument(
-            sklearn_pathkernel if version == "this" else import_commit(version), calls[version]
-        )
+    packages = {
+        version: sklearn_pathkernel if version == "this" else import_commit(version)
         for version in versions
     }
+    classes = {version: instrument(packages[version], calls[version]) for version in versions}
+    if args.prefault:
+        for package in packages.values():
+            prefault(package)
     for _ in range(args.repeats):
         for version in versions:
-            run(classes[version], args.network, X, y)
+            run(classes[version], args.network, X, y, calls[version])
     print(f"{args.network}, batch 64, AdamW, float32: median us per call, {args.repeats} runs")
     print(f"{'':<20}" + "".join(f"{version[:10]:>11}" for version in versions))
     for name in TOP + INNER:
@@ -137,6 +188,11 @@ def main():
         print(f"{indent + name:<20}" + "".join(f"{m:11.1f}" for m in medians))
     sums = [sum(statistics.median(calls[v][n]) for n in TOP) / 1e3 for v in versions]
     print(f"{'hooks per step':<20}" + "".join(f"{s:11.1f}" for s in sums))
+    print("per run, ms of CPU (150 steps):")
+    for name in FIXED:
+        indent = "  " if name in ("_check_module", "_finish_adam") else ""
+        medians = [statistics.median(calls[v][name][1:]) / 1e6 for v in versions]
+        print(f"{indent + name:<20}" + "".join(f"{m:11.2f}" for m in medians))
 
 
 if __name__ == "__main__":

@@ -605,8 +605,8 @@ def _check_module(module, X):
 
 
 #: Up to this many rows, their range is checked by Python's min and max of a list
-#: (a numpy reduction costs more per call in the loop, about 18 us against 5 us for
-#: 64 rows: see the user guide's "Cost").
+#: (a numpy reduction costs more per call inside the training loop: see the user
+#: guide's "Cost").
 _LIST_RANGE_ROWS = 1024
 
 
