@@ -97,7 +97,7 @@ class StepScales:
     ----------
     scales : list of (float or torch.Tensor)
         Per path parameter: its :math:`P_s` (a number for every coordinate, or
-        a tensor of the parameter's shape); 0 for a skipped parameter. With
+        a tensor of the parameter's shape, or flat); 0 for a skipped parameter. With
         ``adam_terms``, the tensors are Adam's second moments ``v``, and
         :math:`P_s` follows from them later (:func:`adam_scale`), off the loop.
     decoupled_decay : float or Blockwise
@@ -111,17 +111,25 @@ class StepScales:
         step, so that ``scales`` are relative to it (all ones with one group).
         The kernel's per-step metric is :math:`P_s` (the Gram of a plain SGD run
         carries no learning rate), so the split follows the estimators'.
+    flat : bool, default=False
+        Whether ``scales`` are 1-d host tensors, one per parameter, in the
+        parameters' dtypes (the step log then writes them with one ``torch.cat``).
     """
 
     scales: list
     decoupled_decay: object
     adam_terms: list = None
     rate: float = 1.0
+    flat: bool = False
 
 
 def _relative(values, active):
     """The largest value among active parameters, and each value relative to it
     (0 for skipped ones): exactly 1.0 where a value equals the largest."""
+    if all(active):
+        rate = max(values, default=0.0)
+        if rate != 0:
+            return rate, [v / rate for v in values]
     rate = max((v for v, on in zip(values, active, strict=True) if on), default=0.0)
     if rate == 0:
         return 0.0, [0.0 if not on else 1.0 for on in active]
@@ -243,10 +251,12 @@ class OptimizerRule(ABC):
             return by_group[self._used[0]]
         return blockwise([by_group[k] for k in self.group_of], self.numels)
 
-    def form(self, step):
+    def form(self, step, settings=None):
         """The linear form of step ``step``, checked to be the same at every step
-        (built again only when the settings it is made of change)."""
-        settings = [self.form_settings(group) for group in self.groups()]
+        (built again only when the settings it is made of change); ``settings``:
+        the used groups' :meth:`form_settings`, when already read."""
+        if settings is None:
+            settings = [self.form_settings(group) for group in self.groups()]
         if settings == self._form_settings:
             return self._form
         form = self.linear_form(step)
@@ -440,6 +450,10 @@ class AdamRule(OptimizerRule):
             "weight_decay": float(values["weight_decay"]),
         }
 
+    def __init__(self, optimizer, params, names):
+        super().__init__(optimizer, params, names)
+        self._held = [None] * len(params)  # per parameter: its _StateViews
+
     @classmethod
     def step_values(cls, group):
         if group["amsgrad"]:
@@ -481,53 +495,119 @@ class AdamRule(OptimizerRule):
         return LinearForm(beta_1, gradient_scale, coupled, 1.0, 0.0, preconditioned=True)
 
     def before_step(self, step, active, removed):
-        self.check_options(step)
-        form = self.form(step)
         groups = self.optimizer.param_groups
+        # each used group read once: its options, form settings and decoupled decay
+        settings, by_group = [], {}
+        for k in self._used:
+            group = groups[k]
+            if group.get("maximize", False):
+                self.check_options(step)  # (refuses, naming the option)
+            decoupled = self._decoupled(group)
+            decay = _number(group["weight_decay"])
+            settings.append((_number(group["betas"][0]), decoupled, decay))
+            # torch.optim skips a parameter without a gradient: no decay there
+            by_group[k] = -(_number(group["lr"]) * decay) if decoupled else 0.0
+        form = self.form(step, settings)
         self.check_skips(step, active, form, removed)
-        # torch.optim skips a parameter without a gradient: no decay there
-        by_group = {
-            k: -(_number(groups[k]["lr"]) * _number(groups[k]["weight_decay"]))
-            if self._decoupled(groups[k])
-            else 0.0
-            for k in self._used
-        }
-        decays = [by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)]
-        self._decoupled_decay = blockwise(decays, self.numels)
+        if len(by_group) == 1 and all(active):  # (blockwise's outcome, sooner)
+            self._decoupled_decay = by_group[self._used[0]]
+        else:
+            decays = [
+                by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)
+            ]
+            self._decoupled_decay = blockwise(decays, self.numels)
         self._groups = groups
 
     def after_step(self, step, active):
         seconds, sizes, corrections, eps = [], [], [], []
         settings, terms = {}, {}  # per group, and per (group, step count): computed once
         states = self.optimizer.state
-        for param, k, on in zip(self.params, self.group_of, active, strict=True):
+        groups = self._groups
+        held = self._held
+        flat = True
+        parameters = zip(self.params, self.group_of, active, strict=True)
+        for index, (param, k, on) in enumerate(parameters):
             if not on:
                 seconds.append(0.0)
                 sizes.append(0.0)
                 corrections.append(1.0)
                 eps.append(1.0)
+                flat = False
                 continue
-            group = self._groups[k]
-            if k not in settings:
-                settings[k] = (
+            setting = settings.get(k)
+            if setting is None:
+                group = groups[k]
+                setting = settings[k] = (
                     _number(group["lr"]),
                     *(_number(b) for b in group["betas"]),
                     _number(group["eps"]),
+                    "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
                 )
-            lr, beta_1, beta_2, group_eps = settings[k]
+            lr, beta_1, beta_2, group_eps, second = setting
             state = states[param]
-            count = _number(state["step"])
-            if (k, count) not in terms:
+            count, moment = state["step"], state[second]
+            kept = held[index]
+            if kept is None or not kept.holds(count, moment):
+                kept = held[index] = _StateViews(count, moment)
+            count = kept.count()
+            term = terms.get((k, count))
+            if term is None:
                 # torch.optim.Adam, step by step (_single_tensor_adam).
-                terms[k, count] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5)
-            size, correction = terms[k, count]
-            sizes.append(size)
-            corrections.append(correction)
+                term = terms[k, count] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5)
+            sizes.append(term[0])
+            corrections.append(term[1])
             eps.append(group_eps)
-            seconds.append(state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"])
+            # (flat: a view of the optimiser's own tensor, copied by the step log)
+            seconds.append(kept.moment())
+            flat = flat and kept.on_host
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
-        return StepScales(seconds, self._decoupled_decay, terms, rate)
+        return StepScales(seconds, self._decoupled_decay, terms, rate, flat)
+
+
+class _StateViews:
+    """Views of one parameter's Adam state, kept while the optimiser holds the same
+    tensors (torch.optim updates them in place): the step count through numpy (read
+    without a torch call, when it is a host tensor) and the second moment flat.
+
+    Parameters
+    ----------
+    count : torch.Tensor or number
+        ``state["step"]``.
+    moment : torch.Tensor
+        ``state["exp_avg_sq"]`` (or ``"max_exp_avg_sq"``).
+    """
+
+    def __init__(self, count, moment):
+        self._held = count, moment
+        self._count = _scalar_view(count)
+        self._value = count
+        self._flat = moment.detach().view(-1) if moment.is_contiguous() else None
+        self.on_host = self._flat is not None and moment.is_cpu
+
+    def holds(self, count, moment):
+        """Whether these are views of ``count`` and ``moment``."""
+        return self._held[0] is count and self._held[1] is moment
+
+    def moment(self):
+        """The second moment now, flat (a view; a copy when it is not contiguous)."""
+        if self._flat is not None:
+            return self._flat
+        return self._held[1].detach().reshape(-1)
+
+    def count(self):
+        """The step count now, as a float."""
+        if self._count is not None:
+            return float(self._count)
+        return _number(self._value)
+
+
+def _scalar_view(value):
+    """A numpy view of a one-number host tensor (read without a torch call), else None."""
+    if isinstance(value, torch.Tensor) and value.is_cpu and value.numel() == 1:
+        if value.dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+            return value.detach().numpy()
+    return None
 
 
 @register_optimizer("adamw")

@@ -31,6 +31,15 @@ What each hook records (no extra forward or backward pass):
   ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
   Adam's preconditioner.
 
+Per step the hooks do a fixed number of operations whatever the batch (a few per
+parameter): a batch's inputs are compared with ``X[rows]`` by one numpy gather and
+one ``memcmp``, the weights with the previous step's result by one concatenation
+and one ``memcmp``, the optimiser's groups are read once, and Adam's state through
+views kept while the optimiser holds the same tensors; the host copies are one
+``torch.cat`` per row. In the loop each such operation costs several times what
+it costs alone (numpy reductions most: a batch's row range is checked with
+Python's ``min``/``max`` of a list); the user guide's "Cost" gives the figures.
+
 The network's output ``f`` is the module's own output (logits for a classifier):
 the kernel decomposes it. Since ``G_s = sum_i J_i^T dL/dout_i`` by the chain rule,
 this holds for any loss of the output; a loss that also depends on the weights
@@ -56,6 +65,7 @@ from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
 from ._weight_watch import (
     ConstantWatch,
     WeightWatch,
+    host_numpy,
     largest_difference,
     matching_steps,
     same_bits,
@@ -129,6 +139,9 @@ class PathRecorder:
         if not isinstance(X, torch.Tensor):
             raise TypeError(f"X must be a torch.Tensor of training inputs, got {type(X).__name__}.")
         self.module, self.optimizer, self.X, self.check = module, optimizer, X, check
+        self._n_rows = X.shape[0]
+        # (the training rows of a batch are gathered from this view, when X has one)
+        self._X_numpy = host_numpy(X)
         self.y = None if y is None else np.asarray(torch.as_tensor(y).cpu().numpy())
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -188,7 +201,7 @@ class PathRecorder:
             its gradient is recorded instead of the module output's.
         """
         rows = self._copied_rows(indices)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.X.shape[0]):
+        if rows.size and not _in_range(rows, self._n_rows):
             raise IndexError(
                 f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
             )
@@ -328,7 +341,8 @@ class PathRecorder:
             return
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        if torch.is_autocast_enabled(output.device.type):
+        # (is_cpu first: making the device object costs more than the check itself)
+        if torch.is_autocast_enabled("cpu" if output.is_cpu else output.device.type):
             step = self.n_steps
             raise RecordingRefused(
                 f"Step {step}: the module runs under autocast (mixed precision); the kernel "
@@ -351,7 +365,7 @@ class PathRecorder:
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
         batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
-        batch.masks = self._dropout.take()
+        batch.masks = self._dropout.take() if self._dropout.layers else {}
         batch.stats = self._stats.take()
         self._rows = None
         self._open.append(batch)
@@ -361,9 +375,11 @@ class PathRecorder:
         return [p._version for p in self._params]
 
     def _fingerprints(self):
-        """Per parameter: what identifies its gradient now (None without one)."""
-        check = self.check
-        return [None if p.grad is None else _fingerprint(check, p.grad) for p in self._params]
+        """Per parameter: what identifies its gradient now (None without one; see
+        :func:`_fingerprint`, written out here for the usual case: every step)."""
+        if self.check == "every":
+            return [None if p.grad is None else _fingerprint("every", p.grad) for p in self._params]
+        return [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
 
     def _backward_started(self):
         """The first gradient hook of a backward pass through the output, before any
@@ -393,9 +409,13 @@ class PathRecorder:
         for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
             if now is not None and now != before:
                 self._saved[index] = now
-        finished = [b for b in self._open if b.output_gradient is not None]
-        self._open = [b for b in self._open if b.output_gradient is None]
-        self._done.extend(finished)
+        open_batches = self._open
+        if len(open_batches) == 1 and open_batches[0].output_gradient is not None:
+            self._done.append(open_batches[0])  # (the usual case, sooner)
+            self._open = []
+            return
+        self._done.extend(b for b in open_batches if b.output_gradient is not None)
+        self._open = [b for b in open_batches if b.output_gradient is None]
 
     def _before_step(self, optimizer, args, kwargs):
         step = self.n_steps
@@ -415,8 +435,8 @@ class PathRecorder:
             )
         versions = self._versions()
         for batch in batches:
-            batch.check(step, self.X, versions)
-        if not self._weights.unchanged(self._log.last_weights()):
+            batch.check(step, self.X, versions, self._X_numpy)
+        if not self._weights.unchanged(self._log):
             self._refuse_changed_weights(step)
         if self._constants.touched():
             changed = self._constants.difference(self.module)
@@ -436,7 +456,7 @@ class PathRecorder:
         else:
             rows = np.concatenate([b.rows for b in batches])
             gradient = torch.cat([b.output_gradient for b in batches])
-        masks = _step_masks(step, batches)
+        masks = _step_masks(step, batches) if self._dropout.layers else None
         self._stats.record_step(step, batches)
         if self.check == "every" or (self.check == "first" and step == 0):
             self._verify(step, batches, active)
@@ -494,7 +514,7 @@ class PathRecorder:
         weights = self._weights.flat_views()
         scales = self._rule.after_step(step, active)
         lr = max(float(g["lr"]) for g in self._rule.groups())
-        self._log.append(weights, rows, gradient, scales, lr, masks)
+        self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
         self._weights.after_step()
         self._leftover = self._saved
         self._open, self._done, self._saved, self._rows = [], [], {}, None
@@ -607,6 +627,21 @@ def _check_module(module, X):
             f"{_describe(out)}."
         )
     check_module(copy64, rows, out.shape[1], classifier=True)
+
+
+#: Up to this many rows, their range is checked by Python's min and max of a list
+#: (a numpy reduction costs more per call inside the training loop: see the user
+#: guide's "Cost").
+_LIST_RANGE_ROWS = 1024
+
+
+def _in_range(rows, n_rows):
+    """Whether every index of ``rows`` (int64, not empty) lies in ``[0, n_rows)``."""
+    if rows.size <= _LIST_RANGE_ROWS:
+        values = rows.tolist()
+        return min(values) >= 0 and max(values) < n_rows
+    # (one reduction: a negative index read as unsigned is at least 2**63)
+    return bool(rows.view(np.uint64).max() < n_rows)
 
 
 def _fingerprint(check, grad):

@@ -23,7 +23,7 @@ from .._path import (
     storage_directory,
 )
 from ._optimizers import RecordingRefused, adam_scale
-from ._weight_watch import host_bytes_equal
+from ._weight_watch import host_bytes_equal, host_numpy
 
 #: The size of the blocks of rows that Adam's preconditioners are finished in.
 CHUNK_BYTES = 1 << 20
@@ -86,8 +86,9 @@ class MicroBatch:
         else:  # a second backward through the same output (retain_graph)
             self.output_gradient = self.output_gradient + gradient
 
-    def check(self, step, X, versions):
-        """Refuse a batch that is not the named training rows at the step's weights."""
+    def check(self, step, X, versions, X_numpy=None):
+        """Refuse a batch that is not the named training rows at the step's weights
+        (``X_numpy``: a numpy view of ``X``, when it has one, to gather from)."""
         if self.rows is None:
             raise RecordingRefused(
                 f"Step {step}: a training batch has no rows; call recorder.rows(indices) "
@@ -103,10 +104,21 @@ class MicroBatch:
                 f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
                 f"{self.output_gradient.shape[0]}."
             )
+        inputs = self.inputs
+        if X_numpy is not None:
+            # the usual case: a host batch of X's dtype, compared by its bytes with
+            # the rows gathered by numpy (one gather, one memcmp)
+            own = host_numpy(inputs)  # (None with autograd: the torch comparison below)
+            if (
+                own is not None
+                and own.shape[1:] == X_numpy.shape[1:]
+                and own.dtype == X_numpy.dtype
+                and own.tobytes() == X_numpy.take(self.rows, axis=0).tobytes()
+            ):
+                return
         # (one gather and one comparison, in torch: no copy of the rows on the host)
         index = torch.from_numpy(self.rows)
         expected = X.index_select(0, index if X.is_cpu else index.to(X.device))
-        inputs = self.inputs
         if expected.dtype != inputs.dtype or expected.device != inputs.device:
             expected = expected.to(inputs)
         if inputs.shape != expected.shape or not (
@@ -162,19 +174,30 @@ class GrowingRows:
 
     def __init__(self, width, dtype, capacity=64, storage="memory"):
         self._data, self.storage = allocate_weights(capacity, width, storage, dtype)
+        self._numpy = host_numpy(self._data)  # (a numpy view, to compare rows by memcmp)
         self.n_rows = 0
 
-    def write(self, parts, numels):
-        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
-        if self.n_rows == self._data.shape[0]:
+    def _next_row(self):
+        """The row to write next (a view), the array grown first when full."""
+        if self.n_rows == len(self._data):
             if self.storage != "memory":
                 raise RecordingRefused(
                     f"More steps than max_steps ({self._data.shape[0]} rows) on disk storage."
                 )
             grown = torch.empty((2 * self.n_rows, self._data.shape[1]), dtype=self._data.dtype)
             grown[: self.n_rows] = self._data
-            self._data = grown
-        row = self._data[self.n_rows]
+            self._data, self._numpy = grown, host_numpy(grown)
+        return self._data.select(0, self.n_rows)
+
+    def write_flat(self, flat):
+        """Append a row made of ``flat``: 1-d host tensors of the rows' dtype, without
+        autograd, whose sizes add up to the width (one ``torch.cat`` into the row)."""
+        torch.cat(flat, out=self._next_row())
+        self.n_rows += 1
+
+    def write(self, parts, numels):
+        """Append a row made of ``parts`` (numbers or tensors, of ``numels`` each)."""
+        row = self._next_row()
         flat = [
             part if part.ndim == 1 and not part.requires_grad else part.detach().reshape(-1)
             for part in parts
@@ -196,6 +219,10 @@ class GrowingRows:
     def last(self):
         """The last row written (a view)."""
         return self._data[self.n_rows - 1]
+
+    def last_bytes(self):
+        """The last row written, as bytes (None without a numpy view of the rows)."""
+        return None if self._numpy is None else self._numpy[self.n_rows - 1].tobytes()
 
     def view(self):
         """The rows written: a view on disk, a copy in memory when rows are unused
@@ -230,6 +257,8 @@ class StepLog:
         self._storage = storage
         self._scales = None  # allocated at the first step that needs per-coordinate scales
         self._capacity, self._dtype = capacity, dtype
+        # (every parameter in the path's dtype: flat parts need no conversion)
+        self._uniform_dtype = all(p.dtype == dtype for p in initial)
         self._uniform = []  # per step: its one scale, or None when written in _scales
         self._rates = []  # per step: the rate folded into alpha_s and zeta_s
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
@@ -242,6 +271,11 @@ class StepLog:
     def n_steps(self):
         return len(self._batches)
 
+    @property
+    def dtype(self):
+        """The dtype of the recorded weights."""
+        return self._dtype
+
     def weights(self):
         """The weights recorded so far, ``w_0 .. w_s`` (a view)."""
         return self._weights.rows()
@@ -250,32 +284,59 @@ class StepLog:
         """The last recorded weights (a view of their row)."""
         return self._weights.last()
 
-    def append(self, weights, rows, output_gradient, step_scales, learning_rate, masks=None):
+    def last_weight_bytes(self):
+        """The last recorded weights as bytes (None when they are not a host array of a
+        numpy dtype)."""
+        return self._weights.last_bytes()
+
+    def append(
+        self, weights, rows, output_gradient, step_scales, learning_rate, masks=None, flat=False
+    ):
         """Record one step: the parameters after it, its rows and output gradients, its
         :class:`~._optimizers.StepScales` and a learning rate (the largest of the
-        groups, for display). Cost: one copy of the weights (and of a
-        per-coordinate scale) into the host arrays."""
-        self._weights.write(weights, self._numels)
+        groups, for display); ``flat``: the weights are 1-d host tensors in the
+        parameters' dtypes (:meth:`WeightWatch.flat_views`). Cost: one copy of the
+        weights (and of a per-coordinate scale) into the host arrays, one
+        ``torch.cat`` each when they are flat host tensors of the path's dtype."""
+        if flat and self._uniform_dtype or self._host_parts(weights):
+            self._weights.write_flat(weights)
+        else:
+            self._weights.write(weights, self._numels)
         self._batches.append(rows)
         self._masks.append(masks)
         # (the recorder's own tensor, from the backward hook: no copy on the host)
         self._gradients.append(output_gradient if output_gradient.is_cpu else output_gradient.cpu())
         scales = step_scales.scales
+        terms = step_scales.adam_terms
         self._rates.append(step_scales.rate)
-        if step_scales.adam_terms is not None:
-            self._adam_terms.append(step_scales.adam_terms)
-        if (
-            step_scales.adam_terms is None
-            and all(isinstance(s, float) for s in scales)
-            and len(set(scales)) == 1
-        ):
+        if terms is not None:
+            self._adam_terms.append(terms)
+        if terms is None and all(isinstance(s, float) for s in scales) and len(set(scales)) == 1:
             self._uniform.append(scales[0])
         else:
-            self._fill_uniform(len(self._uniform))  # earlier uniform steps
-            self._scale_rows().write(scales, self._numels)
+            rows_written = self._scale_rows()
+            if rows_written.n_rows < len(self._uniform):
+                self._fill_uniform(len(self._uniform))  # earlier uniform steps
+            if step_scales.flat and self._uniform_dtype or self._host_parts(scales):
+                rows_written.write_flat(scales)
+            else:
+                rows_written.write(scales, self._numels)
             self._uniform.append(None)
         self._decays.append(step_scales.decoupled_decay)
         self._learning_rates.append(learning_rate)
+
+    def _host_parts(self, parts):
+        """Whether ``parts`` are 1-d host tensors of the path's dtype without autograd,
+        one per parameter (a row is then one ``torch.cat`` of them)."""
+        dtype = self._dtype
+        return len(parts) == len(self._numels) and all(
+            type(part) is torch.Tensor
+            and part.ndim == 1
+            and part.is_cpu
+            and part.dtype == dtype
+            and not part.requires_grad
+            for part in parts
+        )
 
     def _finish_adam(self, preconditioners):
         """Turn the rows that hold Adam's second moments into :math:`P_s`, in place,

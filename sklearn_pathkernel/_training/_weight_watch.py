@@ -21,6 +21,19 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _NUMPY = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32)
 
 
+def host_numpy(tensor):
+    """A numpy view of a contiguous host tensor of a numpy dtype without autograd,
+    else None."""
+    if (
+        tensor.is_cpu
+        and tensor.dtype in _NUMPY
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+    ):
+        return tensor.numpy()
+    return None
+
+
 def host_bytes_equal(a, b):
     """Whether two contiguous host tensors of a numpy dtype hold the same bytes (a
     ``memcmp`` of copies: for a few thousand numbers, several times faster than
@@ -86,6 +99,8 @@ class WeightWatch:
         self._on_host = first.device.type == "cpu"
         self._reference = None if self._on_host else torch.empty_like(self._scratch)
         self._views, self._pointers = None, None
+        #: Whether the views are 1-d host tensors (of the parameters' memory).
+        self.on_host_views = False
         # (on the host, the scratch's bytes are compared with the row's by memcmp)
         self._bytes = self._scratch.numpy() if self._on_host and first.dtype in _NUMPY else None
 
@@ -94,6 +109,7 @@ class WeightWatch:
         the parameters keep their memory: ``p.data = t`` gives new views)."""
         pointers = [p.data_ptr() for p in self.params]
         if pointers != self._pointers:
+            self.on_host_views = all(p.is_cpu for p in self.params)
             if not all(p.is_contiguous() for p in self.params):  # (copies: not kept)
                 return [p.detach().reshape(-1) for p in self.params]
             self._views = [p.detach().view(-1) for p in self.params]
@@ -110,13 +126,15 @@ class WeightWatch:
         if not self._on_host:
             self._reference.copy_(self._flat())
 
-    def unchanged(self, recorded_row):
-        """Whether the weights now are bitwise the reference: ``recorded_row`` (the
-        host row of the last recorded weights) or the device copy."""
+    def unchanged(self, log):
+        """Whether the weights now are bitwise the reference: the last recorded weights
+        of ``log`` (a :class:`~._step_log.StepLog`, on the host) or the device copy."""
         flat = self._flat()
-        if self._bytes is not None and recorded_row.dtype == flat.dtype:
-            return self._bytes.tobytes() == recorded_row.numpy().tobytes()
-        reference = recorded_row if self._on_host else self._reference
+        if self._bytes is not None:
+            recorded = log.last_weight_bytes()  # (None unless a host array of a numpy dtype)
+            if recorded is not None and log.dtype == self._scratch.dtype:
+                return self._bytes.tobytes() == recorded
+        reference = log.last_weights() if self._on_host else self._reference
         return same_bits(flat, reference)
 
     def flat(self):

@@ -8,6 +8,8 @@ must land on the recorded weights; the decomposition's sum is held against the
 module's own float64 output; the estimator's own fit is matched by a hand loop.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -365,3 +367,66 @@ def test_hand_loop_reproduces_the_estimators_batch_order():
         optimizer.step()
     recording = recorder.finish()
     assert (recording.path_.weights - est.path_.weights).abs().max() <= 1e-14
+
+
+def test_adam_state_replaced_mid_run_is_read_anew():
+    """Adam's state is read through views kept while the optimiser holds the same
+    tensors: an optimiser whose state is loaded again mid-run (new tensors, the
+    same values) is read from its new tensors, and the replay of every step lands
+    on the recorded weights."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    recorder = TrainingRecorder(model, optimizer, X)
+    for step in range(6):
+        if step == 3:
+            before = optimizer.state[model[0].weight]["exp_avg_sq"]
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            assert optimizer.state[model[0].weight]["exp_avg_sq"] is not before
+        rows = np.arange(8) + 3 * step
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    worst, largest = replay(recorder.finish())
+    assert largest > 1e-3 and worst <= 1e-14
+
+
+def test_row_range_of_a_large_batch():
+    """Batches of more than 1024 rows are range-checked by one numpy reduction (a
+    negative index read as unsigned is out of range); smaller ones by Python's
+    min and max: both refuse a negative index and one past the end."""
+    X = torch.zeros(3000, 4, dtype=torch.float64)
+    model = mlp()
+    recorder = TrainingRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), X)
+    for size in (8, 1100):
+        for bad in (-1, 3000):
+            rows = np.arange(size)
+            rows[size // 2] = bad
+            with pytest.raises(IndexError, match="must lie in"):
+                recorder.rows(rows)
+        recorder.rows(np.arange(size) + 3000 - size)  # the last rows: accepted
+
+
+def test_batch_equal_in_value_but_not_in_bytes_is_accepted():
+    """A batch's inputs are compared with X[rows] by their bytes first, then by
+    value: a batch holding -0.0 where X holds 0.0 is the same data (accepted, as
+    the exact kernel sees no difference), the recorded run is exact."""
+    X, y = data()
+    X[:, 2] = 0.0
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = TrainingRecorder(model, optimizer, X)
+    for step in range(3):
+        rows = np.arange(8) + 4 * step
+        batch = X[rows].clone()
+        batch[:, 2] = -0.0
+        assert batch.numpy().tobytes() != X[rows].numpy().tobytes()
+        optimizer.zero_grad()
+        out = model(batch)
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    worst, largest = replay(recorder.finish())
+    assert largest > 1e-3 and worst <= 1e-14
