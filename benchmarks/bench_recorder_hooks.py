@@ -22,10 +22,12 @@ host copies).
 
 Also printed, per run (median, milliseconds of the thread's CPU time): creating
 the recorder (``__init__``, with the module checks on a float64 copy,
-``_check_module``) and ``finish`` (with Adam's :math:`P_s` of all steps,
-``_finish_adam``). With ``--prefault`` the step log's host arrays are written
-once when they are allocated (their pages faulted in then), so that ``append``
-shows the copies without the first writes into fresh memory.
+``_check_module``), ``finish``, and Adam's :math:`P_s` of all steps
+(``_finish_adam``: inside ``finish`` up to 50110f7, at the path's first read
+since, ``AdamFinisher.finish``, which each run does after ``finish``). With
+``--prefault`` the step log's host arrays are written once when they are
+allocated (their pages faulted in then), so that ``append`` shows the copies
+without the first writes into fresh memory.
 
 Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``.
 """
@@ -98,17 +100,20 @@ def instrument(package, calls):
         (recorder.PathRecorder, "__init__"),
         (package.TrainingRecorder, "finish"),
         (recorder, "_check_module"),
-        (step_log.StepLog, "_finish_adam"),
     ):
         wrap_cpu(owner, name, calls)
+    if hasattr(step_log, "AdamFinisher"):  # (P_s at the path's first read, after finish)
+        wrap_cpu(step_log.AdamFinisher, "finish", calls, "_finish_adam")
+    else:  # (P_s in finish)
+        wrap_cpu(step_log.StepLog, "_finish_adam", calls)
     return package.TrainingRecorder
 
 
-def wrap_cpu(owner, name, calls):
-    """Time ``owner.name`` by the thread's CPU time, summed per run (the key's list
-    gets one entry per run, see :func:`run`)."""
+def wrap_cpu(owner, name, calls, key=None):
+    """Time ``owner.name`` by the thread's CPU time, summed per run (the list of
+    ``key``, by default ``name``, gets one entry per run, see :func:`run`)."""
     function = getattr(owner, name)
-    totals = calls.setdefault(name, [0])
+    totals = calls.setdefault(key or name, [0])
 
     def timed(*args, **kwargs):
         start = time.thread_time_ns()
@@ -153,7 +158,8 @@ def run(recorder_class, network, X, y, calls, n_steps=150, batch_size=64):
         recorder.rows(rows)
         F.cross_entropy(out, y[rows]).backward()
         optimizer.step()
-    recorder.finish()
+    recording = recorder.finish()
+    recording.path_.update.preconditioners  # noqa: B018 (read: P_s computed, if deferred)
 
 
 def main():

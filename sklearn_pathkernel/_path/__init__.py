@@ -45,7 +45,7 @@ from ._links import (
 )
 from ._memory import available_memory
 from ._nested import nested_tensors
-from ._update_record import BackwardAccumulation, ForwardAccumulation, UpdateRecord
+from ._update_record import BackwardAccumulation, Deferred, ForwardAccumulation, UpdateRecord
 from ._weights import (
     PATH_STORAGES,
     WeightPath,
@@ -71,6 +71,7 @@ __all__ = [
     "CERTIFICATE_TOLERANCE",
     "PATH_STORAGES",
     "BackwardAccumulation",
+    "Deferred",
     "Blockwise",
     "ForwardAccumulation",
     "FunctionLink",

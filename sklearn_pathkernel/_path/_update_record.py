@@ -28,6 +28,39 @@ import torch
 from ._blockwise import Blockwise, on_layers
 
 
+class Deferred:
+    """A value computed when it is first read (see :class:`DeferredField`).
+
+    Parameters
+    ----------
+    compute : callable
+        Called once, without arguments, at the first read; returns the value.
+    """
+
+    def __init__(self, compute):
+        self.compute = compute
+
+
+class DeferredField:
+    """A dataclass field that may be given as a :class:`Deferred`: the first read
+    computes the value and keeps it (and releases the computation). Set values and
+    reads of other values are as a plain field's."""
+
+    def __set_name__(self, owner, name):
+        self._key = "_" + name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return None  # (the dataclass's default)
+        value = instance.__dict__.get(self._key)
+        if isinstance(value, Deferred):
+            value = instance.__dict__[self._key] = value.compute()
+        return value
+
+    def __set__(self, instance, value):
+        instance.__dict__[self._key] = value
+
+
 @dataclass
 class UpdateRecord:
     """The linear form of a recorded run's updates (see the module docstring).
@@ -46,7 +79,9 @@ class UpdateRecord:
         :class:`~._blockwise.Blockwise` (see :func:`~._blockwise.per_step`).
     preconditioners : torch.Tensor of shape (n_steps, n_weights) or None
         :math:`P_s` on the host (RAM or a memory-mapped file, like the weights);
-        None for ones.
+        None for ones. May be given as a :class:`Deferred`, computed at its
+        first read (a recorded Adam run's :math:`P_s`: not in the training loop's
+        ``finish``).
     """
 
     buffer_decay: float = 0.0
@@ -55,7 +90,7 @@ class UpdateRecord:
     gradient_rates: np.ndarray = None
     direct_rates: np.ndarray = None
     decoupled_decays: np.ndarray = None
-    preconditioners: torch.Tensor = None
+    preconditioners: torch.Tensor = DeferredField()
 
     @property
     def per_step(self):
@@ -113,10 +148,17 @@ class UpdateRecord:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        if isinstance(state["preconditioners"], torch.Tensor):
+        state["_preconditioners"] = self.preconditioners  # (computed, if deferred)
+        if isinstance(state["_preconditioners"], torch.Tensor):
             # A memory-mapped record pickles its values, like WeightPath.
-            state["preconditioners"] = state["preconditioners"].clone()
+            state["_preconditioners"] = state["_preconditioners"].clone()
         return state
+
+    def __setstate__(self, state):
+        if "preconditioners" in state:  # (pickled before the field could be deferred)
+            state = dict(state)
+            state["_preconditioners"] = state.pop("preconditioners")
+        self.__dict__.update(state)
 
 
 class BackwardAccumulation:

@@ -10,11 +10,13 @@ the :class:`~sklearn_pathkernel._path.WeightPath` and
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
 
 from .._path import (
+    Deferred,
     UpdateRecord,
     WeightPath,
     allocate_weights,
@@ -232,6 +234,63 @@ class GrowingRows:
         return self._data[: self.n_rows]
 
 
+class AdamFinisher:
+    """Turns the rows of a :class:`GrowingRows` that hold Adam's second moments into
+    :math:`P_s`, in place, once per row: when a path's preconditioners are first
+    read (``StepLog.path`` gives them deferred), not in the training loop.
+
+    Parameters
+    ----------
+    rows : GrowingRows
+        The per-coordinate scales (second moments, or ready scales for steps
+        without ``adam_terms``, which come first).
+    terms : list
+        Per Adam step (the step log's list, appended to as steps are recorded):
+        ``(step_size, correction, eps)`` per parameter.
+    numels : list of int
+    """
+
+    def __init__(self, rows, terms, numels):
+        self.rows, self.terms, self.numels = rows, terms, numels
+        self.finished = 0  # rows already turned into P_s
+
+    def preconditioners(self, n_steps):
+        """:math:`P_s` of the first ``n_steps`` steps (the rows written up to now
+        finished first)."""
+        self.finish()
+        view = self.rows.view()
+        return view if view.shape[0] == n_steps else view[:n_steps]
+
+    def finish(self):
+        """Turn the rows not finished yet into :math:`P_s`, all steps at once per
+        parameter."""
+        preconditioners = self.rows.rows()
+        rows = slice(self.finished, len(self.terms))
+        if rows.start == rows.stop:
+            return
+        terms = torch.tensor(
+            self.terms[rows], dtype=torch.float64, device="cpu"
+        )  # (steps, params, 3)
+        offset = 0
+        for index, numel in enumerate(self.numels):
+            columns = slice(offset, offset + numel)
+            step_size, correction, eps = (
+                terms[:, index, k, None].to(preconditioners.dtype) for k in range(3)
+            )
+            # in blocks of rows of about 1 MiB, each finished while in the cache (the
+            # same elementwise operations: the same numbers as in one pass)
+            chunk = max(1, CHUNK_BYTES // (numel * preconditioners.element_size()))
+            for start in range(0, rows.stop - rows.start, chunk):
+                part = slice(start, min(start + chunk, rows.stop - rows.start))
+                block = preconditioners[rows.start + part.start : rows.start + part.stop, columns]
+                adam_scale(block, step_size[part], correction[part], eps[part])
+                if not block.is_contiguous():  # (columns of a disk path: its rows' pages)
+                    block = preconditioners[rows.start + part.start : rows.start + part.stop]
+                release_pages(block)
+            offset += numel
+        self.finished = rows.stop
+
+
 class StepLog:
     """The recorded steps, on the host.
 
@@ -262,7 +321,7 @@ class StepLog:
         self._uniform = []  # per step: its one scale, or None when written in _scales
         self._rates = []  # per step: the rate folded into alpha_s and zeta_s
         self._adam_terms = []  # per step: Adam's (step_size, correction, eps) per parameter
-        self._finished_rows = 0  # rows of _scales already turned into P_s
+        self._adam = None  # the AdamFinisher of _scales (made with it)
         self._batches, self._gradients = [], []
         self._masks = []  # per step: its dropout masks, or None
         self._decays, self._learning_rates = [], []
@@ -338,40 +397,13 @@ class StepLog:
             for part in parts
         )
 
-    def _finish_adam(self, preconditioners):
-        """Turn the rows that hold Adam's second moments into :math:`P_s`, in place,
-        all steps at once per parameter (once per row)."""
-        rows = slice(self._finished_rows, len(self._adam_terms))
-        if rows.start == rows.stop:
-            return
-        terms = torch.tensor(
-            self._adam_terms[rows], dtype=torch.float64, device="cpu"
-        )  # (steps, params, 3)
-        offset = 0
-        for index, numel in enumerate(self._numels):
-            columns = slice(offset, offset + numel)
-            step_size, correction, eps = (
-                terms[:, index, k, None].to(preconditioners.dtype) for k in range(3)
-            )
-            # in blocks of rows of about 1 MiB, each finished while in the cache (the
-            # same elementwise operations: the same numbers as in one pass)
-            chunk = max(1, CHUNK_BYTES // (numel * preconditioners.element_size()))
-            for start in range(0, rows.stop - rows.start, chunk):
-                part = slice(start, min(start + chunk, rows.stop - rows.start))
-                block = preconditioners[rows.start + part.start : rows.start + part.stop, columns]
-                adam_scale(block, step_size[part], correction[part], eps[part])
-                if not block.is_contiguous():  # (columns of a disk path: its rows' pages)
-                    block = preconditioners[rows.start + part.start : rows.start + part.stop]
-                release_pages(block)
-            offset += numel
-        self._finished_rows = rows.stop
-
     def _scale_rows(self):
         """The per-coordinate scales' rows (allocated at first use)."""
         if self._scales is None:
             self._scales = GrowingRows(
                 sum(self._numels), self._dtype, self._capacity, self._storage
             )
+            self._adam = AdamFinisher(self._scales, self._adam_terms, self._numels)
         return self._scales
 
     def _fill_uniform(self, n_steps):
@@ -391,8 +423,9 @@ class StepLog:
         else:
             scales = np.asarray(self._rates, dtype=float)
             self._fill_uniform(n_steps)
-            self._finish_adam(self._scale_rows().rows())
-            preconditioners = self._scale_rows().view()
+            # Adam's P_s from its second moments at the first read of the path's
+            # preconditioners, not here (finish() of a user's loop)
+            preconditioners = Deferred(partial(self._adam.preconditioners, n_steps))
         update = UpdateRecord(
             buffer_decay=form.buffer_decay,
             gradient_scale=form.gradient_scale,
