@@ -46,6 +46,10 @@ def refuse_unsupported(name, layer, where="The module's", training=True):
         )
 
 
+#: A step's shares of a module without BatchNorm layers (never read: not trained).
+_NO_SHARES = torch.zeros((0, 0))
+
+
 class StatisticsWatch:
     """Follows the running statistics of a module's BatchNorm layers.
 
@@ -174,6 +178,11 @@ class StatisticsWatch:
     def record_step(self, step, batches):
         """Check and keep step ``step``'s move of the statistics (its micro-batches'
         passes, each with ``stats`` from :meth:`take`)."""
+        if not self.layers:  # (no BatchNorm: nothing moves, nothing is recorded)
+            self._values.append(self._values[-1])
+            self._factors.append({})
+            self._shares.append(_NO_SHARES)
+            return
         passes = [batch for batch in batches if batch.stats]
         if passes and len(batches) > 1:
             raise RecordingRefused(

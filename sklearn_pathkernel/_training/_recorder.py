@@ -165,9 +165,14 @@ class PathRecorder:
         self._saved, self._stale, self._own_forward = {}, False, False
         self._dropout = MaskDraws(module, generator)
         self._stats = StatisticsWatch(module)
+        # (the passes of dropout and BatchNorm layers are followed only where there
+        # are such layers: a hook less per forward pass each)
         self._handles = [
-            module.register_forward_pre_hook(self._dropout.start_pass),
-            module.register_forward_pre_hook(self._stats.start_pass),
+            module.register_forward_pre_hook(watch.start_pass)
+            for watch in (self._dropout, self._stats)
+            if watch.layers
+        ]
+        self._handles += [
             module.register_forward_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -366,7 +371,7 @@ class PathRecorder:
         self._in_backward = False  # (a pass that raised never reached its end)
         batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
         batch.masks = self._dropout.take() if self._dropout.layers else {}
-        batch.stats = self._stats.take()
+        batch.stats = self._stats.take() if self._stats.layers else {}
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
