@@ -5,7 +5,8 @@ The recording itself (hooks, per-step checks, the step log) is the training floo
 uses too; this public face adds :meth:`TrainingRecorder.finish`, which hands the
 run to a :class:`~._recording.Recording`, and keeps what counterfactual attribution
 needs beyond the path: the loss the user states and the optimiser's settings at every
-step (:class:`~sklearn_pathkernel._training.SettingsLog`, hooked beside the recorder's).
+step (:class:`~sklearn_pathkernel._training.SettingsLog`, called from the recorder's
+step hooks).
 """
 
 import torch
@@ -82,8 +83,8 @@ class TrainingRecorder(PathRecorder):
     Notes
     -----
     Cost per step: copies of the weights ``W`` (and, for Adam, of its second
-    moments, ``W`` more numbers, turned into ``P_s`` after the loop) and of the
-    output gradients (``|B_s| K``) to the host, the step's row indices, one
+    moments, ``W`` more numbers, turned into ``P_s`` when the recording is first
+    used) and of the output gradients (``|B_s| K``) to the host, the step's row indices, one
     bitwise comparison of the weights with the previous step's result and one of
     the batch's inputs with ``X[rows]``; the inputs are not copied. For small
     networks the time is that of the hooks' Python (about 0.2 ms per step on a
@@ -109,10 +110,7 @@ class TrainingRecorder(PathRecorder):
         )  # fmt: skip
         self.loss, self.sample_weight = loss, sample_weight
         self._settings = SettingsLog(self._rule)
-        self._handles += [
-            optimizer.register_step_pre_hook(self._settings.before_step),
-            optimizer.register_step_post_hook(self._settings.after_step),
-        ]
+        self.watch_steps(self._settings)  # (in the recorder's own step hooks)
 
     def finish(self, at_step=None):
         """Detach the hooks and return the :class:`Recording` of the run.
