@@ -233,7 +233,9 @@ class PathRecorder:
         """The indices as a new int64 array; the same object named again with the
         same values (full-batch training) shares the previous copy."""
         previous, source = self._last_rows
-        if isinstance(indices, torch.Tensor):
+        if type(indices) is torch.Tensor and indices.is_cpu and not indices.requires_grad:
+            values = indices.numpy()  # (the usual case: a loader's host tensor, one call)
+        elif isinstance(indices, torch.Tensor):
             values = indices.detach().cpu().numpy()
         else:
             values = np.asarray(indices)

@@ -279,19 +279,41 @@ def test_adam_parameters_at_different_step_counts():
 
 
 def test_preconditioners_finished_in_blocks_are_those_of_one_pass(monkeypatch):
-    """Adam's P_s is finished after the loop in blocks of rows (cache-sized): the
-    same numbers, bitwise, as in one pass over all rows."""
+    """Adam's P_s is finished at the path's first read in blocks of rows
+    (cache-sized): the same numbers, bitwise, as in one pass over all rows."""
     from sklearn_pathkernel._training import _step_log
 
     X, y = data()
-    recordings = []
+    recordings, finished = [], []
     for chunk_bytes in (1, 1 << 30):  # one row per block; every row in one block
         monkeypatch.setattr(_step_log, "CHUNK_BYTES", chunk_bytes)
         model = mlp(torch.float32)
         recordings.append(run(model, OPTIMIZERS["adamw"](model.parameters()), X.float(), y))
-    one_row, one_pass = (r.path_.update.preconditioners for r in recordings)
+        finished.append(recordings[-1].path_.update.preconditioners)  # (read: finished now)
+    one_row, one_pass = finished
     assert one_row.shape[0] == recordings[0].n_steps_ > 1
     assert torch.equal(one_row, one_pass)
+
+
+def test_pass_hooks_only_for_modules_with_dropout_or_batchnorm():
+    """The per-pass hooks of dropout masks and BatchNorm statistics are registered on
+    the module only when it has such layers (a Python call less per forward pass
+    each); the optimiser carries the recorder's two step hooks only (the settings'
+    log is called from them), and finish removes every hook."""
+    X, _ = data()
+    plain = mlp()
+    with_layers = nn.Sequential(plain[0], nn.BatchNorm1d(plain[0].out_features), nn.Dropout(0.1),
+                                *plain[1:])  # fmt: skip
+    for model, pre_hooks in ((plain, 0), (with_layers, 2)):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        recorder = TrainingRecorder(model, optimizer, X)
+        assert len(model._forward_pre_hooks) == pre_hooks
+        assert len(optimizer._optimizer_step_pre_hooks) == 1
+        assert len(optimizer._optimizer_step_post_hooks) == 1
+        recorder.finish()
+        assert not model._forward_pre_hooks and not model._forward_hooks
+        assert not optimizer._optimizer_step_pre_hooks
+        assert not optimizer._optimizer_step_post_hooks
 
 
 def test_structure_watch_accepts_a_new_layer_without_parameters():
