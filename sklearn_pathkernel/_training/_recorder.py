@@ -29,7 +29,12 @@ What each hook records (no extra forward or backward pass):
   output gradients;
 - step hooks on the optimiser: the hyperparameters it used (its
   ``param_groups``, read by :mod:`._optimizers`), the weights after the step and
-  Adam's preconditioner.
+  Adam's second moments (turned into its preconditioner :math:`P_s` when the
+  recording's path is first read, not in the loop nor in ``finish``); watchers
+  added by :meth:`PathRecorder.watch_steps` (the optimiser settings' log) are
+  called from these two hooks rather than from hooks of their own;
+- only on a module with dropout or BatchNorm layers: a forward pre-hook each,
+  for the pass's masks and running statistics.
 
 Per step the hooks do a fixed number of operations whatever the batch (a few per
 parameter): a batch's inputs are compared with ``X[rows]`` by one numpy gather and
