@@ -47,7 +47,7 @@ def refuse_unsupported(name, layer, where="The module's", training=True):
 
 
 #: A step's shares of a module without BatchNorm layers (never read: not trained).
-_NO_SHARES = torch.zeros((0, 0))
+_NO_SHARES = torch.zeros((0, 0), device="cpu")
 
 
 class StatisticsWatch:
@@ -103,7 +103,7 @@ class StatisticsWatch:
                 layer.running_var.detach().reshape(-1),
             ]
         if not parts:
-            return torch.zeros(0, dtype=torch.float64)
+            return torch.zeros(0, dtype=torch.float64, device="cpu")
         return torch.cat(parts).cpu().clone()
 
     def start_pass(self, *_):
