@@ -7,7 +7,7 @@ The setting (``_attribution_tasks.MNIST10``): a 784-128-64-10 MLP (ReLU, dropout
 50 epochs (about 3950 steps at 5000 rows), and scored on 500 test points.
 ``--rows``, ``--epochs``, ``--queries``, ``--subsets``, ``--loo``, ``--ensemble``
 size it; ``--quick`` is a CI-sized smoke run (500 rows, 2 epochs, 20 queries, 6
-subsets).
+subsets, the contributions' self-influence left out).
 
 Sections (each can be run alone):
 
@@ -105,8 +105,10 @@ DEFAULT_METHODS = (
     "ours", "counterfactual", "trak-1", "trak-ens", "tracin-10", "grad-dot", "if-datainf",
     "random",
 )  # fmt: skip
+#: ``--quick``: CI-sized (the contributions' self-influence, a decomposition per
+#: training row, is left out: about 6 minutes at this size on a loaded 2-core machine).
 QUICK = {"rows": 500, "epochs": 2, "queries": 20, "subsets": 6, "loo": 4, "ensemble": 2,
-         "profile_steps": 8}  # fmt: skip
+         "profile_steps": 8, "skip_ours_self": True}  # fmt: skip
 
 
 def _mib(nbytes):
@@ -124,9 +126,10 @@ def check_hooks(args):
             "--dtype float32 for the estimator needs its dtype= parameter (issue 36 item 3); "
             "run --sections user-loop for a float32 run of a user's loop today"
         )
-    if args.scalar and "target" not in inspect.signature(
-        ExactPathKernelClassifier.influence_matrix
-    ).parameters:
+    if (
+        args.scalar
+        and "target" not in inspect.signature(ExactPathKernelClassifier.influence_matrix).parameters
+    ):
         sys.exit("--scalar needs scalar targets in the explanation API (issue 36 item 2)")
 
 
@@ -354,6 +357,14 @@ def run_profile(args):
         f"momentum's materialised test features, 500 queries x 10 outputs x {n_weights} "
         f"weights x 8 bytes: {features / 2**30:.2f} GiB (1/10 of it for a scalar target)"
     )
+    rate = gemm_rate()
+    floor = 2 * field_queries * n_weights * 64 * field_steps / rate
+    print(
+        f"float64 matrix product rate ({torch.get_num_threads()} thread): {rate / 1e9:.1f} "
+        f"GFLOP/s; the momentum products' floor (2 n W |B| flops per step and scalar output): "
+        f"{floor / 60:.1f} min for {field_queries} scalar targets, {10 * floor / 60:.1f} min "
+        "for all 10 outputs"
+    )
     total = decompose_seconds
     phases = {k: v for k, v in timer.seconds.items()}
     phases["rest"] = total - sum(phases.values())
@@ -364,7 +375,14 @@ def run_profile(args):
         f"nodes/step/query {timer.counts['nodes'] / steps / n:.1f}"
     )
     return {"steps": steps, "queries": n, "per_step_s": per_step, "phases_s": phases,
-            "path_bytes_per_step": path_bytes}  # fmt: skip
+            "path_bytes_per_step": path_bytes, "gemm_flops": rate}  # fmt: skip
+
+
+def gemm_rate(size=1024, repeats=5):
+    """float64 flops per second of a (size, size) matrix product, the best of ``repeats``."""
+    a = torch.randn(size, size, dtype=torch.float64)
+    best = min(_timed(lambda: a @ a)[1] for _ in range(repeats))
+    return 2 * size**3 / best
 
 
 # -- explanations at this size: the image grid -----------------------------------------------
