@@ -40,7 +40,8 @@ and on an ensemble of 10 independently trained models (``attribute``; its
 weights, regularisation 0.01; its ``self_attribute`` fails too, so its self
 score is also the diagonal of ``attribute``), influence functions by DataInf
 (``IFAttributorDataInf``, layer-wise closed-form inverse, regularisation 0.01:
-the explicit Hessian of a 10^5-weight network does not fit in memory), captum's
+the explicit Hessian of a 10^5-weight network does not fit in memory; no self
+score: the diagonal of its M x M attribution took 448 s at M=200), captum's
 ``TracInCP`` (10 checkpoints, all layers), and random scores.
 """
 
@@ -345,10 +346,16 @@ def _datainf(clf, X, y, X_test, y_test):
     task = _loss_task(clf, _checkpoints(clf, _final(clf))[0])
     attributor = IFAttributorDataInf(task, regularization=0.01)
     train = _loaders(X, _codes(clf, y))
-    attributor.cache(train)
-    if X_test is None:  # the diagonal, as for the explicit IF
-        return np.diag(attributor.attribute(train, train).detach().numpy()).copy()
-    return attributor.attribute(train, _loaders(X_test, _codes(clf, y_test))).detach().numpy()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # (dattri 0.3.0 makes float32 buffers otherwise)
+    try:
+        attributor.cache(train)
+        if X_test is None:  # the diagonal, as for the explicit IF
+            return np.diag(attributor.attribute(train, train).detach().numpy()).copy()
+        test = _loaders(X_test, _codes(clf, y_test))
+        return attributor.attribute(train, test).detach().numpy()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def if_datainf(ctx):
@@ -476,7 +483,8 @@ METHODS = {
     "trak-10": (trak10, trak10_self),
     "trak-ens": (trak_ens, trak_ens_self),
     "if-explicit": (influence, influence_self),
-    "if-datainf": (if_datainf, if_datainf_self),
+    # (its self score, the diagonal of the M x M attribution, takes minutes at M=200)
+    "if-datainf": (if_datainf, None),
     "captum-tracincp-10": (captum_tracin, captum_tracin_self),
     "random": (random_scores, random_self),
     "counterfactual": (counterfactual, counterfactual_self),
