@@ -80,8 +80,10 @@ figure = explanation.plot(query=0, image_shape=(28, 28))
 # %%
 # The training images that stand out
 # ----------------------------------
-# The counterfactual self-influence of each training image for its own label: the
-# highest are images the run had to bend towards, often ambiguous digits.
+# The counterfactual self-influence of each training image for its own label: how much
+# weighting the image more in the whole run would raise its own margin. The highest are
+# the images the network leans on most for their label (here thick or unusual strokes);
+# on data with flipped labels the mislabelled images come first.
 start = time.perf_counter()
 influence = clf.self_influence(method="counterfactual")
 print(f"self_influence over {len(X_train)} rows: {time.perf_counter() - start:.1f} s")
