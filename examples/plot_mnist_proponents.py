@@ -14,7 +14,7 @@ dropout masks of every step are recorded, so the decomposition is exact.
 images and keeps the top proponents (raised the predicted class most) and
 opponents (lowered it most); ``self_influence`` scores every training image for
 its own label, here by the counterfactual attribution (what weighting the image
-more in the whole run would change), which puts odd or mislabelled images first.
+more in the whole run would change for it).
 ``benchmarks/bench_field.py`` runs the same at the benchmark's size.
 """
 
@@ -82,8 +82,7 @@ figure = explanation.plot(query=0, image_shape=(28, 28))
 # ----------------------------------
 # The counterfactual self-influence of each training image for its own label: how much
 # weighting the image more in the whole run would raise its own margin. The highest are
-# the images the network leans on most for their label (here thick or unusual strokes);
-# on data with flipped labels the mislabelled images come first.
+# the images the network leans on most for their label (here thick or unusual strokes).
 start = time.perf_counter()
 influence = clf.self_influence(method="counterfactual")
 print(f"self_influence over {len(X_train)} rows: {time.perf_counter() - start:.1f} s")
