@@ -492,6 +492,9 @@ METHODS = {
     "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
 }
 
+#: Methods added for ``bench_field.py``, not in ``bench_attribution.py``'s default list.
+FIELD_METHODS = ("trak-ens", "if-datainf")
+
 #: name -> the label of the table
 LABELS = {
     "tracin-10": "TracIn, 10 checkpoints (dattri)",
