@@ -328,6 +328,9 @@ def run_profile(args):
             return clf.decompose(queries)
 
     parts, decompose_seconds = _timed(decompose)
+    scalar, scalar_seconds = _timed(
+        lambda: clf.decompose(queries, target="output", y=task.y_test)
+    )
     _, counterfactual_seconds = _timed(
         lambda: clf.counterfactual(queries, task.y_test, target="margin")
     )
@@ -336,13 +339,15 @@ def run_profile(args):
         "fit (estimator, recorded)": fit_seconds / steps,
         "user loop + recorder": loop_seconds / recording.n_steps_,
         "decompose, per query": decompose_seconds / steps / n,
+        "decompose, scalar target, per query": scalar_seconds / steps / n,
         "counterfactual, per query": counterfactual_seconds / steps / n,
     }
     field_steps, field_queries = FIELD["steps"], FIELD["queries"]
     print(
         f"\n## per-step costs: M={task.n_train}, {steps} steps (estimator), "
         f"{recording.n_steps_} (user loop), {n} queries; certificate "
-        f"{float(parts.residual.max()):.1e}; process peak {_maxrss():.0f} MiB"
+        f"{float(parts.residual.max()):.1e} (scalar target {float(scalar.residual.max()):.1e}); "
+        f"process peak {_maxrss():.0f} MiB"
     )
     print(f"| cost | per step (ms) | extrapolated to {field_steps} steps x {field_queries} "
           "queries (linear) |")  # fmt: skip
