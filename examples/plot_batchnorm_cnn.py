@@ -1,7 +1,7 @@
 """
-==========================================================
+===========================================================
 A BatchNorm CNN trained in your own loop, explained exactly
-==========================================================
+===========================================================
 
 A small convolutional network with a ``BatchNorm2d`` layer is trained on
 scikit-learn's digits in an ordinary PyTorch loop, BatchNorm in training mode (the
