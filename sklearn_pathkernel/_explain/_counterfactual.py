@@ -166,7 +166,7 @@ def counterfactual_attribution(
     if target_fn.column_label:
         per_query = torch.as_tensor(columns, device=queries.device)
     else:
-        per_query = loss_labels(context, run, y, n)
+        per_query = loss_labels(context, y, n, run.X)
     sweep = AdjointSweep(run)
     parts = sweep_queries(sweep, queries, target_fn, per_query, batch_size, hessian)
     attribution = CounterfactualAttribution(
@@ -228,12 +228,13 @@ def class_codes(context, y, n):
     return codes
 
 
-def loss_labels(context, run, y, n):
-    """The loss targets of the queries (as the loss takes them), from ``y``."""
+def loss_labels(context, y, n, like):
+    """The loss targets of the queries (as the loss takes them), from ``y``: class
+    codes, or values in the dtype and on the device of the tensor ``like``."""
     if y is None:
         raise ValueError("target='loss' needs the queries' true targets: pass y.")
     if context.is_classifier:
-        return torch.as_tensor(class_codes(context, y, n), device=run.X.device)
+        return torch.as_tensor(class_codes(context, y, n), device=like.device)
     values = np.asarray(y, dtype=np.float64)
     values = values.reshape(n, -1) if values.ndim == 1 else values
     if values.shape != (n, context.engine.n_outputs):
@@ -241,7 +242,7 @@ def loss_labels(context, run, y, n):
             f"y must hold the queries' target values, shape ({n}, {context.engine.n_outputs}) "
             f"(or ({n},) for one output); got {np.asarray(y).shape}."
         )
-    return torch.as_tensor(values, dtype=run.X.dtype, device=run.X.device)
+    return torch.as_tensor(values, dtype=like.dtype, device=like.device)
 
 
 def counterfactual_outputs(context, queries, batch_size, diagonal=False, hessian=None):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._engine import TARGETS, OutputTarget, QueryTargets
-from ._counterfactual import PREDICTED, class_codes, resolve_target
+from ._counterfactual import PREDICTED, class_codes, loss_labels, resolve_target
 from ._streaming import check_columns
 
 
@@ -70,25 +70,9 @@ def decomposition_targets(context, queries, target, y=None):
         else:
             labels = torch.as_tensor(class_codes(context, y, n), device=device)
         return QueryTargets(chosen, labels)
-    return QueryTargets(chosen, _loss_labels(context, y, n, queries))
+    return QueryTargets(chosen, loss_labels(context, y, n, queries))
 
 
 def _predicted(context, queries):
     """Each query's predicted class (the largest output at the final weights)."""
     return context.engine.output(queries).argmax(1)
-
-
-def _loss_labels(context, y, n, queries):
-    """The loss's targets of the queries, from ``y``: class codes or values."""
-    if y is None:
-        raise ValueError("target='loss' needs the queries' true targets: pass y.")
-    if context.is_classifier:
-        return torch.as_tensor(class_codes(context, y, n), device=queries.device)
-    values = np.asarray(y, dtype=np.float64)
-    values = values.reshape(n, -1) if values.ndim == 1 else values
-    if values.shape != (n, context.engine.n_outputs):
-        raise ValueError(
-            f"y must hold the queries' target values, shape ({n}, {context.engine.n_outputs}) "
-            f"(or ({n},) for one output); got {np.asarray(y).shape}."
-        )
-    return torch.as_tensor(values, dtype=queries.dtype, device=queries.device)

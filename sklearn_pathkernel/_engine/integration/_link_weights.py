@@ -138,8 +138,12 @@ class JacobianWeights(NodeWeighting):
             torch.as_tensor(points.ravel(), **like),
         )
         logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
-        matrices = self.piece_weights(logits, torch.as_tensor(width, **like))
+        matrices = self._pieces(logits, torch.as_tensor(width, **like), rows)
         return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
+
+    def _pieces(self, logits, widths, rows):
+        """The pieces' weight matrices from their logits at the interpolation points."""
+        return self.piece_weights(logits, widths)
 
     def piece_weights(self, logits, widths, targets=None):
         """``W_q`` (P, D, K, K) of ``P`` pieces from their logits at the
@@ -199,25 +203,9 @@ class JacobianTargetWeights(JacobianWeights):
         super().__init__(link, degree)
         self.targets = targets
 
-    def weigh(self, probe, step, X, nodes):
-        n = self.nodes_per_piece
-        if nodes.rows.size % n:
-            raise ValueError(f"{nodes.rows.size} nodes are no whole number of pieces of {n}.")
-        like = {"dtype": step.start.dtype, "device": step.start.device}
-        rows = nodes.rows[::n]
-        width = nodes.weights.reshape(-1, n).sum(1)
-        start = nodes.t[::n] - width * gauss_on_unit(n)[0][0]
-        points = start[:, None] + width[:, None] * interpolation_points(self.degree)
-        logits = probe.logits(
-            step.start,
-            X[torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"])],
-            step.direction,
-            torch.as_tensor(points.ravel(), **like),
-        )
-        logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
-        targets = self.targets.take(torch.as_tensor(rows, device=like["device"]))
-        matrices = self.piece_weights(logits, torch.as_tensor(width, **like), targets)
-        return NodeWeights(np.ones(nodes.rows.size), matrices.flatten(0, 1))
+    def _pieces(self, logits, widths, rows):
+        targets = self.targets.take(torch.as_tensor(rows, device=logits.device))
+        return self.piece_weights(logits, widths, targets)
 
     def _weighted(self, coefficients, z, targets):
         """``sum_m coefficients[q, m] grad_z T(link(z[p, m]))`` (P, Q, 1, K).
