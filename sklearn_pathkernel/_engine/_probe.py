@@ -89,7 +89,7 @@ class NetworkProbe:
         # BatchNorm trained in training mode (the path holds its running statistics):
         # the training side is the batch's pass in training mode, on a copy of its own;
         # the query side is the eval-mode network at the path's statistics.
-        self.batch_coupled = getattr(path, "running_statistics", None) is not None
+        self.batch_coupled = path.running_statistics is not None
         self._training_module = None
         if self.batch_coupled:
             names = path.running_statistics.names
