@@ -20,6 +20,20 @@ factored rule); for updates that mix steps, the features materialised
 (``K W`` numbers per row) and one matrix product with the batch's per-example
 gradients.
 
+A layer of fixed input under updates that mix steps by scalars (SGD's momentum and
+Nesterov, with or without weight decay: ``UpdateRecord.scalar_mixing``): a first
+``nn.Linear``'s test feature at every step is ``delta_s(x) [x, 1]^T`` with the
+query ``x`` itself, so ``psi_s = D_s [x, 1]^T`` with ``D_s`` the same scalar
+accumulation of the ``delta_s`` (:class:`FixedInputLayers`). Its accumulation
+then costs ``n K d_out`` per step instead of ``n K d_out (d_in + 1)``, and its
+product with the batch ``(D_s . delta_i) (x . x_i + 1)``, ``O(n |B| (d_in + K
+d_out))``, without forming its gradients: for dattri's MNIST MLP (784-128-64-10,
+92 % of the weights in the first layer) only the other 8906 weights are
+materialised (see ``doc/benchmarks_field.rst`` for the timings). Adam's
+elementwise preconditioner breaks the form: it takes the generic route, as does a
+layer whose input moves (checked at every step; the task then reruns on the
+generic route). The coupled decay's term takes the layer's ``directional``.
+
 A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
 the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
 one output everywhere above, so the backward passes, the materialised features
