@@ -41,6 +41,10 @@ Sections (each can be run alone):
     of ``--queries`` queries (where its time goes, by ``bench_matrix``'s phase
     timers) and the counterfactual, each per step, extrapolated *linearly* to
     3950 steps and 500 queries (an extrapolation, not a measurement).
+    ``--compare-routes`` also times both decompositions on the generic route
+    (``Decomposition.fixed_input_layers = False``: the first layer's test features
+    materialised and accumulated like the others') in the same process, and prints
+    the ratios.
 ``grid``
     ``explain`` on the test images, ``self_influence`` over the training rows (the
     counterfactual's, and the contributions' with ``--self-contributions``), and an
@@ -342,6 +346,28 @@ def run_profile(args):
         "decompose, scalar target, per query": scalar_seconds / steps / n,
         "counterfactual, per query": counterfactual_seconds / steps / n,
     }
+    if args.compare_routes:
+        decomposition = clf._engine()._decomposition
+        decomposition.fixed_input_layers = False
+        generic, generic_seconds = _timed(lambda: clf.decompose(queries))
+        generic_scalar, generic_scalar_seconds = _timed(
+            lambda: clf.decompose(queries, target="output", y=task.y_test)
+        )
+        decomposition.fixed_input_layers = True
+        per_step["decompose, per query, generic route"] = generic_seconds / steps / n
+        per_step["decompose, scalar target, per query, generic route"] = (
+            generic_scalar_seconds / steps / n
+        )
+        scale = np.abs(generic.contributions).max()
+        print(
+            f"generic route / factored first layer (same process): decompose "
+            f"{generic_seconds / decompose_seconds:.2f}x, scalar target "
+            f"{generic_scalar_seconds / scalar_seconds:.2f}x; largest difference of the "
+            f"contributions / their scale: "
+            f"{np.abs(parts.contributions - generic.contributions).max() / scale:.1e} "
+            f"(scalar target "
+            f"{np.abs(scalar.contributions - generic_scalar.contributions).max() / scale:.1e})"
+        )
     field_steps, field_queries = FIELD["steps"], FIELD["queries"]
     print(
         f"\n## per-step costs: M={task.n_train}, {steps} steps (estimator), "
@@ -451,6 +477,8 @@ def main():
     parser.add_argument("--loo", type=int, default=40)
     parser.add_argument("--ensemble", type=int, default=10, help="TRAK's models")
     parser.add_argument("--profile-steps", type=int, default=100)
+    parser.add_argument("--compare-routes", action="store_true",
+                        help="profile: also time the generic route (issue 36 item 5)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip

@@ -20,6 +20,20 @@ factored rule); for updates that mix steps, the features materialised
 (``K W`` numbers per row) and one matrix product with the batch's per-example
 gradients.
 
+A layer of fixed input under updates that mix steps by scalars (SGD's momentum and
+Nesterov, with or without weight decay: ``UpdateRecord.scalar_mixing``): a first
+``nn.Linear``'s test feature at every step is ``delta_s(x) [x, 1]^T`` with the
+query ``x`` itself, so ``psi_s = D_s [x, 1]^T`` with ``D_s`` the same scalar
+accumulation of the ``delta_s`` (:class:`FixedInputLayers`). Its accumulation
+then costs ``n K d_out`` per step instead of ``n K d_out (d_in + 1)``, and its
+product with the batch ``(D_s . delta_i) (x . x_i + 1)``, ``O(n |B| (d_in + K
+d_out))``, without forming its gradients: for dattri's MNIST MLP (784-128-64-10,
+92 % of the weights in the first layer) only the other 8906 weights are
+materialised (see ``doc/benchmarks_field.rst`` for the timings). Adam's
+elementwise preconditioner breaks the form: it takes the generic route, as does a
+layer whose input moves (checked at every step; the task then reruns on the
+generic route). The coupled decay's term takes the layer's ``directional``.
+
 A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
 the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
 one output everywhere above, so the backward passes, the materialised features
@@ -37,7 +51,7 @@ from .._path import layout_by_rules, read_row, statistics_factors, take_rows, we
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
-from .rules._gradients import Gradients
+from .rules._gradients import FactoredGradients, Gradients
 
 
 class DecompositionPart(NamedTuple):
@@ -49,6 +63,58 @@ class DecompositionPart(NamedTuple):
     statistics: np.ndarray  # (n, M, K): the running statistics' share, or None
 
 
+class _InputsMoved(Exception):
+    """A layer taken as one of fixed input saw another input at another step."""
+
+
+class FixedInputLayers:
+    """The layers whose accumulated test features are kept as deltas alone.
+
+    Under an update that mixes steps by scalars
+    (``UpdateRecord.scalar_mixing``), a layer whose test features at a step
+    are ``delta_s(x) [a, 1]^T`` (``rule.outer_factors`` of its integrated
+    factors) with the same ``a`` at every step (a first ``nn.Linear``: ``a`` is
+    the query itself) has ``psi_r = (sum_s c_{s,r} delta_s) [a, 1]^T``: the
+    accumulation runs on the (n, K, d_out) deltas instead of the (n, K,
+    d_out (d_in + 1)) features. The layers are those whose factors have that
+    form at the first step fed (the run's last); every later step checks that
+    their inputs are the same values (``torch.equal``), and raises
+    :class:`_InputsMoved` otherwise (the task then reruns on the generic route).
+
+    Parameters
+    ----------
+    rules : list
+        The probe's layer rules.
+    enabled : bool
+        False: no layer is kept factored (the generic route).
+    """
+
+    def __init__(self, rules, enabled):
+        self.rules, self.enabled = rules, enabled
+        self.inputs = None  # {layer index: (n, d_in)}, from the first step fed
+
+    def of(self, features):
+        """``{layer index: FactoredGradients}`` of this step's fixed-input layers."""
+        if not self.enabled:
+            return {}
+        found = {}
+        for index, rule in enumerate(self.rules):
+            if self.inputs is not None and index not in self.inputs:
+                continue
+            factors = features.row_factors(index)
+            outer = None if factors is None else rule.outer_factors(factors)
+            if self.inputs is None:
+                if outer is not None:
+                    found[index] = outer
+            elif outer is None or not torch.equal(outer.inputs, self.inputs[index]):
+                raise _InputsMoved(f"layer {index}'s input moved between steps")
+            else:
+                found[index] = outer
+        if self.inputs is None:
+            self.inputs = {index: outer.inputs for index, outer in found.items()}
+        return found
+
+
 class Decomposition(SharedByTasks):
     """Decomposes the network's output on query rows over the training points.
 
@@ -57,7 +123,16 @@ class Decomposition(SharedByTasks):
     fitted : FittedPath
         The path and what the engine reads of it.
     test_copy : TestCopy
+
+    Attributes
+    ----------
+    fixed_input_layers : bool
+        Whether updates that mix steps by scalars keep the layers of fixed input
+        factored (see :class:`FixedInputLayers`; True). False takes the generic
+        route (the same values; for comparisons).
     """
+
+    fixed_input_layers = True
 
     def __init__(self, fitted, test_copy):
         self.probes, self.steps, self.planner = fitted.probes, fitted.steps, fitted.planner
@@ -219,12 +294,22 @@ class Decomposition(SharedByTasks):
     def _accumulated(self, X, targets=None):
         """All steps, backward, for updates that mix steps or are preconditioned.
 
-        With ``u_s = P_s * phi_s`` (materialised per layer) and ``psi_s`` from
-        the update's backward accumulation (see the module docstring). Cost per
-        step: the test features (as for SGD), their materialisation (n K W), and
-        one matrix product of (n K, W) with the batch's per-example gradients
-        (W, |B_s|).
+        With ``u_s = P_s * phi_s`` (materialised per layer, except the layers of
+        fixed input under scalar mixing: :class:`FixedInputLayers`) and ``psi_s``
+        from the update's backward accumulation (see the module docstring). Cost
+        per step: the test features (as for SGD), their materialisation (n K W),
+        and one matrix product of (n K, W) with the batch's per-example gradients
+        (W, |B_s|); a layer of fixed input costs n K d_out and its factored
+        product instead.
         """
+        enabled = self.fixed_input_layers and self.path.update.scalar_mixing
+        try:
+            return self._accumulated_by(X, targets, enabled)
+        except _InputsMoved:
+            return self._accumulated_by(X, targets, False)
+
+    def _accumulated_by(self, X, targets, fixed_inputs):
+        """:meth:`_accumulated`, keeping the fixed-input layers factored if ``fixed_inputs``."""
         update = self.path.update
         test_copy, n_outputs = self._test_copy_of(targets)
         n = X.shape[0]
@@ -236,6 +321,7 @@ class Decomposition(SharedByTasks):
         accumulation = update.backward(
             layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
         )
+        fixed_layers = FixedInputLayers(probe.rules, fixed_inputs)
         for index in self.progress.over(reversed(range(self.path.n_steps))):
             start = self.steps.step(index).start
             rules = self.probes.current().rules
@@ -266,20 +352,28 @@ class Decomposition(SharedByTasks):
             if update.decoupled_decays[index]:
                 factor, direction = weighted(update.decoupled_decays[index], start, params)
                 decay += factor * features.directional(direction)
-            u = features.materialised()
+            fixed = fixed_layers.of(features)  # (empty unless the steps mix by scalars)
+            u = features.materialised(keep=fixed)
+            for layer, outer in fixed.items():
+                u[layer] = outer.deltas
             if update.preconditioners is not None:
                 row = read_row(update.preconditioners, index, self.steps.device)
                 scales = self.path.unflatten(row)
                 u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
             psi = accumulation.psi(index, u)
+            for layer, outer in fixed.items():  # psi = (sum_s c_s delta_s) [a, 1]^T
+                psi[layer] = FactoredGradients(outer.inputs, psi[layer])
             if update.coupled_decay:
                 factor, direction = weighted(update.coupled_decay, start, params)
                 decay -= factor * sum(
-                    p @ rule.flatten(direction) for p, rule in zip(psi, rules, strict=True)
+                    rule.directional(p, direction)
+                    if layer in fixed
+                    else p @ rule.flatten(direction)
+                    for layer, (p, rule) in enumerate(zip(psi, rules, strict=True))
                 )
             if shared:
                 rows = self.steps.on_device(batch)
-                block = self._batch_inner(psi, integrated.start_factors)
+                block = self._batch_inner(psi, integrated.start_factors, fixed)
                 contributions.index_add_(1, rows, block)
                 continue
             if statistics is not None:  # the rows are coupled: the whole batch at once
@@ -287,22 +381,27 @@ class Decomposition(SharedByTasks):
                 train = self.probes.current().training_factors(
                     start, self.X_train[rows], gradients, masks
                 )
-                contributions.index_add_(1, rows, self._batch_inner(psi, train))
+                contributions.index_add_(1, rows, self._batch_inner(psi, train, fixed))
                 continue
             for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
                 rows = self.steps.on_device(batch[part])
                 train = self.probes.current().training_factors(
                     start, self.X_train[rows], gradients[part], take_rows(masks, part)
                 )
-                contributions.index_add_(1, rows, self._batch_inner(psi, train))
+                contributions.index_add_(1, rows, self._batch_inner(psi, train, fixed))
         return self._part(contributions, decay, quadrature_error, statistics)
 
-    def _batch_inner(self, psi, train):
+    def _batch_inner(self, psi, train, fixed=()):
         """``<psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` (n, rows, K) for the training rows
         whose factors (output gradients as cotangents) are ``train``: their
-        per-example gradients are materialised, one matrix product per layer."""
+        per-example gradients are materialised, one matrix product per layer; the
+        layers in ``fixed`` hold factors and meet them by the rule's ``inner``,
+        ``(D . delta_i) (a . a_i + 1)``."""
+        rules = self.probes.current().rules
         block = sum(
-            rule.dense_inner(p, f, OutputMode.PAIRS)
-            for p, rule, f in zip(psi, self.probes.current().rules, train, strict=True)
+            rule.inner(p, f, OutputMode.PAIRS)
+            if layer in fixed
+            else rule.dense_inner(p, f, OutputMode.PAIRS)
+            for layer, (p, rule, f) in enumerate(zip(psi, rules, train, strict=True))
         )  # (n, rows, K, 1)
         return block[..., 0].contiguous()

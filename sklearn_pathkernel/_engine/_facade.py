@@ -254,7 +254,9 @@ class PathKernelEngine:
         rule. Otherwise (momentum, Adam, AdamW) they meet ``psi_s``, accumulated
         backward over the steps: one pass over the path, materialised per-layer
         features (n x K x W per row tile), one matrix product per step against
-        the batch's per-example gradients (see :mod:`._decomposition`).
+        the batch's per-example gradients (see :mod:`._decomposition`); under
+        SGD's momentum a first ``nn.Linear`` layer, whose input is the query
+        itself, keeps its factored form (its W counts out of both).
 
         Parameters
         ----------

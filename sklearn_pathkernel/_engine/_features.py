@@ -106,17 +106,27 @@ class StepFeatures:
             out += by_output.transpose(1, 2)
         return out
 
-    def materialised(self):
+    def materialised(self, keep=()):
         """``phi_s`` itself, per rule: (n_rows, K, W_layer) in the rule's layout.
 
         Needed where the features meet an elementwise weighting of weight space
         (Adam's preconditioner) or are accumulated over steps (momentum).
-        Costs n_rows x K x W numbers.
+        Costs n_rows x K x W numbers. The layers whose indices are in ``keep``
+        are not materialised: their entries are None.
         """
         return [
-            _materialised(rule, chunks, self.n_rows)
-            for rule, chunks in zip(self.rules, self.layers, strict=True)
+            None if index in keep else _materialised(rule, chunks, self.n_rows)
+            for index, (rule, chunks) in enumerate(zip(self.rules, self.layers, strict=True))
         ]
+
+    def row_factors(self, index):
+        """Layer ``index``'s factors when they hold one integral per row (the
+        layer was integrated before the products, see ``rule.integrate``), else
+        None (the layer keeps its nodes)."""
+        chunks = self.layers[index]
+        if len(chunks) == 1 and chunks[0].rows is None:
+            return chunks[0].factors
+        return None
 
     def scaled(self, metric):
         """``P_s phi_s`` for the elementwise metric ``metric`` (one scale per rule,

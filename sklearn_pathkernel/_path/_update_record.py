@@ -93,16 +93,27 @@ class UpdateRecord:
     preconditioners: torch.Tensor = DeferredField()
 
     @property
-    def per_step(self):
-        """Whether each step moves along its own gradient only, unpreconditioned:
-        then step ``s``'s training gradients meet ``step_scale(s) * phi_s`` alone."""
+    def scalar_mixing(self):
+        """Whether the steps mix by one number per step for every weight (SGD,
+        momentum, Nesterov: no preconditioner, coefficients shared by all
+        parameter groups): then :math:`\\psi_r = \\sum_{s \\ge r} c_{s,r} \\phi_s`
+        with scalar :math:`c_{s,r}`, and a layer whose test features are
+        :math:`\\delta_s a^T` with the same :math:`a` at every step keeps that form,
+        :math:`(\\sum_s c_{s,r} \\delta_s) a^T`. The decay coefficients enter
+        separately (the decay terms) and may differ per group."""
         return (
-            self.buffer_decay == 0
-            and self.preconditioners is None
+            self.preconditioners is None
+            and not isinstance(self.buffer_decay, Blockwise)
             and not isinstance(self.gradient_scale, Blockwise)
             and self.gradient_rates.dtype != object
             and self.direct_rates.dtype != object
         )
+
+    @property
+    def per_step(self):
+        """Whether each step moves along its own gradient only, unpreconditioned:
+        then step ``s``'s training gradients meet ``step_scale(s) * phi_s`` alone."""
+        return self.buffer_decay == 0 and self.scalar_mixing
 
     def step_scale(self, step):
         """:math:`\\gamma \\alpha_s + \\zeta_s`: with no buffer, the factor of

@@ -60,6 +60,10 @@ class LinearRule(WeightAndBiasRule):
             return FactoredGradients(a, delta)
         return Gradients(self._gradients(a, delta))
 
+    def outer_factors(self, factors):
+        """The factors themselves on 2-D input (:class:`FactoredGradients`), else None."""
+        return factors if factored(factors) else None
+
     # -- materialised gradients ---------------------------------------------------
 
     def _gradients(self, a, delta):

@@ -211,6 +211,18 @@ class LayerRule(ABC):
         flattened and concatenated in ``path_names`` order."""
         return torch.cat([weights[name].reshape(-1) for name in self.path_names])
 
+    def outer_factors(self, factors):
+        """``factors`` as a ``FactoredGradients`` ``(a, delta)`` when the gradients
+        they hold are ``delta [a, 1]^T`` with one input ``a`` per row (a layer
+        linear in its weights on 2-D input), else None (the default).
+
+        In that form, sums of a row's gradients that share its input ``a`` with
+        one number per term (momentum's accumulation over steps of a first
+        layer's test features, see ``Decomposition``) are sums of the deltas
+        alone, ``(a, sum_s c_s delta_s)``, and meet other rows through
+        :meth:`inner` without forming the gradients."""
+        return None
+
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Factors of each row's weighted sum over its quadrature nodes, or None
         (keep one inner product per node). See ``StepFeatures``."""
