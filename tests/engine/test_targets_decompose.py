@@ -20,13 +20,13 @@ Adam, classifiers and regressors:
 import numpy as np
 import pytest
 import torch
+from _reference import NaivePathKernelEngine, log_proba
 from sklearn.datasets import load_digits
 from torch.func import grad, vmap
 
 from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
 from sklearn_pathkernel._engine._targets import LossTarget, MarginTarget, OutputTarget
 from sklearn_pathkernel._path import log_softmax
-from tests._reference import NaivePathKernelEngine, log_proba
 
 SOLVERS = {
     "sgd": dict(solver="sgd", learning_rate=0.2),

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _recorded_loops import data, mlp, replay, run
 from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelRegressor, TrainingRecorder
 from sklearn_pathkernel._path import log_softmax
-from tests._recorded_loops import data, mlp, replay, run
 
 OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.2),

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _recorded_loops import data, mlp, replay, run
 from torch.func import functional_call
 
 from sklearn_pathkernel import TrainingRecorder
@@ -26,7 +27,6 @@ from sklearn_pathkernel._training._replay import (
     replay_bound,
     replay_differences,
 )
-from tests._recorded_loops import data, mlp, replay, run
 
 F32 = torch.float32
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _recorded_loops import data, mlp, replay
 from _reference import NaivePathKernelEngine
 
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._path import Blockwise, FunctionLink
 from sklearn_pathkernel._recording._recording import Recording, output_function
-from tests._recorded_loops import data, mlp, replay
 
 
 def three_groups(model, first, second, biases):
