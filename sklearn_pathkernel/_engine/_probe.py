@@ -17,6 +17,11 @@ modules, a parameter used in a parent's ``forward`` or outside its layer, a laye
 returning a tuple) would get wrong or failing per-layer factors; a dry-run
 forward pass finds these, and the probe then differentiates the whole network
 at once instead (:class:`~sklearn_pathkernel._engine.rules._jacobian.JacobianRule`).
+
+Query rows evaluated at many points of one step (``rows=``: the kink search, the
+quadrature nodes) take the first parameterised layer's output, when it is linear in
+its weights, from two products per step and query row (:class:`StepQueries`):
+along a step its input is fixed and its output affine in ``t``.
 """
 
 import contextlib

@@ -102,3 +102,30 @@ def test_probe_evaluations_match_a_forward_pass_at_each_point(engine_cases):
         point = probe.path.unflatten(start + t[i] * direction)
         expected = torch.func.functional_call(probe.module, point, (X[rows[i] : rows[i] + 1],))
         assert torch.allclose(got[i : i + 1], expected, rtol=0, atol=1e-13)
+
+
+def test_first_layer_kinks_are_the_roots_of_its_affine_output(engine_cases, monkeypatch):
+    """A one-hidden-layer ReLU network: its kinks along a step are the first
+    layer's roots ``t = -z_s / dz_s`` in (0, 1), computed here from the weights."""
+    from sklearn_pathkernel._engine.integration._kinks import row_kinks
+
+    module, path, X, _ = engine_cases.trained(engine_cases.mlp([5, 9, 3], nn.ReLU), steps=6)
+    A = engine_cases.queries(5, n=6)
+    index = 3
+    before, after = path.unflatten(path.weights[index]), path.unflatten(path.weights[index + 1])
+    z = A @ before["0.weight"].T + before["0.bias"]
+    dz = A @ (after["0.weight"] - before["0.weight"]).T + (after["0.bias"] - before["0.bias"])
+    roots = -z / dz
+    for flag in (True, False):
+        monkeypatch.setattr(_probe.NetworkProbe, "affine_first_layer", flag)
+        probe = _probe.NetworkProbe(module, path)
+        start = path.weights[index]
+        direction = path.weights[index + 1] - start
+        found = row_kinks(probe, start, direction, A, np.arange(A.shape[0])).kinks
+        n_kinks = 0
+        for row, kinks in enumerate(found):
+            expected = roots[row][(roots[row] > 0) & (roots[row] < 1)].sort().values.numpy()
+            assert kinks.shape == expected.shape
+            np.testing.assert_allclose(kinks, expected, rtol=0, atol=1e-12)
+            n_kinks += kinks.size
+        assert n_kinks > 0
