@@ -43,8 +43,9 @@ Sections (each can be run alone):
     3950 steps and 500 queries (an extrapolation, not a measurement).
     ``--compare-routes`` also times both decompositions on the generic route
     (``Decomposition.fixed_input_layers = False``: the first layer's test features
-    materialised and accumulated like the others') in the same process, and prints
-    the ratios.
+    materialised and accumulated like the others') and with the first layer
+    evaluated at every point of a step (``NetworkProbe.affine_first_layer = False``,
+    not from its two per-step products) in the same process, and prints the ratios.
 ``grid``
     ``explain`` on the test images, ``self_influence`` over the training rows (the
     counterfactual's, and the contributions' with ``--self-contributions``), and an
@@ -358,6 +359,28 @@ def run_profile(args):
         per_step["decompose, scalar target, per query, generic route"] = (
             generic_scalar_seconds / steps / n
         )
+        # the first layer evaluated at every point of a step, not from its two
+        # per-step products (NetworkProbe.affine_first_layer = False)
+        probe_class = type(decomposition.probes.current())
+        probe_class.affine_first_layer = False
+        try:
+            per_point, per_point_seconds = _timed(lambda: clf.decompose(queries))
+            per_point_scalar, per_point_scalar_seconds = _timed(
+                lambda: clf.decompose(queries, target="output", y=task.y_test)
+            )
+        finally:
+            probe_class.affine_first_layer = True
+        # the scalar target on the current route again, right after (a shared machine)
+        _, scalar_again_seconds = _timed(
+            lambda: clf.decompose(queries, target="output", y=task.y_test)
+        )
+        per_step["decompose, scalar target, per query (timed again)"] = (
+            scalar_again_seconds / steps / n
+        )
+        per_step["decompose, per query, first layer per point"] = per_point_seconds / steps / n
+        per_step["decompose, scalar target, per query, first layer per point"] = (
+            per_point_scalar_seconds / steps / n
+        )
         scale = np.abs(generic.contributions).max()
         print(
             f"generic route / factored first layer (same process): decompose "
@@ -367,6 +390,16 @@ def run_profile(args):
             f"{np.abs(parts.contributions - generic.contributions).max() / scale:.1e} "
             f"(scalar target "
             f"{np.abs(scalar.contributions - generic_scalar.contributions).max() / scale:.1e})"
+        )
+        print(
+            f"first layer per point / from its per-step products (same process): decompose "
+            f"{per_point_seconds / decompose_seconds:.2f}x, scalar target "
+            f"{per_point_scalar_seconds / scalar_seconds:.2f}x (timed again after it: "
+            f"{per_point_scalar_seconds / scalar_again_seconds:.2f}x); largest difference of the "
+            f"contributions / their scale: "
+            f"{np.abs(parts.contributions - per_point.contributions).max() / scale:.1e} "
+            f"(scalar target "
+            f"{np.abs(scalar.contributions - per_point_scalar.contributions).max() / scale:.1e})"
         )
     field_steps, field_queries = FIELD["steps"], FIELD["queries"]
     print(

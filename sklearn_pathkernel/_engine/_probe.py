@@ -17,6 +17,11 @@ modules, a parameter used in a parent's ``forward`` or outside its layer, a laye
 returning a tuple) would get wrong or failing per-layer factors; a dry-run
 forward pass finds these, and the probe then differentiates the whole network
 at once instead (:class:`~sklearn_pathkernel._engine.rules._jacobian.JacobianRule`).
+
+Query rows evaluated at many points of one step (``rows=``: the kink search, the
+quadrature nodes) take the first parameterised layer's output, when it is linear in
+its weights, from two products per step and query row (:class:`StepQueries`):
+along a step its input is fixed and its output affine in ``t``.
 """
 
 import contextlib
@@ -80,7 +85,14 @@ class NetworkProbe:
         at debug level); None when they are.
     per_row_t : bool
         Whether one pass can hold rows at different points of a step.
+    affine_first_layer : bool
+        Whether query rows evaluated along a step (``rows=`` given) take the
+        first layer's output from its two per-step products (see
+        :class:`StepQueries`; True). False evaluates that layer at every point
+        (the same values up to rounding; for comparisons).
     """
+
+    affine_first_layer = True
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         module = copy.deepcopy(module)
@@ -109,6 +121,7 @@ class NetworkProbe:
         self.path = path
         self.link = link
         self._unflattened = []  # the last few (flat, version, params)
+        self._step_queries = []  # the last few (keys, StepQueries or None)
         # functional_call unties tied weights on every call unless told there are none
         self._tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
             list(module.named_parameters())
@@ -167,7 +180,7 @@ class NetworkProbe:
         self._unflattened = [(flat, flat._version, params), *self._unflattened[:3]]
         return params
 
-    def _forward(self, start, X, direction=None, t=None, hook=None, logits=False):
+    def _forward(self, start, X, direction=None, t=None, hook=None, logits=False, along=None):
         """``link(module(X))`` with row ``i`` at weights ``start + t_i direction``.
 
         ``t`` is None (weights ``start``), a float, or a tensor with one value per
@@ -178,6 +191,9 @@ class NetworkProbe:
         in place of the layer's own forward.
         ``hook(index, inputs, output) -> output`` sees each parameterised layer.
         ``logits=True`` returns ``module(X)`` without the link.
+        ``along`` (an :class:`AlongStep`, with a per-row ``t``): the first
+        ``along.rows.numel()`` rows of ``X`` are those query rows, whose first
+        layer's output comes from the step's :class:`StepQueries`.
         """
         self._ensure_checked(X)
         if t is not None and not isinstance(t, torch.Tensor):
@@ -188,18 +204,26 @@ class NetworkProbe:
             raise ValueError("A per-row t needs every layer to take one (per_row_t); use per_row.")
         params = self.params(start)
         weights = None if t is None else RowWeights(params, self.params(direction), t)
-        with _layers_patched(self.rules, self.layers, weights, hook):
+        with _layers_patched(self.rules, self.layers, weights, hook, along):
             out = functional_call(self.module, params, (X,), tie_weights=self._tied)
         return out if logits else self.link(out)
 
-    def per_row(self, fn, start, X, direction, t):
+    def per_row(self, fn, start, X, direction, t, rows=None):
         """Apply ``fn(start, X, direction, t)`` with per-row ``t``, falling back to one
         call per distinct ``t`` when some layer is not linear in its parameters.
 
         ``fn`` returns an object with ``take(rows)`` and a ``cat`` classmethod-like
-        helper given as ``fn.cat``.
+        helper given as ``fn.cat``. ``rows`` (a tensor of indices): ``X`` is the
+        step's query rows and the rows evaluated are ``X[rows]``, their first
+        layer from the step's :class:`StepQueries` where it applies
+        (:meth:`along`).
         """
+        along = self.along(start, direction, X, rows, t)
+        if rows is not None:
+            X = X[rows]
         self._ensure_checked(X)
+        if along is not None:
+            return fn(start, X, direction, t, along=along)
         if t is None or not isinstance(t, torch.Tensor) or self.per_row_t:
             return fn(start, X, direction, t)
         values, inverse = torch.unique(t, return_inverse=True)
@@ -211,29 +235,94 @@ class NetworkProbe:
         order = torch.cat(order)
         return fn.cat(parts).take(torch.argsort(order))
 
-    def output(self, start, X, direction=None, t=None):
-        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``)."""
-        return self.output_with_scale(start, X, direction, t)[0]
+    def output(self, start, X, direction=None, t=None, *, rows=None):
+        """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``;
+        ``rows`` as in :meth:`per_row`)."""
+        return self.output_with_scale(start, X, direction, t, rows=rows)[0]
 
-    def output_with_scale(self, start, X, direction=None, t=None):
+    def output_with_scale(self, start, X, direction=None, t=None, *, rows=None):
         """``f_w(X)`` (n, K) and, per row, the largest absolute logit (n,): ``f`` is
         computed to about ``eps`` times it (a saturated softmax can have small
         log-probabilities from huge logits)."""
         with torch.no_grad():
-            result = self.per_row(_Output(self), start, X, direction, t)
+            result = self.per_row(_Output(self), start, X, direction, t, rows)
         return result.value, result.scale
 
-    def logits(self, start, X, direction=None, t=None):
+    def logits(self, start, X, direction=None, t=None, *, rows=None):
         """``module(X)`` (n, K), the logits before the link, without gradients
-        (weights as in ``_forward``)."""
+        (weights as in ``_forward``; ``rows`` as in :meth:`per_row`)."""
         with torch.no_grad():
-            return self.per_row(_Output(self), start, X, direction, t).logits
+            return self.per_row(_Output(self), start, X, direction, t, rows).logits
 
-    def factors(self, start, X, outputs=None, *, direction=None, t=None, cotangents=None):
+    def along(self, start, direction, X, rows, t):
+        """The query rows ``X[rows]`` at per-row points ``t`` of the step
+        ``start + t direction``, as an :class:`AlongStep` when their first layer
+        can come from the step's :class:`StepQueries`, else None."""
+        if (
+            rows is None
+            or direction is None
+            or not isinstance(t, torch.Tensor)
+            or not self.affine_first_layer
+        ):
+            return None
+        self._ensure_checked(X)
+        if not self.per_row_t:
+            return None
+        queries = self.step_queries(start, direction, X)
+        return None if queries is None else AlongStep(queries, rows)
+
+    def step_queries(self, start, direction, X):
+        """The :class:`StepQueries` of the rows ``X`` on the step ``start + t
+        direction`` (remembered for the last few steps and query sets), or None
+        where the first layer called is not linear in its weights."""
+        keys = tuple((v, v._version) for v in (start, direction, X))
+        for cached, queries in self._step_queries:
+            if all(a is b and va == vb for (a, va), (b, vb) in zip(cached, keys, strict=True)):
+                return queries
+        queries = self._first_layer(start, direction, X)
+        self._step_queries = [(keys, queries), *self._step_queries[:1]]
+        return queries
+
+    def _first_layer(self, start, direction, X):
+        """The first parameterised layer called, at ``start`` and moved by
+        ``direction``, on the rows of ``X`` (:class:`StepQueries`)."""
+        seen = []
+
+        def stop_at(index):
+            def run(layer, inputs, output):
+                seen.append((index, inputs, output))
+                raise _FirstLayerSeen
+
+            return run
+
+        handles = [
+            layer.register_forward_hook(stop_at(index)) for index, layer in enumerate(self.layers)
+        ]
+        try:
+            with torch.no_grad():
+                functional_call(self.module, self.params(start), (X,), tie_weights=self._tied)
+        except _FirstLayerSeen:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not seen:
+            return None
+        index, inputs, output = seen[0]
+        rule = self.rules[index]
+        if rule.row_evaluation is not RowEvaluation.MOVED_OUTPUT:
+            return None
+        with torch.no_grad():
+            moved = rule.moved_output(inputs, self.params(direction))
+        return StepQueries(index, output, moved)
+
+    def factors(
+        self, start, X, outputs=None, *, direction=None, t=None, cotangents=None, rows=None
+    ):
         """Per-layer factors of the per-example gradients (see
         :meth:`output_and_factors`), one per layer rule."""
         return self.output_and_factors(
-            start, X, outputs, direction=direction, t=t, cotangents=cotangents
+            start, X, outputs, direction=direction, t=t, cotangents=cotangents, rows=rows
         )[1]
 
     def training_factors(self, start, X, outputs, masks):
@@ -312,7 +401,7 @@ class NetworkProbe:
         return Gradients(flat)
 
     def output_and_factors(
-        self, start, X, outputs=None, *, direction=None, t=None, cotangents=None
+        self, start, X, outputs=None, *, direction=None, t=None, cotangents=None, rows=None
     ):
         """``f`` of the rows and the per-layer factors of their per-example gradients.
 
@@ -330,12 +419,16 @@ class NetworkProbe:
             With ``outputs`` None: row ``i``'s ``k``-th gradient is that of
             ``sum_j cotangents[i, k, j] z_j``, the logits ``z`` weighted instead
             of ``f`` (see ``integration/_link_weights.py``). Needs per-layer rules.
+        rows : torch.Tensor of indices or None
+            The rows evaluated are ``X[rows]`` (see :meth:`per_row`).
 
         Returns
         -------
         output : torch.Tensor of shape (n, K)
         factors : list of Factors, one per layer rule.
         """
+        if rows is not None and self.jacobian is not None:
+            X, rows = X[rows], None
         self._ensure_checked(X)
         if self.jacobian is not None and cotangents is not None:
             raise ValueError("Cotangents at the logits need per-layer rules, not the JacobianRule.")
@@ -343,12 +436,12 @@ class NetworkProbe:
             # One vmap over the rows, each at its own weights: no pass per distinct t.
             output, factors = self.jacobian.evaluate(X, start, outputs, direction=direction, t=t)
             return output, [factors]
-        result = self.per_row(_FactorsAt(self, outputs, cotangents), start, X, direction, t)
+        result = self.per_row(_FactorsAt(self, outputs, cotangents), start, X, direction, t, rows)
         return result.output, result.factors
 
     def factors_with(
         self, start, X, X_start, outputs_start=None, *, direction, t, cotangents=None,
-        node_outputs=None,
+        node_outputs=None, rows=None,
     ):  # fmt: skip
         """``factors(start, X, direction=direction, t=t)`` and ``factors(start,
         X_start, outputs_start)`` from one forward and one backward pass.
@@ -364,10 +457,16 @@ class NetworkProbe:
         on ``f``) and ``outputs_start`` one per row too, the backward pass
         carries one cotangent per row for all of them, not ``K``.
 
+        ``rows`` (indices): the rows of ``X`` evaluated are ``X[rows]`` (see
+        :meth:`per_row`).
+
         Returns
         -------
         factors, start_factors : lists of factors, one per layer rule.
         """
+        along = self.along(start, direction, X, rows, t)
+        if rows is not None:
+            X = X[rows]
         self._ensure_checked(X)
         if not self.per_row_t:
             raise ValueError("factors_with needs every layer to take a per-row t.")
@@ -383,12 +482,14 @@ class NetworkProbe:
             split=(n, outputs_start),
             cotangents=cotangents,
             node_outputs=node_outputs,
+            along=along,
         )
         return factors, start_factors
 
     def _factors(
-        self, start, X, outputs, direction, t, split=None, cotangents=None, node_outputs=None
-    ):
+        self, start, X, outputs, direction, t, split=None, cotangents=None, node_outputs=None,
+        along=None,
+    ):  # fmt: skip
         # ``split=(n, picked)``: rows from n on get their own factors, with every
         # output or, per row, the output ``picked`` (see ``factors_with``).
         # ``cotangents`` (n_c, K, K): the first n_c rows back-propagate these
@@ -424,7 +525,7 @@ class NetworkProbe:
             return output.clone()
 
         with torch.enable_grad():
-            logits = self._forward(start, X, direction, t, hook=capture, logits=True)
+            logits = self._forward(start, X, direction, t, hook=capture, logits=True, along=along)
             output = self.link(logits)
         outs = [out for _, out in captured]
         single = (
@@ -537,19 +638,25 @@ def _no_grad(tensor):
 
 
 @contextlib.contextmanager
-def _layers_patched(rules, layers, weights, hook):
+def _layers_patched(rules, layers, weights, hook, along=None):
     """The probe's own layers set up for one forward pass, and restored after it
     whatever happens: with rows at per-row ``weights`` (a ``RowWeights``, or None),
     layers linear in their weights add ``t_i`` times their moved output (a forward
-    hook), the others' forward is their rule's ``output_at``; ``hook(index,
-    inputs, output) -> output`` sees each parameterised layer."""
+    hook), the others' forward is their rule's ``output_at``, and with ``along``
+    (an :class:`AlongStep`) the first layer's forward is its step's products;
+    ``hook(index, inputs, output) -> output`` sees each parameterised layer."""
     handles, replaced = [], []
+    first = None if along is None else along.queries.index
 
     def layer_hook(index):
         rule = rules[index]
 
         def run(layer, inputs, output):
-            if weights is not None and rule.row_evaluation is RowEvaluation.MOVED_OUTPUT:
+            if (
+                weights is not None
+                and rule.row_evaluation is RowEvaluation.MOVED_OUTPUT
+                and index != first
+            ):
                 moved = rule.moved_output(inputs, weights.steps)
                 output = output + weights.t.view(-1, *([1] * (output.ndim - 1))) * moved
             return output if hook is None else hook(index, inputs, output)
@@ -565,6 +672,10 @@ def _layers_patched(rules, layers, weights, hook):
                 if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
                     replaced.append(layer)
                     layer.forward = _forward_at(rule, weights)
+        if along is not None:
+            layer = layers[first]
+            replaced.append(layer)
+            layer.forward = _forward_along(layer, along, weights.t)
         yield
     finally:
         for handle in handles:
@@ -582,14 +693,72 @@ def _forward_at(rule, weights):
     return forward
 
 
+def _forward_along(layer, along, t):
+    """The first layer's forward with its query rows from their step's products
+    (:meth:`StepQueries.output`) and any rows after them at the step's start (``t``
+    zero, :meth:`NetworkProbe.factors_with`) by the layer's own forward."""
+    own = type(layer).forward.__get__(layer)
+    n = along.rows.numel()
+
+    def forward(*inputs):
+        out = along.queries.output(along.rows, t[:n])
+        if inputs[0].shape[0] > n:
+            rest = own(*(x[n:] if torch.is_tensor(x) else x for x in inputs))
+            out = torch.cat([out, rest])
+        return out
+
+    return forward
+
+
+class _FirstLayerSeen(Exception):
+    """Stops the forward pass of :meth:`NetworkProbe._first_layer`."""
+
+
+class StepQueries:
+    """Query rows on one step, with their first layer's output in two products.
+
+    The first parameterised layer called sees an input that does not depend on
+    the path's weights (the query itself, or a fixed function of it); when it is
+    linear in its weights (``RowEvaluation.MOVED_OUTPUT``), its output at ``w_s +
+    t dw_s`` is exactly ``z_s + t dz_s``, with ``z_s`` its output at the step's
+    start and ``dz_s`` the layer applied with the step's change: two products per
+    step and query row instead of two per evaluated point. (The per-point route
+    computes the same sum, from products over other batches of rows: the values
+    differ by rounding only. A ReLU after it switches at ``t = -z_s / dz_s``.)
+
+    Parameters
+    ----------
+    index : int
+        The layer's position among the probe's rules.
+    start_output, moved_output : torch.Tensor of shape (n, ...)
+        ``z_s`` and ``dz_s`` of every query row.
+    """
+
+    def __init__(self, index, start_output, moved_output):
+        self.index, self.start_output, self.moved_output = index, start_output, moved_output
+
+    def output(self, rows, t):
+        """``z_s + t dz_s`` of the query rows ``rows``, row ``i`` at ``t[i]``."""
+        t = t.to(self.start_output.dtype).view(-1, *([1] * (self.start_output.ndim - 1)))
+        return self.start_output[rows] + t * self.moved_output[rows]
+
+
+class AlongStep:
+    """Query rows ``rows`` of a step's :class:`StepQueries`, as one pass evaluates them."""
+
+    def __init__(self, queries, rows):
+        self.queries = queries
+        self.rows = torch.as_tensor(rows, device=queries.start_output.device)
+
+
 class _Output:
     """``per_row`` adapter for plain evaluations (the output ``f`` and the logit scale)."""
 
     def __init__(self, probe, value=None, scale=None, logits=None):
         self.probe, self.value, self.scale, self.logits = probe, value, scale, logits
 
-    def __call__(self, start, X, direction, t, rows=None):
-        logits = self.probe._forward(start, X, direction, t, logits=True)
+    def __call__(self, start, X, direction, t, rows=None, along=None):
+        logits = self.probe._forward(start, X, direction, t, logits=True, along=along)
         return _Output(self.probe, self.probe.link(logits), logits.abs().amax(1), logits)
 
     def cat(self, parts):
@@ -609,14 +778,14 @@ class _FactorsAt:
         self.probe, self.outputs, self.cotangents = probe, outputs, cotangents
         self.output, self.factors = output, factors
 
-    def __call__(self, start, X, direction, t, rows=None):
+    def __call__(self, start, X, direction, t, rows=None, along=None):
         outputs, cotangents = (
             (self.outputs, self.cotangents)
             if rows is None
             else tuple(None if v is None else v[rows] for v in (self.outputs, self.cotangents))
         )
         output, factors = self.probe._factors(
-            start, X, outputs, direction, t, cotangents=cotangents
+            start, X, outputs, direction, t, cotangents=cotangents, along=along
         )
         return _FactorsAt(self.probe, self.outputs, self.cotangents, output, factors)
 

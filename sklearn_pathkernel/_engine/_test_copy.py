@@ -144,11 +144,12 @@ class TestCopy:
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
             factors = probe.factors(
                 step.start,
-                X[rows],
+                X,
                 weights.outputs,
                 direction=step.direction,
                 t=t,
                 cotangents=weights.cotangents,
+                rows=rows,
             )
             chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         return chunks
@@ -167,13 +168,18 @@ class TestCopy:
         chunks, start_factors = [], None
         for part, weights in self._parts(probe, step, X, nodes):
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
-            moved = {"direction": step.direction, "t": t, "cotangents": weights.cotangents}
+            moved = {
+                "direction": step.direction,
+                "t": t,
+                "cotangents": weights.cotangents,
+                "rows": rows,
+            }
             if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
                 factors, start_factors = probe.factors_with(
-                    step.start, X[rows], X_start, outputs, node_outputs=weights.outputs, **moved
+                    step.start, X, X_start, outputs, node_outputs=weights.outputs, **moved
                 )
             else:
-                factors = probe.factors(step.start, X[rows], weights.outputs, **moved)
+                factors = probe.factors(step.start, X, weights.outputs, **moved)
             chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
         if start_factors is None:
             start_factors = probe.factors(step.start, X_start, outputs)

@@ -200,9 +200,12 @@ class Certificate:
                 offset += size
             estimate = evaluator.features(by_piece, piece_rows.size).directional(step_params)
             # f at both ends of every piece, in one pass
-            X_rows = X[on_device(np.concatenate([piece_rows, piece_rows]))]
             f_ab, scale_ab = probe.output_with_scale(
-                step.start, X_rows, step.direction, on_device(np.concatenate([a, b]))
+                step.start,
+                X,
+                step.direction,
+                on_device(np.concatenate([a, b])),
+                rows=on_device(np.concatenate([piece_rows, piece_rows])),
             )
             f_ab = self._values(f_ab, on_device(np.concatenate([piece_rows, piece_rows])))
             (f_a, f_b), (scale_a, scale_b) = f_ab.chunk(2), scale_ab.chunk(2)

@@ -127,7 +127,7 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     """
     rows = np.asarray(rows)
     n = rows.size
-    X_rows = X[torch.as_tensor(rows, device=X.device)]
+    X_rows = QueryRows(X, torch.as_tensor(rows, device=X.device))
     grid = np.asarray(grid, dtype=float)
     n_pieces = grid.size - 1
     piece_row = np.repeat(np.arange(n), n_pieces)
@@ -170,7 +170,7 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
         intervals = _SearchIntervals.cat(searches)
 
         def evaluate_rest(subset, t):
-            state = switch_state(probe, start, direction, X_rows[intervals.rows[subset]], t)
+            state = X_rows.switch_state(probe, start, direction, intervals.rows[subset], t)
             return _without(
                 state,
                 [mask[subset] for mask in intervals.switches],
@@ -181,6 +181,22 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
         kink_rows.append(np.repeat(intervals.rows.cpu().numpy(), [len(row) for row in found]))
         kink_t.append(np.fromiter((t for row in found for t in row), float))
     return KinkSearch(_by_row(n, np.concatenate(kink_rows), np.concatenate(kink_t)), ends)
+
+
+class QueryRows(NamedTuple):
+    """Rows ``X[rows]`` of a step's queries ``X``: evaluated as such, their first
+    layer comes from the step's products (``NetworkProbe.per_row``)."""
+
+    X: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def device(self):
+        return self.X.device
+
+    def switch_state(self, probe, start, direction, subset, t):
+        """:func:`switch_state` of the rows ``subset`` of these rows."""
+        return switch_state(probe, start, direction, self.X, t, self.rows[subset])
 
 
 def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi):
@@ -208,7 +224,7 @@ def sampled_pieces(probe, start, direction, X_rows, piece_row, lo, hi):
     unique_rows = torch.as_tensor(point_row, device=X_rows.device)
     unique_t = torch.as_tensor(point_t, dtype=torch.float64, device=X_rows.device)
     parts = [
-        switch_state(probe, start, direction, X_rows[unique_rows[part]], unique_t[part])
+        X_rows.switch_state(probe, start, direction, unique_rows[part], unique_t[part])
         for part in (
             slice(begin, begin + ROWS_PER_PASS) for begin in range(0, total, ROWS_PER_PASS)
         )

@@ -133,9 +133,10 @@ class JacobianWeights(NodeWeighting):
         points = start[:, None] + width[:, None] * interpolation_points(self.degree)
         logits = probe.logits(
             step.start,
-            X[torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"])],
+            X,
             step.direction,
             torch.as_tensor(points.ravel(), **like),
+            rows=torch.as_tensor(np.repeat(rows, self.degree + 1), device=like["device"]),
         )
         logits = logits.reshape(rows.size, self.degree + 1, logits.shape[-1])
         matrices = self._pieces(logits, torch.as_tensor(width, **like), rows)
@@ -247,7 +248,7 @@ class GaussTargetWeights(NodeWeighting):
         if targets.target.linear:  # a constant gradient: f anywhere gives it
             f = probe.output(step.start, X)[rows]
         else:
-            f = probe.output(step.start, X[rows], step.direction, t)
+            f = probe.output(step.start, X, step.direction, t, rows=rows)
         return NodeWeights(nodes.weights, outputs=targets.output_gradients(f))
 
 

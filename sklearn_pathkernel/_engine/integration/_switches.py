@@ -177,10 +177,10 @@ class _Switches:
     def __init__(self, probe):
         self.probe = probe
 
-    def __call__(self, start, X, direction, t, rows=None):
+    def __call__(self, start, X, direction, t, rows=None, along=None):
         recorder = SwitchRecorder()
         with torch.no_grad(), recorder:
-            logits = self.probe._forward(start, X, direction, t, logits=True)
+            logits = self.probe._forward(start, X, direction, t, logits=True, along=along)
         with torch.no_grad():
             outputs = (self.probe.link(logits), logits.abs().amax(1))
         t_rows = (
@@ -195,8 +195,11 @@ class _Switches:
     cat = staticmethod(SwitchState.cat)
 
 
-def switch_state(probe, start, direction, X, t):
-    """Switch states of the rows of ``X`` at ``start + t direction`` (t per row or scalar)."""
+def switch_state(probe, start, direction, X, t, rows=None):
+    """Switch states of the rows of ``X`` (of ``X[rows]``, the step's query rows
+    ``X``: see ``NetworkProbe.per_row``) at ``start + t direction`` (t per row or
+    scalar)."""
     if not isinstance(t, torch.Tensor):
-        t = torch.full((X.shape[0],), float(t), dtype=torch.float64, device=X.device)
-    return probe.per_row(_Switches(probe), start, X, direction, t)
+        n = X.shape[0] if rows is None else len(rows)
+        t = torch.full((n,), float(t), dtype=torch.float64, device=X.device)
+    return probe.per_row(_Switches(probe), start, X, direction, t, rows)
