@@ -172,7 +172,7 @@ def stored_bytes(method, ctx):
 
 
 def ours_scalar(ctx):
-    """Hook of issue 36 item 2: the scalar-target decomposition (one output per query)."""
+    """The scalar-target decomposition (one output per query): each test point's true class."""
     codes = ctx.test_codes()
     return ctx.clf.influence_matrix(ctx.task.X_test, columns=codes, target="output").T
 
@@ -520,9 +520,9 @@ def main():
     parser.add_argument("--k", type=int, default=6, help="grid: proponents and opponents")
     parser.add_argument("--grid", default=None, help="grid: the image file to write")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
-                        help="the run's dtype (hook of issue 36 item 3)")  # fmt: skip
+                        help="the run's dtype (the estimator's dtype=)")  # fmt: skip
     parser.add_argument("--scalar", action="store_true",
-                        help="ours by scalar targets (hook of issue 36 item 2)")  # fmt: skip
+                        help="ours by scalar targets (one output per query)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a CI-sized smoke run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
