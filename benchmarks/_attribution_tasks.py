@@ -218,5 +218,38 @@ def flipped_labels(y, share=0.1, seed=0):
     return noisy, flipped
 
 
+@dataclass
+class GroundTruth:
+    """What the metrics score against, for one trained model ``clf`` of a task:
+    the LDS subsets and their retrained margins (fresh and same seed), the LOO rows
+    and their margins' drops, and the model retrained on flipped labels."""
+
+    subsets: np.ndarray
+    lds: np.ndarray
+    lds_same_seed: np.ndarray
+    removed: np.ndarray
+    loo: np.ndarray
+    noisy: object
+    noisy_y: np.ndarray
+    flipped: np.ndarray
+
+
+def ground_truth(task, clf, n_subsets, n_loo):
+    """The :class:`GroundTruth` of ``clf``: ``2 n_subsets + n_loo + 1`` retrainings."""
+    subsets = lds_subsets(task.n_train, n_subsets)
+    removed = np.random.RandomState(1).choice(task.n_train, n_loo, replace=False)
+    noisy_y, flipped = flipped_labels(task.y_train)
+    return GroundTruth(
+        subsets=subsets,
+        lds=lds_ground_truth(task, subsets, same_seed=False),
+        lds_same_seed=lds_ground_truth(task, subsets, same_seed=True),
+        removed=removed,
+        loo=loo_ground_truth(task, removed, task.margins(clf)),
+        noisy=task.fit(seed=0, y=noisy_y),
+        noisy_y=noisy_y,
+        flipped=flipped,
+    )
+
+
 def torch_data(X, y):
     return torch.tensor(X, dtype=torch.float64), torch.tensor(y, dtype=torch.long)

@@ -34,10 +34,7 @@ from _attribution_methods import FIELD_METHODS, LABELS, METHODS, Context
 from _attribution_tasks import (
     FIELD_TASKS,
     TASKS,
-    flipped_labels,
-    lds_ground_truth,
-    lds_subsets,
-    loo_ground_truth,
+    ground_truth,
     make_task,
 )
 
@@ -129,13 +126,10 @@ def run_task(name, args):
     task = make_task(name, args.train, args.test)
     clf = task.fit(seed=0)
     accuracy = float((clf.predict(task.X_test) == task.y_test).mean())
-    subsets = lds_subsets(task.n_train, args.subsets)
-    truth = lds_ground_truth(task, subsets, same_seed=False)
-    truth_same = lds_ground_truth(task, subsets, same_seed=True)
-    removed = np.random.RandomState(1).choice(task.n_train, args.loo, replace=False)
-    truth_loo = loo_ground_truth(task, removed, task.margins(clf))
-    noisy_y, flipped = flipped_labels(task.y_train)
-    noisy = task.fit(seed=0, y=noisy_y)
+    truths = ground_truth(task, clf, args.subsets, args.loo)
+    subsets, truth, truth_same = truths.subsets, truths.lds, truths.lds_same_seed
+    removed, truth_loo = truths.removed, truths.loo
+    noisy, noisy_y, flipped = truths.noisy, truths.noisy_y, truths.flipped
     ground_truth_seconds = time.perf_counter() - start
     ctx = Context(task, clf, noisy, noisy_y, args.ensemble)
     print(
