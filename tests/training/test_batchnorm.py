@@ -547,3 +547,22 @@ def test_scalar_targets_take_the_statistics_shares(target):
             parts.contributions, full.contributions[rows, :, column], atol=1e-12
         )
         np.testing.assert_allclose(parts.statistics, full.statistics[rows, :, column], atol=1e-12)
+
+
+@pytest.mark.parametrize("edit", ["in place", "stray training pass"])
+def test_statistics_changed_after_finish_are_refused(edit):
+    """The model the user holds is checked with its running statistics: a moved
+    statistic after ``finish`` (an edit, or a forward pass in training mode) is
+    refused by name, not decomposed as if it were the recorded network."""
+    X, y = data()
+    model = mlp()
+    recording = run(model, OPTIMIZERS["momentum"](model.parameters()), X, y)
+    assert recording.decompose(X[:3]).residual.max() <= 1e-9
+    if edit == "in place":
+        with torch.no_grad():
+            model[1].running_mean.add_(0.5)
+    else:
+        model.train()
+        model(X[:8])
+    with pytest.raises(RecordingRefused, match="1.running_mean"):
+        recording.decompose(X[:3])
