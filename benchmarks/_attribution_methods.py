@@ -43,6 +43,20 @@ score is also the diagonal of ``attribute``), influence functions by DataInf
 the explicit Hessian of a 10^5-weight network does not fit in memory; no self
 score: the diagonal of its M x M attribution took 448 s at M=200), captum's
 ``TracInCP`` (10 checkpoints, all layers), and random scores.
+
+DVEmb (``dvemb``: dattri's ``DVEmbAttributor``, data value embeddings, Wang et al.
+2024; full gradients, no projection, no factorisation) needs the per-sample gradients
+of every training step, cached during training (``cache_gradients(epoch, batch,
+indices, learning_rate)``), and models plain mini-batch SGD on the batch's mean loss
+(``w_{t+1} = w_t - lr_t / |B_t| sum_i g_i``: no momentum, no weight decay, no Adam).
+It is driven by the estimator's recorded path: for every step the recorded weights
+are loaded into the network, the recorded batch and learning rate are given to
+``cache_gradients``, and the run is replayed from dattri's own per-sample gradients,
+``w_s - lr_s mean_i g_i``, which must equal the recorded ``w_{s+1}`` (to 1e-12, as
+must the weights dattri reads equal the recorded ones), so DVEmb sees exactly the
+run the other methods read. Its self score is the diagonal of ``attribute`` with the
+training set as queries (dattri has no ``self_attribute`` for it). On a run it does
+not model (``dvemb_unsupported``) the benchmarks print "not supported (reason)".
 """
 
 import tempfile
@@ -56,6 +70,10 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 from sklearn_pathkernel._explain._scoring import path_norms
+
+#: The replay of the recorded run from dattri DVEmb's per-sample gradients must
+#: reproduce every recorded weight to this (absolute; the weights are of order 1).
+DVEMB_REPLAY_TOLERANCE = 1e-12
 
 LOADER_BATCH = 50
 
@@ -456,6 +474,107 @@ def counterfactual_no_hessian_self(ctx):
     return counterfactual_self(ctx, hessian=False)
 
 
+# -- DVEmb ---------------------------------------------------------------------------
+
+
+class NotSupported(Exception):
+    """A method does not model the task's training run (the message says why)."""
+
+
+def dvemb_unsupported(clf):
+    """Why dattri's DVEmb does not model ``clf``'s run, or None when it does.
+
+    ``DVEmbAttributor`` unrolls ``w_{t+1} = w_t - lr_t / |B_t| sum_{i in B_t} g_i(w_t)``
+    (its ``cache_gradients`` takes a learning rate per step and divides it by the
+    batch's size): plain SGD on each batch's unweighted mean loss, gradients from a
+    deterministic network.
+    """
+    reasons = []
+    if clf.solver != "sgd":
+        reasons.append(f"solver {clf.solver!r}: dattri's DVEmb models plain SGD only")
+    if clf.solver == "sgd" and clf.momentum:
+        reasons.append(f"momentum {clf.momentum}: dattri's DVEmb models SGD without momentum")
+    if clf.weight_decay:
+        reasons.append(f"weight decay {clf.weight_decay}: not in DVEmb's update")
+    path = clf.path_
+    if path.dropout_masks is not None:
+        reasons.append("dropout in training: dattri's per-sample gradients draw other masks")
+    shares = [g.abs().sum(dim=1) for g in path.output_gradients]
+    if any(not torch.allclose(share, share.new_full(share.shape, 1.0 / len(share)))
+           for share in shares):  # fmt: skip
+        reasons.append("sample weights: DVEmb weighs each batch row by 1 / |B|")
+    return "; ".join(reasons) or None
+
+
+def _load_flat(model, path, flat):
+    """Copy the flat weight row ``flat`` into ``model``'s parameters; return what the
+    model now holds, flattened as dattri flattens it."""
+    from dattri.func.utils import flatten_params
+
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in path.unflatten(flat).items():
+            named[name].copy_(value)
+    return flatten_params({k: v.detach() for k, v in model.named_parameters()})
+
+
+def _dvemb(clf, X, y, X_test, y_test):
+    """dattri's ``DVEmbAttributor`` on ``clf``'s recorded run: (M, n_test) scores, or
+    the diagonal of the (M, M) training-set attribution when ``X_test`` is None."""
+    from dattri.algorithm.dvemb import DVEmbAttributor
+
+    reason = dvemb_unsupported(clf)
+    if reason:
+        raise NotSupported(reason)
+    path = clf.path_
+    model = _module(clf)
+    model.eval()  # (no dropout or BatchNorm in the supported runs; eval is what dattri uses)
+    # the checkpoints are not read by DVEmb; the final weights stand in
+    task = _loss_task(clf, _checkpoints(clf, _final(clf))[0])
+    attributor = DVEmbAttributor(task)  # full gradients: no projection, no factorisation
+    X_all, y_all = (torch.tensor(X, dtype=torch.float64),
+                    torch.tensor(_codes(clf, y), dtype=torch.long))  # fmt: skip
+    steps_per_epoch = path.n_steps // clf.n_iter_
+    worst_weights = worst_replay = 0.0
+    for step in range(path.n_steps):
+        recorded = path.weights[step]
+        seen = _load_flat(model, path, recorded)
+        worst_weights = max(worst_weights, float((seen - recorded).abs().max()))
+        indices = torch.as_tensor(np.asarray(path.batches[step]), dtype=torch.long)
+        rate = float(path.learning_rates[step])
+        epoch = step // steps_per_epoch
+        attributor.cache_gradients(epoch, (X_all[indices], y_all[indices]), indices, rate)
+        gradients = attributor.cached_gradients[epoch][-1]  # (|B|, W), dattri's own
+        replayed = recorded - rate * gradients.mean(dim=0)
+        worst_replay = max(worst_replay, float((replayed - path.weights[step + 1]).abs().max()))
+    if max(worst_weights, worst_replay) > DVEMB_REPLAY_TOLERANCE:
+        raise AssertionError(
+            f"DVEmb does not see the recorded run: weights differ by {worst_weights:.2e}, "
+            f"the replayed steps by {worst_replay:.2e} (tolerance {DVEMB_REPLAY_TOLERANCE})"
+        )
+    print(f"    (dvemb: {path.n_steps} steps replayed from dattri's gradients, weights "
+          f"{worst_weights:.1e}, steps {worst_replay:.1e} from the recorded path)",
+          flush=True)  # fmt: skip
+    attributor.cache()
+    final = path.weights[path.n_steps]
+    if float((_load_flat(model, path, final) - final).abs().max()) > DVEMB_REPLAY_TOLERANCE:
+        raise AssertionError("DVEmb's test gradients are not at the final weights")
+    if X_test is None:
+        train = _loaders(X, _codes(clf, y))
+        return np.diag(attributor.attribute(train).detach().numpy()).copy()
+    test = _loaders(X_test, _codes(clf, y_test))
+    return attributor.attribute(test).detach().numpy()
+
+
+def dvemb(ctx):
+    t = ctx.task
+    return _dvemb(ctx.clf, t.X_train, t.y_train, t.X_test, t.y_test)
+
+
+def dvemb_self(ctx):
+    return _dvemb(ctx.noisy, ctx.task.X_train, ctx.noisy_y, None, None)
+
+
 # -- random --------------------------------------------------------------------------
 
 
@@ -486,11 +605,25 @@ METHODS = {
     # (its self score, the diagonal of the M x M attribution, takes minutes at M=200)
     "if-datainf": (if_datainf, None),
     "captum-tracincp-10": (captum_tracin, captum_tracin_self),
+    "dvemb": (dvemb, dvemb_self),
     "random": (random_scores, random_self),
     "counterfactual": (counterfactual, counterfactual_self),
     "counterfactual-exact": (counterfactual_exact, counterfactual_exact_self),
     "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
 }
+
+#: name -> ``reason(clf)``: why the method does not model ``clf``'s run, or None.
+SUPPORT = {"dvemb": dvemb_unsupported}
+
+
+def unsupported(method, ctx):
+    """Why ``method`` does not model the run of ``ctx``'s models, or None."""
+    check = SUPPORT.get(method)
+    if check is None:
+        return None
+    reasons = {check(ctx.clf), check(ctx.noisy)} - {None}
+    return "; ".join(sorted(reasons)) or None
+
 
 #: Methods added for ``bench_field.py``, not in ``bench_attribution.py``'s default list.
 FIELD_METHODS = ("trak-ens", "if-datainf")
@@ -507,4 +640,5 @@ LABELS = {
     "if-explicit": "IF explicit (dattri)",
     "if-datainf": "IF DataInf (dattri)",
     "captum-tracincp-10": "TracInCP, 10 checkpoints (captum)",
+    "dvemb": "DVEmb (dattri)",
 }

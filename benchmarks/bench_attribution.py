@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 import torch
-from _attribution_methods import FIELD_METHODS, LABELS, METHODS, Context
+from _attribution_methods import FIELD_METHODS, LABELS, METHODS, Context, unsupported
 from _attribution_tasks import (
     FIELD_TASKS,
     TASKS,
@@ -52,13 +52,15 @@ def _quiet_progress_bars():
     from functools import partial
 
     import dattri.algorithm.base
+    import dattri.algorithm.dvemb
     import dattri.algorithm.influence_function
     import dattri.algorithm.tracin
     import dattri.algorithm.trak
     from tqdm import tqdm
 
-    for module in (dattri.algorithm.base, dattri.algorithm.influence_function,
-                   dattri.algorithm.tracin, dattri.algorithm.trak):  # fmt: skip
+    for module in (dattri.algorithm.base, dattri.algorithm.dvemb,
+                   dattri.algorithm.influence_function, dattri.algorithm.tracin,
+                   dattri.algorithm.trak):  # fmt: skip
         module.tqdm = partial(tqdm, disable=True)
 
 
@@ -126,6 +128,14 @@ def run_task(name, args):
     task = make_task(name, args.train, args.test)
     clf = task.fit(seed=0)
     accuracy = float((clf.predict(task.X_test) == task.y_test).mean())
+    # (the noisy model has the clean one's settings: what one supports, so does the other)
+    reasons = {m: unsupported(m, Context(task, clf, clf, task.y_train, 1)) for m in args.methods}
+    if all(reasons.values()):  # nothing to score: no ground truth
+        print(f"\n## {name}: every method left out")
+        for method in args.methods:
+            print(f"| {LABELS.get(method, method)} | not supported ({reasons[method]}) |")
+        return {"accuracy": accuracy, "steps": clf.n_steps_,
+                "methods": {m: {"not_supported": reasons[m]} for m in args.methods}}  # fmt: skip
     truths = ground_truth(task, clf, args.subsets, args.loo)
     subsets, truth, truth_same = truths.subsets, truths.lds, truths.lds_same_seed
     removed, truth_loo = truths.removed, truths.loo
@@ -147,6 +157,10 @@ def run_task(name, args):
     rows = {}
     for method in args.methods:
         attribute, self_scores = METHODS[method]
+        if reasons[method]:
+            rows[method] = {"not_supported": reasons[method]}
+            print(f"| {LABELS.get(method, method)} | not supported ({reasons[method]}) |")
+            continue
         row = {}
         scores, row["time_attr"], memory_attr, error = measured(attribute, ctx, args.timeout)
         if error:
@@ -210,6 +224,10 @@ def rst_tables(saved):
         lines += [f"     - {title}" for title, _, _ in COLUMNS]
         for method, row in result["methods"].items():
             lines.append(f"   * - {LABELS.get(method, method)}")
+            if "not_supported" in row:
+                lines.append(f"     - not supported ({row['not_supported']})")
+                lines += ["     -"] * (len(COLUMNS) - 1)
+                continue
             for _, key, fmt in COLUMNS:
                 value = row.get(key)
                 lines.append("     - " + ("—" if value is None else fmt.format(value)))
