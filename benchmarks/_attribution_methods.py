@@ -74,6 +74,8 @@ from sklearn_pathkernel._explain._scoring import path_norms
 #: The replay of the recorded run from dattri DVEmb's per-sample gradients must
 #: reproduce every recorded weight to this (absolute; the weights are of order 1).
 DVEMB_REPLAY_TOLERANCE = 1e-12
+#: DVEmb (unprojected) keeps a float64 W x W matrix: larger runs are left out.
+DVEMB_MAX_MATRIX_BYTES = 8 * 2**30
 
 LOADER_BATCH = 50
 
@@ -499,6 +501,11 @@ def dvemb_unsupported(clf):
     path = clf.path_
     if path.dropout_masks is not None:
         reasons.append("dropout in training: dattri's per-sample gradients draw other masks")
+    if 8 * path.n_weights**2 > DVEMB_MAX_MATRIX_BYTES:
+        reasons.append(
+            f"{path.n_weights} weights: DVEmb's unprojected W x W matrix would take "
+            f"{8 * path.n_weights**2 / 2**30:.0f} GiB"
+        )
     shares = [g.abs().sum(dim=1) for g in path.output_gradients]
     if any(not torch.allclose(share, share.new_full(share.shape, 1.0 / len(share)))
            for share in shares):  # fmt: skip
