@@ -226,7 +226,7 @@ def rst_tables(saved):
             lines.append(f"   * - {LABELS.get(method, method)}")
             if "not_supported" in row:
                 lines.append(f"     - not supported ({row['not_supported']})")
-                lines += ["     -"] * (len(COLUMNS) - 1)
+                lines += ["     - —"] * (len(COLUMNS) - 1)
                 continue
             for _, key, fmt in COLUMNS:
                 value = row.get(key)
