@@ -52,7 +52,6 @@ directly (a penalty) or on intermediate activations is caught by recomputing the
 gradient from the recorded rows (``check="first"``: at the first step).
 """
 
-import copy
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -65,6 +64,7 @@ from .._path import BATCH_NORMS, MASKED_DROPOUT, flatten_parameters
 from ._batchnorm import StatisticsWatch, refuse_unsupported
 from ._dropout import MaskDraws
 from ._module_checks import check_module
+from ._module_copy import module_copy
 from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
 from ._weight_watch import (
@@ -246,7 +246,10 @@ class PathRecorder:
             values = np.asarray(indices)
         if indices is source and np.array_equal(previous, values):
             return previous
-        rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
+        if values.dtype == np.int64 and values.ndim == 1:
+            rows = values.copy()  # (the usual case: a numpy call less)
+        else:
+            rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
         self._last_rows = rows, indices
         return rows
 
@@ -270,13 +273,17 @@ class PathRecorder:
         path = self.path()
         if at_step < n_steps:
             path = truncated_path(path, at_step)
-        module = copy.deepcopy(self.module)
-        final = path.unflatten(path.weights[-1])
-        # the recorded network (equal to the user's unless on_mismatch="record")
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                if name in final:
-                    param.copy_(final[name].reshape(param.shape))
+        # the recorded network (equal to the user's unless on_mismatch="record"): a
+        # copy of the module whose trained parameters are the final weights
+        final = dict(zip(self._names, _split(path.weights[-1], self._params), strict=True))
+
+        def parameter(name, param):
+            weights = final.get(name)
+            if weights is None:  # (a constant: restored below)
+                return param.detach().clone(memory_format=torch.preserve_format)
+            return torch.empty_like(param).copy_(weights)
+
+        module = module_copy(self.module, parameter)
         self._constants.restore(module)
         self._stats.restore(module, at_step)
         return RecordedRun(
@@ -637,13 +644,21 @@ def _split(flat, params):
     return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
 
+def _float64(name, tensor):
+    """A float64 copy of a floating point tensor, a copy of another (the module's
+    ``.to(torch.float64)``, on a copy)."""
+    if tensor.is_floating_point():
+        return tensor.detach().to(torch.float64, copy=True)
+    return tensor.detach().clone()
+
+
 def _check_module(module, X):
     """The estimators' module checks on a float64 eval copy of ``module`` (batch
     coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
     for name, layer in module.named_modules():
         if isinstance(layer, _BatchNorm):
             refuse_unsupported(name, layer, training=False)
-    copy64 = copy.deepcopy(module).to(torch.float64).eval()
+    copy64 = module_copy(module, _float64, _float64).eval()
     rows = X[: min(64, X.shape[0])].to(torch.float64)
     with torch.no_grad():
         out = copy64(rows[:1])
