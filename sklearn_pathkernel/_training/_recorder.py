@@ -170,6 +170,10 @@ class PathRecorder:
         self._saved, self._stale, self._own_forward = {}, False, False
         self._dropout = MaskDraws(module, generator)
         self._stats = StatisticsWatch(module)
+        # (read at every forward pass: kept rather than looked up)
+        self._has_dropout = bool(self._dropout.layers)
+        self._has_statistics = bool(self._stats.layers)
+        self._started = self._backward_started
         # (the passes of dropout and BatchNorm layers are followed only where there
         # are such layers: a hook less per forward pass each)
         self._handles = [
@@ -393,9 +397,10 @@ class PathRecorder:
                     "and nn.BatchNorm2d with their batch statistics)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
-        batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
-        batch.masks = self._dropout.take() if self._dropout.layers else {}
-        batch.stats = self._stats.take() if self._stats.layers else {}
+        versions = [p._version for p in self._params]
+        batch = MicroBatch(args[0], self._rows, versions, started=self._started)
+        batch.masks = self._dropout.take() if self._has_dropout else {}
+        batch.stats = self._stats.take() if self._has_statistics else {}
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -419,7 +424,10 @@ class PathRecorder:
         if self._in_backward:
             return
         self._in_backward = True
-        before = self._fingerprints()
+        if self.check == "every":
+            before = self._fingerprints()
+        else:  # (the usual case written out: a call less per backward pass)
+            before = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         saved, leftover = self._saved, self._leftover
         for index, now in enumerate(before):
             if index in saved:
@@ -544,7 +552,7 @@ class PathRecorder:
         rows, gradient, active, masks = self._pending
         weights = self._weights.flat_views()
         scales = self._rule.after_step(step, active)
-        lr = max(float(g["lr"]) for g in self._rule.groups())
+        lr = max([float(g["lr"]) for g in self._rule.groups()])
         self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
         self._weights.after_step()
         self._leftover = self._saved
