@@ -138,16 +138,22 @@ def _copy(module, prefix, parameter, buffer, memo):
 
 
 def _deep_then_set(module, parameter, buffer):
-    """``copy.deepcopy``, then each parameter's and buffer's data replaced."""
+    """``copy.deepcopy``, then each parameter's and buffer's data replaced (each tensor
+    once, under its first name, as ``named_parameters`` gives it: a tied weight gets
+    the tensor of that name)."""
     new = copy.deepcopy(module)
-    originals = dict(module.named_parameters(remove_duplicate=False))
+    originals = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
     with torch.no_grad():
-        for name, param in new.named_parameters(remove_duplicate=False):
+        for name, param in new.named_parameters():
             param.data = parameter(name, originals[name])
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        for owner_name, owner in new.named_modules(remove_duplicate=False):
+        done = set()
+        for owner_name, owner in new.named_modules():
             prefix = f"{owner_name}." if owner_name else ""
-            for name in list(owner._buffers):
-                if owner._buffers[name] is not None:
-                    owner._buffers[name] = buffer(prefix + name, buffers[prefix + name])
+            for name, value in list(owner._buffers.items()):
+                if value is None or id(value) in done or prefix + name not in buffers:
+                    continue
+                made = buffer(prefix + name, buffers[prefix + name])
+                owner._buffers[name] = made
+                done.add(id(made))
     return new

@@ -115,3 +115,20 @@ def test_own_copy_protocol_is_used(dtype):
     assert copied[0].weight.dtype == dtype
     assert torch.equal(copied[0].weight.to(torch.float32), module[0].weight.detach())
     assert copied[0].weight.untyped_storage().data_ptr() != module[0].weight.data_ptr()
+
+
+@pytest.mark.parametrize("protocol", [False, True])
+def test_tied_weight_made_once_under_its_first_name(protocol):
+    first = _OwnProtocol(2, 2) if protocol else nn.Linear(2, 2)
+    module = nn.Sequential(first, nn.Linear(2, 2))
+    module[1].weight = module[0].weight
+    names = []
+
+    def made(name, tensor):
+        names.append(name)
+        return torch.full_like(tensor, float(len(names)))
+
+    copied = module_copy(module, made)
+    assert copied[1].weight is copied[0].weight
+    assert names == ["0.weight", "0.bias", "1.bias"]
+    assert torch.equal(copied[0].weight, torch.full((2, 2), 1.0))
