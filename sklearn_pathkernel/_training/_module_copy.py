@@ -86,54 +86,63 @@ def module_copy(module, parameter=None, buffer=None):
     buffer = buffer or _clone
     if not all(_plain(type(m)) for m in module.modules()):
         return _deep_then_set(module, parameter, buffer)
-    memo = {}
+    memo, made = {}, []
     with torch.no_grad():
-        return _copy(module, "", parameter, buffer, memo)
+        new = _copy(module, "", parameter, buffer, memo, made)
+    # the other attributes once every submodule, parameter and buffer of the tree
+    # has its copy (in the memo): one that refers to any of them gets the copy's
+    for original, copied in made:
+        state = {}
+        for key, value in original.__dict__.items():
+            if key in _OWN or key in _NOT_COPIED:
+                continue
+            if key in _HOOK_DICTS and not value:
+                state[key] = type(value)()
+            else:
+                state[key] = copy.deepcopy(value, memo)
+        copied.__dict__.update(state)
+    return new
 
 
 def _clone(name, tensor):
     return tensor.detach().clone(memory_format=torch.preserve_format)
 
 
-def _copy(module, prefix, parameter, buffer, memo):
+def _copy(module, prefix, parameter, buffer, memo, made):
+    """The copy of ``module``'s tree: new submodules with their parameters, buffers
+    and children (their other attributes are set by :func:`module_copy`)."""
     found = memo.get(id(module))
     if found is not None:  # (a submodule shared in the tree stays shared)
         return found
     new = object.__new__(type(module))
     memo[id(module)] = new
-    state = {}
+    made.append((module, new))
     params = {}
     for name, value in module._parameters.items():
         if value is None:
             params[name] = None
             continue
-        made = memo.get(id(value))
-        if made is None:
+        copied = memo.get(id(value))
+        if copied is None:
             data = parameter(prefix + name, value)
-            made = memo[id(value)] = type(value)(data, value.requires_grad)
-        params[name] = made
+            copied = memo[id(value)] = type(value)(data, value.requires_grad)
+        params[name] = copied
     buffers = {}
     for name, value in module._buffers.items():
         if value is None:
             buffers[name] = None
             continue
-        made = memo.get(id(value))
-        if made is None:
-            made = memo[id(value)] = buffer(prefix + name, value)
-        buffers[name] = made
+        copied = memo.get(id(value))
+        if copied is None:
+            copied = memo[id(value)] = buffer(prefix + name, value)
+        buffers[name] = copied
     children = {
-        name: None if child is None else _copy(child, f"{prefix}{name}.", parameter, buffer, memo)
+        name: None
+        if child is None
+        else _copy(child, f"{prefix}{name}.", parameter, buffer, memo, made)
         for name, child in module._modules.items()
     }
-    for key, value in module.__dict__.items():
-        if key in _OWN or key in _NOT_COPIED:
-            continue
-        if key in _HOOK_DICTS and not value:
-            state[key] = type(value)()
-        else:
-            state[key] = copy.deepcopy(value, memo)
-    state["_parameters"], state["_buffers"], state["_modules"] = params, buffers, children
-    new.__dict__.update(state)
+    new.__dict__.update({"_parameters": params, "_buffers": buffers, "_modules": children})
     return new
 
 

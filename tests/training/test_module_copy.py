@@ -132,3 +132,23 @@ def test_tied_weight_made_once_under_its_first_name(protocol):
     assert copied[1].weight is copied[0].weight
     assert names == ["0.weight", "0.bias", "1.bias"]
     assert torch.equal(copied[0].weight, torch.full((2, 2), 1.0))
+
+
+class _Refers(nn.Module):
+    """Holds, in a plain list, a submodule that comes later in the tree."""
+
+    def __init__(self):
+        super().__init__()
+        self.later = []
+
+    def forward(self, x):
+        return x
+
+
+def test_attribute_referring_to_a_later_submodule_gets_its_copy():
+    module = nn.Sequential(_Refers(), nn.Linear(2, 2))
+    module[0].later.append(module[1])
+    copied = module_copy(module, lambda name, t: t.detach().to(torch.float64, copy=True))
+    assert copied[0].later[0] is copied[1]
+    assert copied[1].weight.dtype == torch.float64
+    assert module[0].later[0] is module[1]  # (the original's list untouched)
