@@ -16,9 +16,13 @@ float32 network's own output against it).
 
 With ``--base COMMIT``, the recorder of an earlier commit (``git archive``, see
 ``_baseline.py``) runs in the same interleaved repeats, and its time and overhead
-are printed next to this commit's. A third loop, interleaved too, runs the recorder
-without its per-step weight check (the bitwise comparison of the weights with the
-previous step's result): ``check share`` is that check's part of the loop.
+are printed next to this commit's. With ``--floor``, two more loops, interleaved
+too, give the least a recorder costs: its hook points doing nothing
+(:class:`NoOpHooks`), and doing only the copies of the weights and Adam's moments
+into preallocated host rows (:class:`NoOpHooksAndCopies`). A third loop,
+interleaved too, runs the recorder without its per-step weight check (the bitwise
+comparison of the weights with the previous step's result): ``check share`` is
+that check's part of the loop.
 
 The overhead is given for the median of the repeats (and for the fastest); the
 issue's goal: at most 15 % at batch 64, 5 % at batch 256, float32, one thread.
@@ -74,6 +78,71 @@ class WithoutWeightCheck(TrainingRecorder):
         self._weights.after_step = lambda: None
 
 
+class NoOpHooks:
+    """The recorder's hook points doing nothing (``--floor``): the module's forward
+    hook, which puts a tensor hook on the output, which queues a callback to the
+    end of the backward pass, the optimiser's step pre- and post-hooks, and
+    ``rows``. Its overhead is the least any recorder with these hook points costs."""
+
+    def __init__(self, module, optimizer, X, max_steps=None):
+        self.optimizer = optimizer
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._handles = [
+            module.register_forward_hook(self._on_forward),
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+
+    def rows(self, indices):
+        self._rows = indices
+
+    def _on_forward(self, module, args, output):
+        output.register_hook(self._on_gradient)
+
+    def _on_gradient(self, grad):
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _backward_finished(self):
+        pass
+
+    def _before_step(self, optimizer, args, kwargs):
+        pass
+
+    def _after_step(self, optimizer, args, kwargs):
+        pass
+
+    def finish(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+class NoOpHooksAndCopies(NoOpHooks):
+    """:class:`NoOpHooks` plus the copies no recorder can skip: per step, the weights
+    and Adam's second moments each copied into a row of a host array allocated
+    when it is created (``torch.cat`` of the parameters' flat views, as the
+    recorder), and the output gradient negated (a new tensor)."""
+
+    def __init__(self, module, optimizer, X, max_steps=None):
+        super().__init__(module, optimizer, X, max_steps)
+        width = sum(p.numel() for p in self.params)
+        self._views = [p.detach().view(-1) for p in self.params]
+        self._weights = torch.empty((max_steps + 1, width))
+        self._moments = torch.empty((max_steps, width))
+        torch.cat(self._views, out=self._weights[0])
+        self._step = 0
+
+    def _on_gradient(self, grad):
+        self._gradient = grad.neg()
+        super()._on_gradient(grad)
+
+    def _after_step(self, optimizer, args, kwargs):
+        state = optimizer.state
+        self._step += 1
+        torch.cat(self._views, out=self._weights[self._step])
+        moments = [state[p]["exp_avg_sq"].view(-1) for p in self.params]
+        torch.cat(moments, out=self._moments[self._step - 1])
+
+
 #: The clock the loops are timed with (``--clock``).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
@@ -121,6 +190,12 @@ def main():
     parser.add_argument("--networks", nargs="+", default=list(networks()))
     parser.add_argument("--base", default=None, help="an earlier commit to compare with")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the recorder's hook points doing nothing, and with the "
+        "copies of the weights and Adam's moments only (the least a recorder costs)",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -149,6 +224,7 @@ def main():
 def report(name, build, X, y, queries, batch_size, args, base):
     """One network at one batch size: the interleaved repeats and their figures."""
     plain, recorded, unchecked, fixed, based = [], [], [], [], []
+    floors = {NoOpHooks: [], NoOpHooksAndCopies: []} if args.floor else {}
     for _ in range(args.repeats):
         plain.append(loop(build, X, y, args.epochs, batch_size, False)[0])
         seconds, recording, fixed_s = loop(build, X, y, args.epochs, batch_size, True)
@@ -157,6 +233,8 @@ def report(name, build, X, y, queries, batch_size, args, base):
         unchecked.append(loop(build, X, y, args.epochs, batch_size, True, WithoutWeightCheck)[0])
         if base is not None:
             based.append(loop(build, X, y, args.epochs, batch_size, True, base)[0])
+        for floor, times in floors.items():
+            times.append(loop(build, X, y, args.epochs, batch_size, True, floor)[0])
     plain_s, recorded_s = statistics.median(plain), statistics.median(recorded)
     unchecked_s, fixed_s = statistics.median(unchecked), statistics.median(fixed)
     n_steps = recording.n_steps_
@@ -177,6 +255,13 @@ def report(name, build, X, y, queries, batch_size, args, base):
     if based:
         base_s = statistics.median(based)
         print(f"{'  base ' + args.base:<39}{base_s:>11.3f}{base_s / plain_s - 1:>17.1%}")
+    for floor, times in floors.items():
+        floor_s = statistics.median(times)
+        label = "  no-op hooks" if floor is NoOpHooks else "  no-op hooks + copies"
+        print(
+            f"{label:<39}{floor_s:>11.3f}{floor_s / plain_s - 1:>17.1%}{'':>12}"
+            f"{1e3 * (floor_s - plain_s) / n_steps:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from .._path import BATCH_NORMS, MASKED_DROPOUT, dropout_layers, nested_tensors
+from ._optimizers import RecordingRefused
 
 # Rows evaluated by the checks (distinct rows among the first _CANDIDATE_ROWS of X).
 N_CHECK_ROWS = 4
@@ -66,9 +67,10 @@ def check_module(module, X, n_outputs, *, classifier=True):
         The network, float64, on the device of ``X``.
     X : torch.Tensor of shape (n_samples, n_features)
         The training data (a few distinct rows are evaluated).
-    n_outputs : int
+    n_outputs : int or None
         The width the output must have (the number of classes, or of the
-        regression targets).
+        regression targets); None (a recorded loop): the width of the module's
+        own output, which must be one tensor of shape (n_samples, n_outputs).
     classifier : bool, default=True
         Whether the output is logits of classes (True) or a regressor's
         predictions (False); only the wording of the messages depends on it.
@@ -100,6 +102,8 @@ def check_module(module, X, n_outputs, *, classifier=True):
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(X.device)):
         first = _forward_one_row(module, rows[:1])
+        if n_outputs is None:
+            n_outputs = _own_width(first)
         _check_output(first, n_outputs, X.dtype, classifier)
         batch = module(rows)
         _check_batch_output(batch, rows.shape[0], n_outputs, classifier)
@@ -263,6 +267,22 @@ def _check_output(out, n_outputs, dtype, classifier):
             "(e.g. .float(), .to(torch.float32), or a tensor created with the default "
             "dtype). Keep the computation in the input's dtype (x.dtype)."
         )
+
+
+def _own_width(out):
+    """The width of a module's output on one row, which must be one tensor of shape
+    (1, n_outputs) (a recorded loop's module: no target gives the width)."""
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        described = (
+            f"a tensor of shape {tuple(out.shape)}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
+        raise RecordingRefused(
+            "The module's output must be one tensor of shape (n_samples, n_outputs); got "
+            f"{described}."
+        )
+    return out.shape[1]
 
 
 def _dtype_name(dtype):

@@ -519,10 +519,21 @@ class AdamRule(OptimizerRule):
         self._groups = groups
 
     def after_step(self, step, active):
-        seconds, sizes, corrections, eps = [], [], [], []
-        settings, terms = {}, {}  # per group, and per (group, step count): computed once
-        states = self.optimizer.state
         groups = self._groups
+        settings = {}  # per used group: read once
+        for k in self._used:
+            group = groups[k]
+            betas = group["betas"]
+            settings[k] = (
+                _number(group["lr"]),
+                _number(betas[0]),
+                _number(betas[1]),
+                _number(group["eps"]),
+                "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
+            )
+        seconds, sizes, corrections, eps = [], [], [], []
+        terms = {}  # per (group, step count): computed once
+        states = self.optimizer.state
         held = self._held
         flat = True
         parameters = zip(self.params, self.group_of, active, strict=True)
@@ -534,22 +545,15 @@ class AdamRule(OptimizerRule):
                 eps.append(1.0)
                 flat = False
                 continue
-            setting = settings.get(k)
-            if setting is None:
-                group = groups[k]
-                setting = settings[k] = (
-                    _number(group["lr"]),
-                    *(_number(b) for b in group["betas"]),
-                    _number(group["eps"]),
-                    "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
-                )
-            lr, beta_1, beta_2, group_eps, second = setting
+            lr, beta_1, beta_2, group_eps, second = settings[k]
             state = states[param]
             count, moment = state["step"], state[second]
             kept = held[index]
-            if kept is None or not kept.holds(count, moment):
+            if kept is None or kept.count_tensor is not count or kept.moment_tensor is not moment:
                 kept = held[index] = _StateViews(count, moment)
-            count = kept.count()
+            # (the views' fields read here rather than through their methods: a
+            # call less per parameter and step)
+            count = float(kept.count_view) if kept.count_view is not None else kept.count()
             term = terms.get((k, count))
             if term is None:
                 # torch.optim.Adam, step by step (_single_tensor_adam).
@@ -558,8 +562,12 @@ class AdamRule(OptimizerRule):
             corrections.append(term[1])
             eps.append(group_eps)
             # (flat: a view of the optimiser's own tensor, copied by the step log)
-            seconds.append(kept.moment())
-            flat = flat and kept.on_host
+            if kept.flat is not None:
+                seconds.append(kept.flat)
+                flat = flat and kept.on_host
+            else:
+                seconds.append(kept.moment())
+                flat = False
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
         return StepScales(seconds, self._decoupled_decay, terms, rate, flat)
@@ -579,27 +587,28 @@ class _StateViews:
     """
 
     def __init__(self, count, moment):
-        self._held = count, moment
-        self._count = _scalar_view(count)
-        self._value = count
-        self._flat = moment.detach().view(-1) if moment.is_contiguous() else None
-        self.on_host = self._flat is not None and moment.is_cpu
+        self.count_tensor, self.moment_tensor = count, moment
+        #: A numpy view of the step count (None when it is not a host tensor).
+        self.count_view = _scalar_view(count)
+        #: The second moment, flat (a view; None when it is not contiguous).
+        self.flat = moment.detach().view(-1) if moment.is_contiguous() else None
+        self.on_host = self.flat is not None and moment.is_cpu
 
     def holds(self, count, moment):
         """Whether these are views of ``count`` and ``moment``."""
-        return self._held[0] is count and self._held[1] is moment
+        return self.count_tensor is count and self.moment_tensor is moment
 
     def moment(self):
         """The second moment now, flat (a view; a copy when it is not contiguous)."""
-        if self._flat is not None:
-            return self._flat
-        return self._held[1].detach().reshape(-1)
+        if self.flat is not None:
+            return self.flat
+        return self.moment_tensor.detach().reshape(-1)
 
     def count(self):
         """The step count now, as a float."""
-        if self._count is not None:
-            return float(self._count)
-        return _number(self._value)
+        if self.count_view is not None:
+            return float(self.count_view)
+        return _number(self.count_tensor)
 
 
 def _scalar_view(value):

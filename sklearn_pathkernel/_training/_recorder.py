@@ -52,7 +52,6 @@ directly (a penalty) or on intermediate activations is caught by recomputing the
 gradient from the recorded rows (``check="first"``: at the first step).
 """
 
-import copy
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -65,6 +64,7 @@ from .._path import BATCH_NORMS, MASKED_DROPOUT, flatten_parameters
 from ._batchnorm import StatisticsWatch, refuse_unsupported
 from ._dropout import MaskDraws
 from ._module_checks import check_module
+from ._module_copy import module_copy
 from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
 from ._weight_watch import (
@@ -170,6 +170,10 @@ class PathRecorder:
         self._saved, self._stale, self._own_forward = {}, False, False
         self._dropout = MaskDraws(module, generator)
         self._stats = StatisticsWatch(module)
+        # (read at every forward pass: kept rather than looked up)
+        self._has_dropout = bool(self._dropout.layers)
+        self._has_statistics = bool(self._stats.layers)
+        self._started = self._backward_started
         # (the passes of dropout and BatchNorm layers are followed only where there
         # are such layers: a hook less per forward pass each)
         self._handles = [
@@ -246,7 +250,10 @@ class PathRecorder:
             values = np.asarray(indices)
         if indices is source and np.array_equal(previous, values):
             return previous
-        rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
+        if values.dtype == np.int64 and values.ndim == 1:
+            rows = values.copy()  # (the usual case: a numpy call less)
+        else:
+            rows = np.array(values, dtype=np.int64).reshape(-1)  # (a copy)
         self._last_rows = rows, indices
         return rows
 
@@ -270,13 +277,17 @@ class PathRecorder:
         path = self.path()
         if at_step < n_steps:
             path = truncated_path(path, at_step)
-        module = copy.deepcopy(self.module)
-        final = path.unflatten(path.weights[-1])
-        # the recorded network (equal to the user's unless on_mismatch="record")
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                if name in final:
-                    param.copy_(final[name].reshape(param.shape))
+        # the recorded network (equal to the user's unless on_mismatch="record"): a
+        # copy of the module whose trained parameters are the final weights
+        final = dict(zip(self._names, _split(path.weights[-1], self._params), strict=True))
+
+        def parameter(name, param):
+            weights = final.get(name)
+            if weights is None:  # (a constant: restored below)
+                return param.detach().clone(memory_format=torch.preserve_format)
+            return torch.empty_like(param).copy_(weights)
+
+        module = module_copy(self.module, parameter)
         self._constants.restore(module)
         self._stats.restore(module, at_step)
         return RecordedRun(
@@ -386,9 +397,10 @@ class PathRecorder:
                     "and nn.BatchNorm2d with their batch statistics)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
-        batch = MicroBatch(args[0], self._rows, self._versions(), started=self._backward_started)
-        batch.masks = self._dropout.take() if self._dropout.layers else {}
-        batch.stats = self._stats.take() if self._stats.layers else {}
+        versions = [p._version for p in self._params]
+        batch = MicroBatch(args[0], self._rows, versions, started=self._started)
+        batch.masks = self._dropout.take() if self._has_dropout else {}
+        batch.stats = self._stats.take() if self._has_statistics else {}
         self._rows = None
         self._open.append(batch)
         output.register_hook(batch.take_gradient)
@@ -412,7 +424,10 @@ class PathRecorder:
         if self._in_backward:
             return
         self._in_backward = True
-        before = self._fingerprints()
+        if self.check == "every":
+            before = self._fingerprints()
+        else:  # (the usual case written out: a call less per backward pass)
+            before = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         saved, leftover = self._saved, self._leftover
         for index, now in enumerate(before):
             if index in saved:
@@ -537,7 +552,7 @@ class PathRecorder:
         rows, gradient, active, masks = self._pending
         weights = self._weights.flat_views()
         scales = self._rule.after_step(step, active)
-        lr = max(float(g["lr"]) for g in self._rule.groups())
+        lr = max([float(g["lr"]) for g in self._rule.groups()])
         self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
         self._weights.after_step()
         self._leftover = self._saved
@@ -637,22 +652,24 @@ def _split(flat, params):
     return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
 
+def _float64(name, tensor):
+    """A float64 copy of a floating point tensor, a copy of another (the module's
+    ``.to(torch.float64)``, on a copy)."""
+    if tensor.is_floating_point():
+        return tensor.detach().to(torch.float64, copy=True)
+    return tensor.detach().clone()
+
+
 def _check_module(module, X):
     """The estimators' module checks on a float64 eval copy of ``module`` (batch
     coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
     for name, layer in module.named_modules():
         if isinstance(layer, _BatchNorm):
             refuse_unsupported(name, layer, training=False)
-    copy64 = copy.deepcopy(module).to(torch.float64).eval()
+    copy64 = module_copy(module, _float64, _float64).eval()
     rows = X[: min(64, X.shape[0])].to(torch.float64)
-    with torch.no_grad():
-        out = copy64(rows[:1])
-    if not isinstance(out, torch.Tensor) or out.ndim != 2:
-        raise RecordingRefused(
-            "The module's output must be one tensor of shape (n_samples, n_outputs); got "
-            f"{_describe(out)}."
-        )
-    check_module(copy64, rows, out.shape[1], classifier=True)
+    # (the output's width is the module's own: its first row's, in check_module)
+    check_module(copy64, rows, None, classifier=True)
 
 
 #: Up to this many rows, their range is checked by Python's min and max of a list
@@ -715,10 +732,3 @@ def _recomputed_gradient(module, X, link, batches, params, replaying):
                 if g is not None:
                     t += g
     return total
-
-
-def _describe(value):
-    """A value's type, and its shape when it is a tensor."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

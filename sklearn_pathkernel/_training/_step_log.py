@@ -82,7 +82,8 @@ class MicroBatch:
         self._add(grad)
 
     def _add(self, grad):
-        gradient = -grad.detach()  # (a new tensor: the negation allocates)
+        # (a new tensor: the negation allocates; detached only under create_graph)
+        gradient = -grad.detach() if grad.requires_grad else grad.neg()
         if self.output_gradient is None:
             self.output_gradient = gradient
         else:  # a second backward through the same output (retain_graph)

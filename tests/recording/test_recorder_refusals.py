@@ -257,6 +257,22 @@ def test_batch_coupling_module_refused_at_creation():
         TrainingRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), X)
 
 
+class _Tuple(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+@pytest.mark.parametrize(
+    ("last", "match"),
+    [(nn.Flatten(0), r"got a tensor of shape \(2,\)"), (_Tuple(), "got tuple")],
+)
+def test_output_not_one_two_dimensional_tensor_refused_at_creation(last, match):
+    X, _ = data()
+    model = nn.Sequential(mlp(), last)
+    with pytest.raises(RecordingRefused, match="must be one tensor of shape .* " + match):
+        TrainingRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), X)
+
+
 def test_parameters_changed_between_steps():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
