@@ -93,12 +93,15 @@ class LinearRule(WeightAndBiasRule):
             columns.append(torch.ones((n_nodes, 1), dtype=a.dtype, device=a.device))
         sums = row_outer_sums(rows, deltas.reshape(n_nodes, -1), torch.cat(columns, 1), n_rows)
         sums = sums.view(n_rows, n_outputs, d_out, -1)
-        parts = []
+        # Weight then bias, copied once into the layout (the slice's flatten and a
+        # concatenation copied the weights' part twice).
+        d_in = a.shape[1] if self.weight_name is not None else 0
+        out = sums.new_empty((n_rows, n_outputs, d_out * d_in + d_out * (self.bias_name is not None)))
         if self.weight_name is not None:
-            parts.append(sums[..., : a.shape[1]].flatten(2))
+            out[..., : d_out * d_in].view(n_rows, n_outputs, d_out, d_in).copy_(sums[..., :d_in])
         if self.bias_name is not None:
-            parts.append(sums[..., -1])
-        return torch.cat(parts, dim=2)
+            out[..., d_out * d_in :].copy_(sums[..., -1])
+        return out
 
     def materialise_sums(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients, from the factors: one
