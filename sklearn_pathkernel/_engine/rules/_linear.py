@@ -96,7 +96,8 @@ class LinearRule(WeightAndBiasRule):
         # Weight then bias, copied once into the layout (the slice's flatten and a
         # concatenation copied the weights' part twice).
         d_in = a.shape[1] if self.weight_name is not None else 0
-        out = sums.new_empty((n_rows, n_outputs, d_out * d_in + d_out * (self.bias_name is not None)))
+        width = d_out * d_in + (d_out if self.bias_name is not None else 0)
+        out = sums.new_empty((n_rows, n_outputs, width))
         if self.weight_name is not None:
             out[..., : d_out * d_in].view(n_rows, n_outputs, d_out, d_in).copy_(sums[..., :d_in])
         if self.bias_name is not None:
