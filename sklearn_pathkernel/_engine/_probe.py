@@ -220,7 +220,7 @@ class NetworkProbe:
         """
         along = self.along(start, direction, X, rows, t)
         if rows is not None:
-            X = X[rows]
+            X = _take_rows(X, rows)
         self._ensure_checked(X)
         if along is not None:
             return fn(start, X, direction, t, along=along)
@@ -466,7 +466,7 @@ class NetworkProbe:
         """
         along = self.along(start, direction, X, rows, t)
         if rows is not None:
-            X = X[rows]
+            X = _take_rows(X, rows)
         self._ensure_checked(X)
         if not self.per_row_t:
             raise ValueError("factors_with needs every layer to take a per-row t.")
@@ -633,6 +633,20 @@ def _split(flat, shapes):
     ]
 
 
+def _take_rows(X, rows):
+    """``X[rows]`` for a tensor of row indices: ``index_select`` where it applies
+    (the same rows, about twice as fast as advanced indexing on the host)."""
+    if (
+        isinstance(rows, torch.Tensor)
+        and rows.ndim == 1
+        and rows.dtype in (torch.int64, torch.int32)
+        and rows.device == X.device
+        and X.ndim > 0
+    ):
+        return X.index_select(0, rows)
+    return X[rows]
+
+
 def _no_grad(tensor):
     return tensor.detach() if tensor.requires_grad else tensor
 
@@ -740,7 +754,7 @@ class StepQueries:
     def output(self, rows, t):
         """``z_s + t dz_s`` of the query rows ``rows``, row ``i`` at ``t[i]``."""
         t = t.to(self.start_output.dtype).view(-1, *([1] * (self.start_output.ndim - 1)))
-        return self.start_output[rows] + t * self.moved_output[rows]
+        return _take_rows(self.start_output, rows) + t * _take_rows(self.moved_output, rows)
 
 
 class AlongStep:
