@@ -127,8 +127,9 @@ class LinearRule(WeightAndBiasRule):
             return factors.row_sums(rows, weights, n_rows)
         a, deltas = factors.inputs, factors.deltas
         first = first_of_rows(rows, n_rows)
-        if torch.equal(a[first[rows]], a):
-            return FactoredGradients(a[first], row_sums(rows, weights, deltas, n_rows))
+        if torch.equal(a.index_select(0, first.index_select(0, rows)), a):
+            deltas = row_sums(rows, weights, deltas, n_rows)
+            return FactoredGradients(a.index_select(0, first), deltas)
         # Work per pair of (row, other row). Per node: the input and delta Grams,
         # then memory-bound passes over every output value (product, node weight,
         # sum into the row), each worth ~PER_NODE_OUTPUT_COST flops on a CPU.
