@@ -20,7 +20,7 @@ from .._planning import rows_per_tile
 from ._contract import contract
 from ._gradients import FactoredGradients, Gradients, WeightAndBiasRule, factored
 from ._registry import register_rule
-from ._rows import first_of_rows, row_outer_sums, row_sums
+from ._rows import first_of_rows, padded_by_row, row_sums
 
 # Flops a memory-bound pass over one output value is worth next to a dense matrix
 # product. It decides per-node vs materialised sums; 32 makes the cost model pick
@@ -84,29 +84,33 @@ class LinearRule(WeightAndBiasRule):
 
     def _integrated_gradients(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients, (n_rows, K, W_layer):
-        ``sum_e (weights_e delta_e)^T [a_e, 1]``, one padded product per row."""
+        ``sum_e (weights_e delta_e)^T [a_e, 1]``, one padded product per row and
+        output, written into the layout (weight then bias) by the product itself;
+        the bias's part is the nodes' deltas summed in order (what a product with
+        a column of ones gave, without copying the products into the layout: a
+        pass over n K W fewer)."""
         deltas = weights[:, None, None] * factors.deltas  # (E, K, d_out)
         n_nodes, n_outputs, d_out = deltas.shape
         a = factors.inputs
-        columns = [a] if self.weight_name is not None else []
-        if self.bias_name is not None:
-            columns.append(torch.ones((n_nodes, 1), dtype=a.dtype, device=a.device))
-        sums = row_outer_sums(rows, deltas.reshape(n_nodes, -1), torch.cat(columns, 1), n_rows)
-        sums = sums.view(n_rows, n_outputs, d_out, -1)
-        # Weight then bias, copied once into the layout (the slice's flatten and a
-        # concatenation copied the weights' part twice).
         d_in = a.shape[1] if self.weight_name is not None else 0
         width = d_out * d_in + (d_out if self.bias_name is not None else 0)
-        out = sums.new_empty((n_rows, n_outputs, width))
-        if self.weight_name is not None:
-            out[..., : d_out * d_in].view(n_rows, n_outputs, d_out, d_in).copy_(sums[..., :d_in])
+        blocks = [deltas.reshape(n_nodes, -1)] + ([a] if self.weight_name is not None else [])
+        left, *inputs = padded_by_row(rows, n_rows, *blocks)  # (n_rows, nodes, K d_out)
+        out = left.new_empty((n_rows, n_outputs, width))
+        for k in range(n_outputs if self.weight_name is not None else 0):
+            by_unit = left[..., k * d_out : (k + 1) * d_out].transpose(1, 2)
+            weight = out[:, k, : d_out * d_in].view(n_rows, d_out, d_in)
+            torch.bmm(by_unit, inputs[0], out=weight)
         if self.bias_name is not None:
-            out[..., d_out * d_in :].copy_(sums[..., -1])
+            total = left[:, 0]
+            for node in range(1, left.shape[1]):
+                total = total + left[:, node]
+            out[..., d_out * d_in :] = total.view(n_rows, n_outputs, d_out)
         return out
 
     def materialise_sums(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients, from the factors: one
-        padded (K d_out, nodes) x (nodes, d_in + 1) product per row, no per-node
+        padded (d_out, nodes) x (nodes, d_in) product per row and output, no per-node
         gradient formed."""
         if not factored(factors):
             return super().materialise_sums(rows, weights, factors, n_rows)
