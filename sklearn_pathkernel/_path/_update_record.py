@@ -188,7 +188,8 @@ class BackwardAccumulation:
     tensors and returns :math:`\\psi_r` in the same layout. With parameter groups
     that differ, the coefficients are per parameter (elementwise, laid out per
     layer by ``layout``), the same as the forward update's. Cost: two
-    multiply-adds per number of ``u``; memory: one buffer of ``u``'s size.
+    multiply-adds per number of ``u``; memory: the buffer and one scratch tensor of
+    ``u``'s size (and :math:`\\psi`'s own, unless it is the buffer: see :meth:`psi`).
     """
 
     def __init__(self, record, layout=None):
