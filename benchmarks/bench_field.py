@@ -49,6 +49,12 @@ Sections (each can be run alone):
     materialised and accumulated like the others') and with the first layer
     evaluated at every point of a step (``NetworkProbe.affine_first_layer = False``,
     not from its two per-step products) in the same process, and prints the ratios.
+    ``--base REV`` times the scalar target beside commit ``REV``'s package
+    (``_baseline.import_commit``, fitted alike) in the same process, the calls
+    alternated, best of ``--repeats`` (wall and CPU time); ``--query-counts 40
+    160`` the scalar target of the first 40 and 160 queries in one call each, per
+    query; ``--memory-queries 500`` the peak memory of the scalar target of 500
+    queries (training rows on the test copy) in one call, in a forked process.
 ``grid``
     ``explain`` on the test images, ``self_influence`` over the training rows (the
     counterfactual's, and the contributions' with ``--self-contributions``), and an
@@ -403,6 +409,12 @@ def run_profile(args):
             f"(scalar target "
             f"{np.abs(scalar.contributions - per_point_scalar.contributions).max() / scale:.1e})"
         )
+    if args.base:
+        per_step.update(compare_base(args, task, clf, queries, epochs))
+    if args.query_counts:
+        per_step.update(query_counts(args, task, clf, queries))
+    if args.memory_queries:
+        memory_of_queries(args, task, clf)
     field_steps, field_queries = FIELD["steps"], FIELD["queries"]
     print(
         f"\n## per-step costs: M={task.n_train}, {steps} steps (estimator), "
@@ -446,6 +458,111 @@ def run_profile(args):
     )
     return {"steps": steps, "queries": n, "per_step_s": per_step, "phases_s": phases,
             "path_bytes_per_step": path_bytes, "gemm_flops": rate}  # fmt: skip
+
+
+def _alternated(tasks, repeats):
+    """{name: (best wall seconds, best CPU seconds, last result)}: the calls
+    alternated (forward, then backward), so that a shared machine's drift hits all."""
+    names, best = list(tasks), {}
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            cpu, wall = time.process_time(), time.perf_counter()
+            result = tasks[name]()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            old = best.get(name, (math.inf, math.inf, None))
+            best[name] = (min(old[0], wall), min(old[1], cpu), result)
+    return best
+
+
+def compare_base(args, task, clf, queries, epochs):
+    """The scalar-target decomposition of the queries by commit ``args.base``'s
+    package (``_baseline.import_commit``) beside the current one, in this process:
+    both fitted alike, the calls alternated, the best of ``args.repeats``."""
+    from _baseline import import_commit
+
+    base = import_commit(args.base)
+    base_clf = base.ExactPathKernelClassifier(
+        random_state=0, tol=None, **dict(task.settings, max_iter=epochs)
+    )
+    base_clf.fit(task.X_train, task.y_train)
+    base_clf.decompose(queries[:2], target="output", y=task.y_test[:2])  # (warm-up)
+    steps, n = clf.n_steps_, len(queries)
+    best = _alternated(
+        {
+            "base": lambda: base_clf.decompose(queries, target="output", y=task.y_test),
+            "current": lambda: clf.decompose(queries, target="output", y=task.y_test),
+        },
+        args.repeats,
+    )
+    (base_wall, base_cpu, before), (wall, cpu, now) = best["base"], best["current"]
+    scale = np.abs(before.contributions).max()
+    print(
+        f"scalar target, {args.base} / current (same process, alternated, best of "
+        f"{args.repeats}): wall {base_wall / wall:.2f}x, CPU {base_cpu / cpu:.2f}x; "
+        f"contributions bitwise equal: {np.array_equal(before.contributions, now.contributions)}"
+        f", largest difference / scale "
+        f"{np.abs(before.contributions - now.contributions).max() / scale:.1e}"
+    )
+    return {
+        f"decompose, scalar target, per query, {args.base} (wall)": base_wall / steps / n,
+        "decompose, scalar target, per query, current (wall)": wall / steps / n,
+        f"decompose, scalar target, per query, {args.base} (CPU)": base_cpu / steps / n,
+        "decompose, scalar target, per query, current (CPU)": cpu / steps / n,
+    }
+
+
+def query_counts(args, task, clf, queries):
+    """The scalar-target decomposition of the first ``q`` queries for each ``q`` of
+    ``args.query_counts`` in one call, per query and step (alternated, best of
+    ``args.repeats``): whether a call's per-query cost falls with its queries."""
+    steps = clf.n_steps_
+    best = _alternated(
+        {
+            q: (lambda q=q: clf.decompose(queries[:q], target="output", y=task.y_test[:q]))
+            for q in args.query_counts
+        },
+        args.repeats,
+    )
+    out = {}
+    for q, (wall, cpu, _) in best.items():
+        out[f"decompose, scalar target, per query, {q} queries in one call (wall)"] = (
+            wall / steps / q
+        )
+        out[f"decompose, scalar target, per query, {q} queries in one call (CPU)"] = cpu / steps / q
+    return out
+
+
+def memory_of_queries(args, task, clf):
+    """The peak memory of the scalar-target decomposition of ``args.memory_queries``
+    queries (the first training rows, on the test copy) in one call, in a forked
+    process (``bench_attribution.measured``: its peak resident memory above the
+    fork's), beside the fork's own resident memory (the fitted run, its path
+    among it) and the path's bytes at this run's and at the field's steps."""
+    n = args.memory_queries
+    X, y = task.X_train[:n], task.y_train[:n]
+
+    def decompose(_):
+        return clf.decompose(X, target="output", y=y).contributions
+
+    rss = _status_mib("VmRSS:")
+    _, seconds, peak, error = measured(decompose, None, args.timeout)
+    path_mib = _mib(clf.path_.nbytes)
+    field_path = path_mib / clf.n_steps_ * FIELD["steps"]
+    print(
+        f"memory, scalar target of {n} queries in one call ({clf.n_steps_} steps, "
+        f"{task.n_train} rows): {'failed: ' + error.strip().splitlines()[-1] if error else ''}"
+        f"peak {peak:.0f} MiB above the fork's {rss:.0f} MiB resident ({seconds:.1f} s); "
+        f"the recorded path {path_mib:.0f} MiB here, {field_path / 1024:.2f} GiB at "
+        f"{FIELD['steps']} steps (float64, in memory unless path_storage='disk')"
+    )
+
+
+def _status_mib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def gemm_rate(size=1024, repeats=5):
@@ -514,6 +631,16 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=100)
     parser.add_argument("--compare-routes", action="store_true",
                         help="profile: also time the generic route (issue 36 item 5)")  # fmt: skip
+    parser.add_argument("--base", default=None,
+                        help="profile: time the scalar target against this commit's package "
+                        "in the same process (alternated, best of --repeats)")  # fmt: skip
+    parser.add_argument("--query-counts", type=int, nargs="+", default=None,
+                        help="profile: the scalar target of the first q queries in one "
+                        "call, for each q (at most --queries)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="profile: --base, --query-counts")
+    parser.add_argument("--memory-queries", type=int, default=None,
+                        help="profile: peak memory of the scalar target of this many "
+                        "queries (training rows) in one call, in a forked process")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip

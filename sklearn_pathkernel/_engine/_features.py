@@ -195,14 +195,16 @@ def _in_output_subspace(rule, chunks, right, n_rows):
 
 def _materialised(rule, chunks, n_rows):
     """A layer's features summed over each row's nodes: (n_rows, K, W_layer)."""
-    total = 0.0
+    total = None
     for rows, weights, factors in chunks:
-        total = total + (
+        part = (
             rule.materialise(factors)
             if rows is None
             else rule.materialise_sums(rows, weights, factors, n_rows)
         )
-    return total
+        # (the first part as it is: ``0.0 + part`` copied it, a pass over n K W)
+        total = part if total is None else total + part
+    return 0.0 if total is None else total
 
 
 def _product_chunks(chunks, out):

@@ -147,6 +147,7 @@ class NetworkProbe:
         self.per_row_t = self.jacobian is None and all(
             rule.row_evaluation is not RowEvaluation.NONE for rule in self.rules
         )
+        self._input_reaches_first_layer_alone = _input_reaches_first_alone(module, self.layers)
 
     def _check(self, example):
         """The dry run: keep the per-layer rules, or switch to the ``JacobianRule``."""
@@ -213,14 +214,15 @@ class NetworkProbe:
         call per distinct ``t`` when some layer is not linear in its parameters.
 
         ``fn`` returns an object with ``take(rows)`` and a ``cat`` classmethod-like
-        helper given as ``fn.cat``. ``rows`` (a tensor of indices): ``X`` is the
+        helper given as ``fn.cat``; ``fn.reads_inputs`` says whether it keeps the
+        layers' inputs (see :meth:`_query_rows`). ``rows`` (a tensor of indices): ``X`` is the
         step's query rows and the rows evaluated are ``X[rows]``, their first
         layer from the step's :class:`StepQueries` where it applies
         (:meth:`along`).
         """
         along = self.along(start, direction, X, rows, t)
         if rows is not None:
-            X = X[rows]
+            X = self._query_rows(X, rows, along, fn.reads_inputs)
         self._ensure_checked(X)
         if along is not None:
             return fn(start, X, direction, t, along=along)
@@ -234,6 +236,24 @@ class NetworkProbe:
             order.append(rows)
         order = torch.cat(order)
         return fn.cat(parts).take(torch.argsort(order))
+
+    def _query_rows(self, X, rows, along, reads_inputs):
+        """``X[rows]``, or, where no value of it is read, a view of its shape
+        without the copy (``X``'s first row repeated): the evaluation keeps no
+        layer's inputs (``reads_inputs`` False: outputs and switching values,
+        not factors), the first layer's output comes from the step's
+        :class:`StepQueries` (``along``) and the module is a plain
+        ``nn.Sequential`` whose first module is that layer (its input goes
+        nowhere else). The kink search's and the certificate's passes gathered
+        about 4 MiB of query rows per pass for the MNIST MLP, unread."""
+        if (
+            along is not None
+            and not reads_inputs
+            and self._input_reaches_first_layer_alone
+            and along.queries.index == 0
+        ):
+            return X[:1].expand(len(rows), *X.shape[1:])
+        return _take_rows(X, rows)
 
     def output(self, start, X, direction=None, t=None, *, rows=None):
         """``f_w(X)``, shape (n, K), without gradients (weights as in ``_forward``;
@@ -466,7 +486,7 @@ class NetworkProbe:
         """
         along = self.along(start, direction, X, rows, t)
         if rows is not None:
-            X = X[rows]
+            X = _take_rows(X, rows)
         self._ensure_checked(X)
         if not self.per_row_t:
             raise ValueError("factors_with needs every layer to take a per-row t.")
@@ -633,6 +653,35 @@ def _split(flat, shapes):
     ]
 
 
+def _input_reaches_first_alone(module, layers):
+    """Whether the module's input is read by its first parameterised layer alone:
+    a plain ``nn.Sequential`` (its own ``forward``, no pre-hooks) whose first
+    module is ``layers[0]`` (without pre-hooks of its own)."""
+    return (
+        isinstance(module, torch.nn.Sequential)
+        and type(module).forward is torch.nn.Sequential.forward
+        and len(module) > 0
+        and len(layers) > 0
+        and module[0] is layers[0]
+        and not module._forward_pre_hooks
+        and not module[0]._forward_pre_hooks
+    )
+
+
+def _take_rows(X, rows):
+    """``X[rows]`` for a tensor of row indices: ``index_select`` where it applies
+    (the same rows, about twice as fast as advanced indexing on the host)."""
+    if (
+        isinstance(rows, torch.Tensor)
+        and rows.ndim == 1
+        and rows.dtype in (torch.int64, torch.int32)
+        and rows.device == X.device
+        and X.ndim > 0
+    ):
+        return X.index_select(0, rows)
+    return X[rows]
+
+
 def _no_grad(tensor):
     return tensor.detach() if tensor.requires_grad else tensor
 
@@ -740,7 +789,7 @@ class StepQueries:
     def output(self, rows, t):
         """``z_s + t dz_s`` of the query rows ``rows``, row ``i`` at ``t[i]``."""
         t = t.to(self.start_output.dtype).view(-1, *([1] * (self.start_output.ndim - 1)))
-        return self.start_output[rows] + t * self.moved_output[rows]
+        return _take_rows(self.start_output, rows) + t * _take_rows(self.moved_output, rows)
 
 
 class AlongStep:
@@ -753,6 +802,8 @@ class AlongStep:
 
 class _Output:
     """``per_row`` adapter for plain evaluations (the output ``f`` and the logit scale)."""
+
+    reads_inputs = False  # (no layer's inputs kept: see NetworkProbe._query_rows)
 
     def __init__(self, probe, value=None, scale=None, logits=None):
         self.probe, self.value, self.scale, self.logits = probe, value, scale, logits
@@ -773,6 +824,8 @@ class _Output:
 
 class _FactorsAt:
     """``per_row`` adapter for factor evaluations."""
+
+    reads_inputs = True  # (every layer's inputs are its factors)
 
     def __init__(self, probe, outputs, cotangents=None, output=None, factors=None):
         self.probe, self.outputs, self.cotangents = probe, outputs, cotangents

@@ -189,7 +189,9 @@ class TestCopy:
         """The nodes in passes of the planner's size, each with its
         :class:`~.integration._link_weights.NodeWeights`."""
         per_piece = self.weighting.nodes_per_piece
-        size = max(per_piece, self.planner.pass_rows() // per_piece * per_piece)  # whole pieces
+        # whole pieces; a scalar target's nodes hold one output
+        pass_rows = self.planner.pass_rows(one_output=self.targets is not None)
+        size = max(per_piece, pass_rows // per_piece * per_piece)
         starts = range(0, nodes.rows.size, size)
         parts = (nodes.take(slice(begin, begin + size)) for begin in starts)
         return [(part, self.weighting.weigh(probe, step, X, part)) for part in parts]

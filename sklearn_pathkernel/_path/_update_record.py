@@ -188,7 +188,8 @@ class BackwardAccumulation:
     tensors and returns :math:`\\psi_r` in the same layout. With parameter groups
     that differ, the coefficients are per parameter (elementwise, laid out per
     layer by ``layout``), the same as the forward update's. Cost: two
-    multiply-adds per number of ``u``; memory: one buffer of ``u``'s size.
+    multiply-adds per number of ``u``; memory: the buffer and one scratch tensor of
+    ``u``'s size (and :math:`\\psi`'s own, unless it is the buffer: see :meth:`psi`).
     """
 
     def __init__(self, record, layout=None):
@@ -196,12 +197,23 @@ class BackwardAccumulation:
         self._buffer = None
         self._next_step = None
         self._constants = None
+        self._scratch = None  # per layer: a tensor for ``alpha u`` and ``zeta u``
+        self._psi = None  # per layer: the tensor psi is written into (or None)
 
     def _layers(self, coefficient, n_layers):
         return on_layers(coefficient, self.layout, n_layers)
 
     def psi(self, step, u):
-        """:math:`\\psi_{step}` from :math:`u_{step}`; steps must come in decreasing order."""
+        """:math:`\\psi_{step}` from :math:`u_{step}`; steps must come in decreasing order.
+
+        The buffer, and the tensors returned, are updated in place by the next
+        call (no new tensors of ``u``'s size per step: at a few MiB per layer and
+        query tile, allocating them cost more than the arithmetic): use the
+        returned :math:`\\psi` before feeding the next step. The values are those
+        of the plain recursion, rounding included (each product rounded, then
+        summed). Where :math:`\\zeta = 0` and :math:`\\gamma = 1` (SGD's momentum
+        without Nesterov) :math:`\\psi` is the buffer itself.
+        """
         record = self.record
         if self._next_step is not None and step != self._next_step - 1:
             raise ValueError(
@@ -218,15 +230,58 @@ class BackwardAccumulation:
         zetas = self._layers(record.direct_rates[step], n)
         if self._buffer is None:
             self._buffer = [alpha * layer for alpha, layer in zip(alphas, u, strict=True)]
+            self._scratch, self._psi = [None] * n, [None] * n
         else:
-            self._buffer = [
-                alpha * layer + beta * old
-                for alpha, layer, beta, old in zip(alphas, u, betas, self._buffer, strict=True)
-            ]
-        return [
-            gamma * b + zeta * layer
-            for gamma, b, zeta, layer in zip(gammas, self._buffer, zetas, u, strict=True)
-        ]
+            for i, (alpha, layer, beta) in enumerate(zip(alphas, u, betas, strict=True)):
+                self._buffer[i] = self._sum_of_products(i, alpha, layer, beta, self._buffer[i])
+        psi = []
+        for i, (gamma, zeta, layer) in enumerate(zip(gammas, zetas, u, strict=True)):
+            buffer = self._buffer[i]
+            if _number(gamma) and _number(zeta) and gamma == 1 and zeta == 0:
+                psi.append(buffer)  # (1 * b + 0 * u, exactly, for finite u)
+                continue
+            out = self._psi[i]
+            if _fits(out, buffer, gamma):
+                out = torch.mul(buffer, gamma, out=out)
+            else:
+                out = self._psi[i] = gamma * buffer
+            psi.append(self._plus_product(i, out, zeta, layer))
+        return psi
+
+    def _sum_of_products(self, i, alpha, layer, beta, old):
+        """``alpha * layer + beta * old``, in ``old``'s memory where it has the
+        result's shape and dtype (each product rounded, then summed, as written)."""
+        if not _fits(old, layer, alpha) or not _fits(old, old, beta):
+            return alpha * layer + beta * old
+        return self._plus_product(i, old.mul_(beta), alpha, layer)
+
+    def _plus_product(self, i, out, coefficient, layer):
+        """``out += coefficient * layer`` through layer ``i``'s scratch tensor
+        (the product rounded first: no fused multiply-add)."""
+        if not _fits(out, layer, coefficient):
+            return out + coefficient * layer
+        scratch = self._scratch[i]
+        if scratch is None or scratch.shape != out.shape or scratch.dtype != out.dtype:
+            scratch = self._scratch[i] = torch.empty_like(out)
+        return out.add_(torch.mul(layer, coefficient, out=scratch))
+
+
+def _number(value):
+    return not isinstance(value, torch.Tensor)
+
+
+def _shape(value):
+    return () if _number(value) else value.shape
+
+
+def _fits(out, layer, coefficient):
+    """Whether ``coefficient * layer`` can be written into ``out`` as is: the same
+    shape and dtype, on the same device."""
+    if out is None:
+        return False
+    shape = torch.broadcast_shapes(layer.shape, _shape(coefficient))
+    dtype = layer.dtype if _number(coefficient) else torch.result_type(layer, coefficient)
+    return out.shape == shape and out.dtype == dtype and out.device == layer.device
 
 
 class ForwardAccumulation:

@@ -129,3 +129,64 @@ def test_first_layer_kinks_are_the_roots_of_its_affine_output(engine_cases, monk
             np.testing.assert_allclose(kinks, expected, rtol=0, atol=1e-12)
             n_kinks += kinks.size
         assert n_kinks > 0
+
+
+class _InputSkip(nn.Module):
+    """The query read twice: by the first layer and again by the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(5, 7)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([torch.relu(self.first(x)), x], 1))
+
+
+class _OwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(2.0 * x)
+
+
+def test_query_rows_nothing_reads_are_a_view_only_for_a_plain_sequential(engine_cases, monkeypatch):
+    """Output passes along a step skip gathering the query rows only where the
+    module's input reaches the first layer alone (a plain ``nn.Sequential``
+    starting with it); the decomposition is then bitwise the gathered one, and
+    a module that reads the query again gets its rows gathered (its logits along
+    the step those of a forward pass)."""
+    engine, module, path = _fit(engine_cases, "momentum", nn.ReLU)
+    assert _probe.NetworkProbe(module, path)._input_reaches_first_layer_alone
+    A = engine_cases.queries(5, n=6)
+    targets = QueryTargets(OutputTarget(), torch.tensor([0, 2, 1, 1, 0, 2]))
+    viewed = engine.decompose(A, targets=targets)
+    monkeypatch.setattr(_probe, "_input_reaches_first_alone", lambda module, layers: False)
+    engine, _, _ = _fit(engine_cases, "momentum", nn.ReLU)
+    gathered = engine.decompose(A, targets=targets)
+    np.testing.assert_array_equal(viewed.contributions, gathered.contributions)
+    monkeypatch.undo()
+
+    hooked = engine_cases.mlp([5, 7, 3])
+    hooked[0].register_forward_pre_hook(lambda layer, inputs: None)
+    others = (
+        _InputSkip().double(),
+        _OwnForward(*engine_cases.mlp([5, 7, 3])),
+        hooked,
+        nn.Sequential(nn.Identity(), *engine_cases.mlp([5, 7, 3])),
+    )
+    for other in others:
+        linear = [layer for layer in other.modules() if isinstance(layer, nn.Linear)]
+        assert not _probe._input_reaches_first_alone(other, linear)
+
+    module, path, X, _ = engine_cases.trained(_InputSkip().double(), steps=4)
+    probe = _probe.NetworkProbe(module, path)
+    assert not probe._input_reaches_first_layer_alone
+    start, direction = path.weights[1], path.weights[2] - path.weights[1]
+    rows = torch.tensor([0, 3, 3, 1])
+    t = torch.tensor([0.0, 0.25, 0.9, 1.0], dtype=torch.float64)
+    X = engine_cases.queries(5, n=4)
+    assert probe.along(start, direction, X, rows, t) is not None
+    got = probe.logits(start, X, direction, t, rows=rows)
+    for i in range(rows.numel()):
+        point = path.unflatten(start + t[i] * direction)
+        expected = torch.func.functional_call(probe.module, point, (X[rows[i] : rows[i] + 1],))
+        assert torch.allclose(got[i : i + 1], expected, rtol=0, atol=1e-13)

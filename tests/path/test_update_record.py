@@ -4,6 +4,7 @@ pickled as values."""
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 from sklearn_pathkernel._path import Deferred, UpdateRecord
@@ -43,3 +44,40 @@ def test_a_deferred_record_pickles_its_values():
     loaded = pickle.loads(pickle.dumps(record))
     assert torch.equal(loaded.preconditioners, values)
     assert loaded.preconditioners is not values
+
+
+@pytest.mark.parametrize(
+    "buffer_decay, gradient_scale, direct",
+    [(0.9, 1.0, 0.0), (0.9, 0.1, 0.05), (0.0, 1.0, 0.01)],
+    ids=["momentum", "nesterov-like", "no-buffer-decay"],
+)
+def test_backward_accumulation_in_place_rounds_as_the_plain_recursion(
+    buffer_decay, gradient_scale, direct
+):
+    """psi from the buffer updated in place through a scratch tensor (the buffer
+    itself where zeta = 0 and gamma = 1): bitwise the recursion written out, for
+    two layers of different sizes, each psi read before the next step is fed."""
+    n_steps = 5
+    rates = np.linspace(0.01, 0.05, n_steps)
+    record = UpdateRecord(
+        buffer_decay, gradient_scale, 0.0, rates, np.full(n_steps, direct), rates * 0
+    )
+    gen = torch.Generator().manual_seed(1)
+    u = [torch.randn(n_steps, 3, 1, width, dtype=torch.float64, generator=gen) for width in (7, 4)]
+    given = [layer.clone() for layer in u]
+    accumulation = record.backward()
+    buffer = None
+    for step in reversed(range(n_steps)):
+        layers = [layer[step] for layer in u]
+        psi = accumulation.psi(step, layers)
+        alpha, zeta = record.gradient_rates[step], record.direct_rates[step]
+        if buffer is None:
+            buffer = [alpha * layer for layer in layers]
+        else:
+            pairs = zip(layers, buffer, strict=True)
+            buffer = [alpha * layer + buffer_decay * old for layer, old in pairs]
+        pairs = zip(buffer, layers, strict=True)
+        expected = [gradient_scale * b + zeta * layer for b, layer in pairs]
+        for got, want in zip(psi, expected, strict=True):
+            assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(u, given, strict=True))  # u left as given

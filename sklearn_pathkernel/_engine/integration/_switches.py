@@ -174,6 +174,8 @@ class SwitchState:
 class _Switches:
     """``NetworkProbe.per_row`` adapter recording switch states."""
 
+    reads_inputs = False  # (switching values and outputs: no layer's inputs kept)
+
     def __init__(self, probe):
         self.probe = probe
 

@@ -20,7 +20,7 @@ from .._planning import rows_per_tile
 from ._contract import contract
 from ._gradients import FactoredGradients, Gradients, WeightAndBiasRule, factored
 from ._registry import register_rule
-from ._rows import first_of_rows, row_outer_sums, row_sums
+from ._rows import first_of_rows, padded_by_row, row_sums
 
 # Flops a memory-bound pass over one output value is worth next to a dense matrix
 # product. It decides per-node vs materialised sums; 32 makes the cost model pick
@@ -84,25 +84,33 @@ class LinearRule(WeightAndBiasRule):
 
     def _integrated_gradients(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients, (n_rows, K, W_layer):
-        ``sum_e (weights_e delta_e)^T [a_e, 1]``, one padded product per row."""
+        ``sum_e (weights_e delta_e)^T [a_e, 1]``, one padded product per row and
+        output, written into the layout (weight then bias) by the product itself;
+        the bias's part is the nodes' deltas summed in order (what a product with
+        a column of ones gave, without copying the products into the layout: a
+        pass over n K W fewer)."""
         deltas = weights[:, None, None] * factors.deltas  # (E, K, d_out)
         n_nodes, n_outputs, d_out = deltas.shape
         a = factors.inputs
-        columns = [a] if self.weight_name is not None else []
+        d_in = a.shape[1] if self.weight_name is not None else 0
+        width = d_out * d_in + (d_out if self.bias_name is not None else 0)
+        blocks = [deltas.reshape(n_nodes, -1)] + ([a] if self.weight_name is not None else [])
+        left, *inputs = padded_by_row(rows, n_rows, *blocks)  # (n_rows, nodes, K d_out)
+        out = left.new_empty((n_rows, n_outputs, width))
+        for k in range(n_outputs if self.weight_name is not None else 0):
+            by_unit = left[..., k * d_out : (k + 1) * d_out].transpose(1, 2)
+            weight = out[:, k, : d_out * d_in].view(n_rows, d_out, d_in)
+            torch.bmm(by_unit, inputs[0], out=weight)
         if self.bias_name is not None:
-            columns.append(torch.ones((n_nodes, 1), dtype=a.dtype, device=a.device))
-        sums = row_outer_sums(rows, deltas.reshape(n_nodes, -1), torch.cat(columns, 1), n_rows)
-        sums = sums.view(n_rows, n_outputs, d_out, -1)
-        parts = []
-        if self.weight_name is not None:
-            parts.append(sums[..., : a.shape[1]].flatten(2))
-        if self.bias_name is not None:
-            parts.append(sums[..., -1])
-        return torch.cat(parts, dim=2)
+            total = left[:, 0]
+            for node in range(1, left.shape[1]):
+                total = total + left[:, node]
+            out[..., d_out * d_in :] = total.view(n_rows, n_outputs, d_out)
+        return out
 
     def materialise_sums(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients, from the factors: one
-        padded (K d_out, nodes) x (nodes, d_in + 1) product per row, no per-node
+        padded (d_out, nodes) x (nodes, d_in) product per row and output, no per-node
         gradient formed."""
         if not factored(factors):
             return super().materialise_sums(rows, weights, factors, n_rows)
@@ -123,8 +131,9 @@ class LinearRule(WeightAndBiasRule):
             return factors.row_sums(rows, weights, n_rows)
         a, deltas = factors.inputs, factors.deltas
         first = first_of_rows(rows, n_rows)
-        if torch.equal(a[first[rows]], a):
-            return FactoredGradients(a[first], row_sums(rows, weights, deltas, n_rows))
+        if torch.equal(a.index_select(0, first.index_select(0, rows)), a):
+            deltas = row_sums(rows, weights, deltas, n_rows)
+            return FactoredGradients(a.index_select(0, first), deltas)
         # Work per pair of (row, other row). Per node: the input and delta Grams,
         # then memory-bound passes over every output value (product, node weight,
         # sum into the row), each worth ~PER_NODE_OUTPUT_COST flops on a CPU.

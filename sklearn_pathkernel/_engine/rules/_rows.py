@@ -67,6 +67,14 @@ def padded_row_sums(rows, weights, values, n_rows):
     return sums if n_weightings > 1 else sums[0]
 
 
+def padded_by_row(rows, n_rows, *values):
+    """Each of ``values`` (E, F) as a zero-padded (n_rows, width, F) block: row
+    ``r``'s entries in their order, then zeros (``width`` the most entries of a
+    row). The blocks of :func:`row_outer_sums`, for products written elsewhere."""
+    padding = _padding(rows, n_rows)
+    return [_padded(value, padding, n_rows) for value in values]
+
+
 def row_outer_sums(rows, left, right, n_rows):
     """``out[r] = sum of outer(left[e], right[e]) over the e with rows[e] == r``.
 

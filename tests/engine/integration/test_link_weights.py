@@ -212,6 +212,6 @@ def test_pieces_split_across_passes(monkeypatch):
     Q = torch.tensor(np.random.RandomState(1).rand(4, 36) * 1.5)
     engine = PathKernelEngine(module, path, X)
     expected = engine.decompose(Q).contributions
-    monkeypatch.setattr(engine._planner, "pass_rows", lambda: 3)
+    monkeypatch.setattr(engine._planner, "pass_rows", lambda one_output=False: 3)
     got = engine.decompose(Q).contributions
     assert np.abs(got - expected).max() <= 1e-13 * np.abs(expected).max()

@@ -94,6 +94,29 @@ def test_linear_dense_inner_against_autograd(
 
 
 @pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
+@pytest.mark.parametrize("n_outputs", [1, 3])
+def test_linear_materialise_sums_against_per_node_gradients(names, n_outputs):
+    """Each row's weighted sum of its nodes' gradients, written into the layout
+    by the products (weight then bias): the per-node gradients materialised,
+    scaled and scattered (the protocol's default), rows in any order, one row
+    without nodes."""
+    gen = torch.Generator().manual_seed(3)
+    layer = nn.Linear(6, 5).to(DTYPE)
+    rule = LinearRule(layer, *names)
+    rows = torch.tensor([2, 0, 2, 3, 0, 2, 2, 0])  # row 1 has no nodes
+    weights = torch.randn(8, generator=gen, dtype=DTYPE)
+    factors = FactoredGradients(
+        inputs=torch.randn(8, 6, generator=gen, dtype=DTYPE),
+        deltas=torch.randn(8, n_outputs, 5, generator=gen, dtype=DTYPE),
+    )
+    actual = rule.materialise_sums(rows, weights, factors, 4)
+    expected = LayerRule.materialise_sums(rule, rows, weights, factors, 4)
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=1e-14, atol=1e-15)
+    assert not actual[1].any()
+
+
+@pytest.mark.parametrize("names", [("weight", "bias"), ("weight", None), (None, "bias")])
 @pytest.mark.parametrize("mode", [OutputMode.TRACE, OutputMode.PAIRS])
 @pytest.mark.parametrize("materialised", [False, True])
 def test_linear_add_inner_adds_inner(names, mode, materialised):
