@@ -5,7 +5,8 @@ figures are those of its ``counterfactual-ens`` and ``tracin-ens`` rows at E = 5
 trains ``--runs`` models from seeds 0, 1, ..., scores the test points with each run's
 ``counterfactual(..., target="margin")`` (the optimiser family's rule) and dattri's
 TracIn over 10 checkpoints, and prints the LDS (fresh seeds, and same seed) of the
-mean of the first E runs' scores, raw and with each run standardised per test point.
+mean of the first E runs' scores, raw and with each run standardised per test point,
+and each run's scale (the raw mean weighs the runs by it).
 
     python benchmarks/bench_ensemble_size.py --task digits-mlp-sgd [--runs 10]
         [--train 500] [--test 100] [--subsets 50]
@@ -50,7 +51,7 @@ def main():
     print(f"## {args.task}: M={task.n_train}, {args.test} test points, {args.subsets} subsets")
     print("| method | E | LDS | LDS same-seed | LDS (std.) | LDS same-seed (std.) |")
     print("|---|---|---|---|---|---|")
-    sizes = sorted({1, 2, 3, 5, args.runs} & set(range(1, args.runs + 1)))
+    sizes = sorted({1, 2, 3, 5, 10, 20, args.runs} & set(range(1, args.runs + 1)))
     for name, runs in scores.items():
         for size in sizes:
             raw = np.mean(runs[:size], axis=0)
@@ -58,6 +59,9 @@ def main():
             cells = [lds_score(s, t, subsets) for s in (raw, std) for t in (truth, truth_same)]
             print(f"| {name} | {size} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
         print(f"|   ({name}: {seconds[name] / args.runs:.1f} s per run) |")
+        scales = [np.median(run.std(axis=0)) for run in runs]
+        print(f"|   ({name}: each run's scale, the median over test points of the scores' "
+              f"deviation over rows: {', '.join(f'{s:.2g}' for s in scales)}) |")  # fmt: skip
 
 
 if __name__ == "__main__":
