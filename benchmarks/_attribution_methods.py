@@ -24,7 +24,14 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
   derivative of the test margin with respect to each row's sample weight through the
   whole run, by the optimiser family's rule (exact for SGD, the Hessian term cut for
   Adam); self: ``self_influence(method="counterfactual")``; ``counterfactual-exact``
-  and ``counterfactual-no-hessian`` force ``hessian=True`` / ``False``.
+  and ``counterfactual-no-hessian`` force ``hessian=True`` / ``False``;
+- ``counterfactual-ens``: the plain mean of ``counterfactual``'s scores (and self
+  scores) over the models trained from ``ensemble`` seeds (``_ensemble``: seed 0 is
+  the benchmark's own model), by the same rule on every run: an estimate of the
+  derivative of the *expected* retrained margin over seeds, the fresh-seed LDS's
+  target; ``counterfactual-ens-std`` (an ablation, no self score): each run's scores
+  standardised per test point (zero mean, unit deviation over the training rows)
+  before the mean.
 
 Peers (dattri 0.3.0, captum 0.9.0), on the same network and its recorded weight
 path (float64): TracIn over 10 checkpoints and over every step (dattri's
@@ -42,7 +49,10 @@ score is also the diagonal of ``attribute``), influence functions by DataInf
 (``IFAttributorDataInf``, layer-wise closed-form inverse, regularisation 0.01:
 the explicit Hessian of a 10^5-weight network does not fit in memory; no self
 score: the diagonal of its M x M attribution took 448 s at M=200), captum's
-``TracInCP`` (10 checkpoints, all layers), and random scores.
+``TracInCP`` (10 checkpoints, all layers), and random scores. ``tracin-ens`` and
+``grad-dot-ens``: the mean of ``tracin-10``'s and ``grad-dot``'s scores (and self
+scores) over the same ``ensemble`` models as ``counterfactual-ens`` (the peers at an
+equal number of models).
 
 DVEmb (``dvemb``: dattri's ``DVEmbAttributor``, data value embeddings, Wang et al.
 2024; full gradients, no projection, no factorisation) needs the per-sample gradients
@@ -476,6 +486,58 @@ def counterfactual_no_hessian_self(ctx):
     return counterfactual_self(ctx, hessian=False)
 
 
+def counterfactual_ens(ctx):
+    """The mean of the rule's scores over ``ctx.ensemble`` independently seeded runs."""
+    task = ctx.task
+    return np.mean(
+        [clf.counterfactual(task.X_test, task.y_test, target="margin").scores.T
+         for clf in _ensemble(ctx, False)],
+        axis=0,
+    )  # fmt: skip
+
+
+def counterfactual_ens_self(ctx):
+    return np.mean(
+        [clf.self_influence(method="counterfactual").scores for clf in _ensemble(ctx, True)],
+        axis=0,
+    )
+
+
+def _standardised(scores):
+    """Each column (test point) to zero mean and unit deviation over the rows."""
+    centred = scores - scores.mean(axis=0, keepdims=True)
+    deviation = centred.std(axis=0, keepdims=True)
+    return centred / np.where(deviation > 0, deviation, 1.0)
+
+
+def counterfactual_ens_std(ctx):
+    """Ablation: every run's scores standardised per test point, then the mean."""
+    task = ctx.task
+    return np.mean(
+        [_standardised(clf.counterfactual(task.X_test, task.y_test, target="margin").scores.T)
+         for clf in _ensemble(ctx, False)],
+        axis=0,
+    )  # fmt: skip
+
+
+def _single(ctx, clf, noisy):
+    """A :class:`Context` whose clean (or noisy) model is ``clf``."""
+    if noisy:
+        return Context(ctx.task, ctx.clf, clf, ctx.noisy_y, 1)
+    return Context(ctx.task, clf, ctx.noisy, ctx.noisy_y, 1)
+
+
+def _peer_ens(method, noisy):
+    def mean_over_runs(ctx):
+        return np.mean([method(_single(ctx, clf, noisy)) for clf in _ensemble(ctx, noisy)], axis=0)
+
+    return mean_over_runs
+
+
+tracin_ens, tracin_ens_self = _peer_ens(tracin, False), _peer_ens(tracin_self, True)
+grad_dot_ens, grad_dot_ens_self = _peer_ens(grad_dot, False), _peer_ens(grad_dot_self, True)
+
+
 # -- DVEmb ---------------------------------------------------------------------------
 
 
@@ -617,6 +679,10 @@ METHODS = {
     "counterfactual": (counterfactual, counterfactual_self),
     "counterfactual-exact": (counterfactual_exact, counterfactual_exact_self),
     "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
+    "counterfactual-ens": (counterfactual_ens, counterfactual_ens_self),
+    "counterfactual-ens-std": (counterfactual_ens_std, None),
+    "tracin-ens": (tracin_ens, tracin_ens_self),
+    "grad-dot-ens": (grad_dot_ens, grad_dot_ens_self),
 }
 
 #: name -> ``reason(clf)``: why the method does not model ``clf``'s run, or None.
@@ -634,6 +700,9 @@ def unsupported(method, ctx):
 
 #: Methods added for ``bench_field.py``, not in ``bench_attribution.py``'s default list.
 FIELD_METHODS = ("trak-ens", "if-datainf")
+#: The ensembles of ``counterfactual`` and of the peers (issue 34's fresh-seed
+#: question), not in ``bench_attribution.py``'s default list: they retrain.
+ENSEMBLE_METHODS = ("counterfactual-ens", "counterfactual-ens-std", "tracin-ens", "grad-dot-ens")
 
 #: name -> the label of the table
 LABELS = {
@@ -644,6 +713,8 @@ LABELS = {
     "trak-1": "TRAK, 1 model (dattri)",
     "trak-10": "TRAK, 10 models (dattri)",
     "trak-ens": "TRAK, ensemble (dattri)",
+    "tracin-ens": "TracIn, 10 checkpoints, ensemble (dattri)",
+    "grad-dot-ens": "Grad-Dot, ensemble (dattri)",
     "if-explicit": "IF explicit (dattri)",
     "if-datainf": "IF DataInf (dattri)",
     "captum-tracincp-10": "TracInCP, 10 checkpoints (captum)",

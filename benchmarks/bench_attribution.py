@@ -30,7 +30,14 @@ import traceback
 
 import numpy as np
 import torch
-from _attribution_methods import FIELD_METHODS, LABELS, METHODS, Context, unsupported
+from _attribution_methods import (
+    ENSEMBLE_METHODS,
+    FIELD_METHODS,
+    LABELS,
+    METHODS,
+    Context,
+    unsupported,
+)
 from _attribution_tasks import (
     FIELD_TASKS,
     TASKS,
@@ -246,7 +253,7 @@ def main():
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=[name for name in METHODS if name not in FIELD_METHODS],
+        default=[name for name in METHODS if name not in FIELD_METHODS + ENSEMBLE_METHODS],
         choices=list(METHODS),
     )
     parser.add_argument("--train", type=int, default=500)
