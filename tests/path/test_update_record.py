@@ -4,6 +4,7 @@ pickled as values."""
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 from sklearn_pathkernel._path import Deferred, UpdateRecord
@@ -43,3 +44,53 @@ def test_a_deferred_record_pickles_its_values():
     loaded = pickle.loads(pickle.dumps(record))
     assert torch.equal(loaded.preconditioners, values)
     assert loaded.preconditioners is not values
+
+
+def test_backward_accumulation_over_chunks_with_a_carry_equals_the_closed_form():
+    """psi_r from no buffer over a chunk [a, b), plus the carried part of B_b,
+    equals psi_r = sum_{s >= r} c_{s,r} u_s from UpdateRecord.mixing (closed form);
+    the chunk's buffer at a plus beta^(b - a) B_b is the whole run's B_a."""
+    rng = np.random.RandomState(0)
+    n_steps, a, b = 7, 2, 5
+    record = UpdateRecord(
+        0.8, 0.3, 0.0, rng.rand(n_steps), rng.rand(n_steps), np.zeros(n_steps), None
+    )
+    u = [[torch.tensor(rng.randn(2, 3)), torch.tensor(rng.randn(4))] for _ in range(n_steps)]
+    whole = record.backward()
+    buffers = {}
+    for step in reversed(range(n_steps)):
+        whole.psi(step, u[step])
+        buffers[step] = whole.buffer
+    chunk = record.backward()
+    local = {step: chunk.psi(step, u[step]) for step in reversed(range(a, b))}
+    carried = record.backward(carry=buffers[b], stop=b)
+    for step in reversed(range(a, b)):
+        carry_part = carried.carried(step)
+        expected = [
+            sum(record.mixing(s, step) * u[s][layer] for s in range(step, n_steps))
+            for layer in range(2)
+        ]
+        for layer in range(2):
+            torch.testing.assert_close(
+                local[step][layer] + carry_part[layer], expected[layer], rtol=1e-14, atol=1e-14
+            )
+    decay = record.carry_decay(b - a)
+    assert decay == 0.8 ** (b - a)
+    for layer in range(2):
+        torch.testing.assert_close(
+            chunk.buffer[layer] + decay * buffers[b][layer],
+            buffers[a][layer],
+            rtol=1e-14,
+            atol=1e-14,
+        )
+
+
+def test_a_carry_needs_its_step_and_steps_come_last_to_first():
+    record = _record(None)
+    with pytest.raises(ValueError, match="stop"):
+        record.backward(carry=[torch.ones(3)])
+    with pytest.raises(ValueError, match="No buffer to carry"):
+        record.backward().carried(1)
+    accumulation = record.backward(carry=[torch.ones(3)], stop=2)
+    with pytest.raises(ValueError, match="last to first"):
+        accumulation.carried(0)
