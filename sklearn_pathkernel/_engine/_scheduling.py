@@ -98,8 +98,10 @@ class StepChunks:
 
     def __post_init__(self):
         bounds = tuple(int(b) for b in self.bounds)
-        if len(bounds) < 2 or bounds[0] != 0 or any(
-            b <= a for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        if (
+            len(bounds) < 2
+            or bounds[0] != 0
+            or any(b <= a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         ):
             raise ValueError(
                 f"Step chunks need increasing bounds from 0 with no empty chunk, got {bounds}."

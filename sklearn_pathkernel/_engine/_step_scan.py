@@ -86,7 +86,9 @@ class StepScan:
         first = first_pass(keys, True)
         # Tiles whose chunks kept different layers as deltas: all their chunks, generic.
         redo = [
-            t for t in range(n_tiles) if not _agree([first[t, j].fixed_inputs for j in range(n_chunks)])
+            t
+            for t in range(n_tiles)
+            if not _agree([first[t, j].fixed_inputs for j in range(n_chunks)])
         ]
         if redo:
             first.update(first_pass([(t, j) for t in redo for j in range(n_chunks)], False))

@@ -197,3 +197,33 @@ def test_chunks_on_a_dask_cluster_of_two_workers_equal_the_single_pass():
     workers = {task["worker"] for task in stream.data}
     assert workers and workers <= cluster_workers
     _assert_equal_parts(chunked, single)
+
+
+def test_step_chunks_of_the_estimators_and_recordings():
+    """The public switch: an estimator parameter (get_params/set_params, checked,
+    reaching the engine after fit) and a recording's option."""
+    from sklearn.datasets import make_blobs
+
+    from sklearn_pathkernel import ExactPathKernelClassifier
+
+    X, y = make_blobs(n_samples=24, centers=3, n_features=4, random_state=0)
+    clf = ExactPathKernelClassifier(
+        hidden_layer_sizes=(5,), solver="adam", max_iter=3, batch_size=8, random_state=0
+    ).fit(X, y)
+    assert clf.get_params()["step_chunks"] is None
+    single = clf.decompose(X[:4] + 0.1)
+    clf.set_params(step_chunks=3)
+    assert clf._engine().step_chunks == 3
+    chunked = clf.decompose(X[:4] + 0.1)
+    _assert_equal_parts(chunked, single)
+    with pytest.raises(ValueError, match="step_chunks"):
+        clf.set_params(step_chunks=0).decompose(X[:2])
+
+    recording = _recording("nesterov", nn.Tanh, 8, 2)
+    single = recording.decompose(_queries().numpy())
+    recording.step_chunks = 2
+    assert recording._engine().step_chunks == 2
+    _assert_equal_parts(recording.decompose(_queries().numpy()), single)
+    recording.step_chunks = 0
+    with pytest.raises(ValueError, match="step_chunks"):
+        recording.decompose(_queries().numpy())
