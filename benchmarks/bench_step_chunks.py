@@ -4,6 +4,9 @@ A run whose decomposition accumulates its steps backward (momentum or Adam) is
 decomposed three ways, side by side in one process:
 
 - ``single``: one pass over the steps in this process (``step_chunks=None``);
+- ``chunks serial``: the same chunks one after the other in this process
+  (``step_chunks=c``): its ratio to ``single`` is the scan's extra work,
+  ``1 + rho (c - 1) / c`` with ``rho`` the products' share of a step;
 - ``threads``: ``--chunks`` chunks of steps on ``--chunks`` joblib threads
   (``step_chunks=c, n_jobs=c``);
 - ``dask``: the same chunks on a ``LocalCluster`` of ``--chunks`` worker processes
@@ -34,7 +37,6 @@ from torch import nn
 from sklearn_pathkernel import TrainingRecorder
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine._targets import OutputTarget, QueryTargets
-
 
 #: glibc's malloc settings of the workers: dask's default (MALLOC_TRIM_THRESHOLD_=65536)
 #: fixes the mmap threshold at 128 KiB, so that every tensor of a step is a fresh
@@ -104,6 +106,8 @@ def main():
     )
     results = {}
     results["single"] = timed(engine_of(recording), queries, targets)
+    serial = engine_of(recording, step_chunks=args.chunks)
+    results["chunks serial"] = timed(serial, queries, targets)
     chunked = engine_of(recording, step_chunks=args.chunks, n_jobs=args.chunks)
     results["threads"] = timed(chunked, queries, targets)
 

@@ -227,3 +227,26 @@ def test_step_chunks_of_the_estimators_and_recordings():
     recording.step_chunks = 0
     with pytest.raises(ValueError, match="step_chunks"):
         recording.decompose(_queries().numpy())
+
+
+@pytest.mark.parametrize("optimizer", ["momentum_decay", "adamw"])
+def test_chunks_with_dropout_masks_and_batchnorm_statistics(optimizer):
+    """Recorded dropout masks (the training side's own passes) and BatchNorm in
+    training mode (rows coupled through their batch; the statistics' shares are
+    terms of phi, in the first pass only): the single pass's sums."""
+    X, y = data(30)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.3), nn.Linear(6, 3)
+    ).double()
+    model.train()
+    recording = run(model, _optimizer(optimizer, model), X, y, epochs=2, batch_size=8)
+    queries = _queries().numpy()
+    single = recording.decompose(queries)  # (its engine widens the path by the statistics)
+    assert single.statistics is not None
+    for n_chunks in (2, 3):
+        recording.step_chunks = n_chunks
+        chunked = recording.decompose(queries)
+        _assert_equal_parts(chunked, single)
+        np.testing.assert_allclose(chunked.statistics, single.statistics, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(chunked.residual, 0, atol=1e-10)
