@@ -19,6 +19,10 @@ Threads do not oversubscribe the cores: while ``n`` joblib threads run tasks,
 torch's intra-op threads (one pool for the process) are divided between them,
 ``torch.get_num_threads() // n`` each (at least one), and put back afterwards.
 
+Under joblib's dask backend every task runs on the cluster (one alone too), and a
+computation of several passes (``_step_scan``) ships its owner to the workers once
+for all of them (:meth:`Scheduler.sharing`).
+
 Cost: none beyond the tasks' own, plus joblib's dispatch per task.
 """
 
@@ -27,12 +31,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from joblib import Parallel, delayed, effective_n_jobs
+from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from joblib._parallel_backends import ThreadingBackend
 from joblib.parallel import get_active_backend
 from sklearn.utils import gen_even_slices
 
 from ._progress import NO_PROGRESS, step_progress
+
+
+def _active_dask_backend():
+    """joblib's active backend if it is its dask backend, else None."""
+    try:
+        import distributed  # noqa: F401
+        from joblib._dask import DaskDistributedBackend
+    except ImportError:
+        return None
+    backend, _ = get_active_backend(prefer="threads")
+    return backend if isinstance(backend, DaskDistributedBackend) else None
 
 
 class SharedByTasks:
@@ -91,7 +106,7 @@ class StepChunks:
     ----------
     bounds : tuple of int
         ``0 = b_0 < b_1 < ... < b_c = n_steps``: chunk ``j`` is the steps
-        ``[b_j, b_{j+1})``.
+        ``[b_j, b_{j+1})`` (``(0,)``: a path of no steps, no chunk).
     """
 
     bounds: tuple
@@ -99,7 +114,7 @@ class StepChunks:
     def __post_init__(self):
         bounds = tuple(int(b) for b in self.bounds)
         if (
-            len(bounds) < 2
+            not bounds
             or bounds[0] != 0
             or any(b <= a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         ):
@@ -112,6 +127,8 @@ class StepChunks:
     def even(cls, n_steps, n_chunks):
         """``n_chunks`` chunks of sizes that differ by at most one (at most one per
         step), as :func:`sklearn.utils.gen_even_slices`."""
+        if n_steps == 0:
+            return cls((0,))
         n_chunks = max(1, min(n_steps, n_chunks))
         return cls((0, *(s.stop for s in gen_even_slices(n_steps, n_chunks))))
 
@@ -178,6 +195,25 @@ class Scheduler:
         """The slices of :meth:`chunks` for independent steps."""
         return self.chunks().slices
 
+    @contextmanager
+    def sharing(self, owner):
+        """The calls of :meth:`run` inside share one copy of ``owner`` on a dask
+        cluster: under joblib's dask backend, ``owner`` is scattered to every
+        worker once, when the block starts (joblib's ``scatter``), instead of once
+        per call (a computation of several passes, :mod:`._step_scan`); elsewhere
+        nothing changes."""
+        backend = _active_dask_backend()
+        if backend is None:
+            yield
+            return
+        shared = type(backend)(
+            client=backend.client,
+            scatter=[owner],
+            wait_for_workers_timeout=backend.wait_for_workers_timeout,
+        )
+        with parallel_config(backend=shared):
+            yield
+
     def run(self, tasks, *, units=None, desc="path kernel"):
         """The results of ``tasks`` (``functools.partial`` of bound methods of
         :class:`SharedByTasks` owners, complete calls), in order.
@@ -190,7 +226,8 @@ class Scheduler:
         for owner in owners.values():
             owner.progress = progress
         try:
-            if self.n_workers() == 1 or len(tasks) == 1:
+            # (one task runs here, unless a cluster is to run it: dask's workers)
+            if self.n_workers() == 1 or (len(tasks) == 1 and _active_dask_backend() is None):
                 return [task() for task in tasks]
             with torch_threads_shared_by(min(self.n_workers(), len(tasks))):
                 return Parallel(n_jobs=self.n_jobs, verbose=self.verbose, prefer="threads")(

@@ -38,8 +38,9 @@ Cost: pass 1 is the single pass's work, split; pass 3 repeats the products with
 the batches (``2 n K W |B|`` flops per step) and the batches' factors for all
 chunks but the last, without the test copy; each chunk boundary moves one buffer
 (``n K W`` numbers, ``K d_out`` for a layer of fixed input) to the caller and one
-back. Memory: the caller holds the buffers of ``chunks - 1`` boundaries per row
-tile.
+back. On dask, the engine's parts (the path among them) go to every worker once for
+both passes (``Scheduler.sharing``). Memory: the caller holds the buffers of
+``chunks - 1`` boundaries per row tile.
 """
 
 from functools import partial
@@ -69,6 +70,13 @@ class StepScan:
         """``[(tile, DecompositionPart), ...]`` whose sums per tile are the
         decomposition of the rows ``X[tile]`` (``targets_of(tile)``: their
         :class:`~._targets.QueryTargets` or None)."""
+        if len(self.chunks) <= 1:  # (one pass: nothing to share between passes)
+            return self._passes(X, tiles, targets_of, n_outputs, desc)
+        # On dask: the engine's parts shipped to the workers once, not once per pass.
+        with self.scheduler.sharing(self.decomposition):
+            return self._passes(X, tiles, targets_of, n_outputs, desc)
+
+    def _passes(self, X, tiles, targets_of, n_outputs, desc):
         owner, chunks = self.decomposition, self.chunks.slices
         n_tiles, n_chunks = len(tiles), len(chunks)
 
@@ -93,9 +101,9 @@ class StepScan:
         if redo:
             first.update(first_pass([(t, j) for t in redo for j in range(n_chunks)], False))
         parts = [(tiles[t], first[t, j].part) for t, j in keys]
-        if n_chunks == 1:
+        if n_chunks <= 1:
             return parts
-        tasks, owners_tiles = [], []
+        tasks, carried_tiles = [], []
         for t in range(n_tiles):
             carry = None
             for j in reversed(range(n_chunks - 1)):
@@ -114,10 +122,10 @@ class StepScan:
                         X.dtype,
                     )
                 )
-                owners_tiles.append(rows)
+                carried_tiles.append(rows)
         units = n_tiles * chunks[-1].start
         carried = self.scheduler.run(tasks, units=units, desc=f"{desc}: carries")
-        return parts + list(zip(owners_tiles, carried, strict=True))
+        return parts + list(zip(carried_tiles, carried, strict=True))
 
     def _through(self, later, steps, carry):
         """``B_a^0 + beta^(b - a) C``: the carry ``C`` handed through the chunk ``steps``
@@ -132,6 +140,8 @@ class StepScan:
 
 def _agree(fixed_inputs):
     """Whether every chunk kept the same layers as deltas, with the same inputs."""
+    if not fixed_inputs:  # (a path of no steps)
+        return True
     first = fixed_inputs[0]
     return all(
         other.keys() == first.keys() and all(torch.equal(other[k], first[k]) for k in first)

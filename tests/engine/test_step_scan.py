@@ -163,6 +163,7 @@ def test_step_chunks_are_checked():
         StepChunks((0, 3, 3))
     with pytest.raises(ValueError, match="increasing bounds"):
         StepChunks((1, 3))
+    assert StepChunks.even(0, 2).slices == []  # (a path of no steps)
     assert StepChunks.even(7, 3).bounds == (0, 3, 5, 7)
     assert StepChunks.even(2, 5).bounds == (0, 1, 2)
     assert [s.stop - s.start for s in StepChunks.of_sizes([1, 4, 2]).slices] == [1, 4, 2]
@@ -191,11 +192,22 @@ def test_chunks_on_a_dask_cluster_of_two_workers_equal_the_single_pass():
         distributed.get_task_stream(client) as stream,
         parallel_config(backend="dask"),
     ):
+        scattered = []
+        scatter = client.scatter
+
+        def counted(data, *args, **kwargs):
+            scattered.append(data)
+            return scatter(data, *args, **kwargs)
+
+        client.scatter = counted
         chunked = engine.decompose(X)
         cluster_workers = set(client.scheduler_info()["workers"])
-    # The chunks ran on the cluster's worker processes, not in this process.
+    # The chunks ran on the cluster's worker processes, not in this process, and
+    # the engine's parts went to the cluster once for both passes.
     workers = {task["worker"] for task in stream.data}
     assert workers and workers <= cluster_workers
+    owner = engine._decomposition
+    assert sum(data is owner or data == [owner] for data in scattered) == 1
     _assert_equal_parts(chunked, single)
 
 
