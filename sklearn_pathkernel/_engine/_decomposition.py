@@ -34,6 +34,10 @@ elementwise preconditioner breaks the form: it takes the generic route, as does 
 layer whose input moves (checked at every step; the task then reruns on the
 generic route). The coupled decay's term takes the layer's ``directional``.
 
+``step_chunks`` (the scheduler's :meth:`~._scheduling.Scheduler.chunks`) cuts that
+backward pass into chunks of steps run in parallel, as a scan with a carry
+(:mod:`._step_scan`); the same sums to rounding.
+
 A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
 the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
 one output everywhere above, so the backward passes, the materialised features
@@ -161,7 +165,8 @@ class Decomposition(SharedByTasks):
         # The features, buffer and psi of a row, materialised over the weights; the
         # buffers of a row handed between chunks of steps.
         feature_bytes = 4 * 8 * n_outputs * self.path.n_weights if accumulated else 0
-        carry_bytes = 8 * n_outputs * self.path.n_weights * (len(chunks) - 1) if accumulated else 0
+        boundaries = max(0, len(chunks) - 1) if accumulated else 0
+        carry_bytes = 8 * n_outputs * self.path.n_weights * boundaries
         check_fits(
             (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes + carry_bytes)
             * X.shape[0],
@@ -304,8 +309,8 @@ class Decomposition(SharedByTasks):
         )
 
     def _accumulated(self, X, targets, steps, fixed_inputs=True, carry_out=False):
-        """The steps ``steps`` (a slice; all of them in one pass by default), backward,
-        for updates that mix steps or are preconditioned, from no carried buffer: a
+        """The steps ``steps`` (a slice: all of them, or a chunk), backward, for
+        updates that mix steps or are preconditioned, from no carried buffer: a
         :class:`ChunkPart` (see :mod:`._step_scan` for the chunks' carries).
 
         With ``u_s = P_s * phi_s`` (materialised per layer, except the layers of
