@@ -34,6 +34,10 @@ elementwise preconditioner breaks the form: it takes the generic route, as does 
 layer whose input moves (checked at every step; the task then reruns on the
 generic route). The coupled decay's term takes the layer's ``directional``.
 
+``step_chunks`` (the scheduler's :meth:`~._scheduling.Scheduler.chunks`) cuts that
+backward pass into chunks of steps run in parallel, as a scan with a carry
+(:mod:`._step_scan`); the same sums to rounding.
+
 A scalar target per query (``targets``, :class:`~._targets.QueryTargets`) takes
 the test copy of :math:`T` (``TestCopy.for_targets``): one cotangent per node and
 one output everywhere above, so the backward passes, the materialised features
@@ -51,6 +55,7 @@ from .._path import layout_by_rules, read_row, statistics_factors, take_rows, we
 from ._modes import OutputMode
 from ._planning import check_fits
 from ._scheduling import SharedByTasks
+from ._step_scan import StepScan
 from .rules._gradients import FactoredGradients, Gradients
 
 
@@ -61,6 +66,14 @@ class DecompositionPart(NamedTuple):
     decay: np.ndarray  # (n, K)
     quadrature_error: np.ndarray  # (n,)
     statistics: np.ndarray  # (n, M, K): the running statistics' share, or None
+
+
+class ChunkPart(NamedTuple):
+    """A chunk of steps' first pass (from no carried buffer), for its rows."""
+
+    part: DecompositionPart
+    carry: list  # the buffer at the chunk's first step, per layer, on the host; or None
+    fixed_inputs: dict  # {layer: the rows' inputs} of the layers kept as deltas
 
 
 class _InputsMoved(Exception):
@@ -146,12 +159,17 @@ class Decomposition(SharedByTasks):
         :class:`~._targets.QueryTargets` of ``X``'s rows, or None) makes the
         output one scalar per row."""
         accumulated = not self.path.update.per_step
+        chunks = self.scheduler.chunks(accumulated)
         n_outputs = self.n_outputs if targets is None else 1
         row_bytes = 8 * self.n_train * n_outputs
-        # The features, buffer and psi of a row, materialised over the weights.
+        # The features, buffer and psi of a row, materialised over the weights; the
+        # buffers of a row handed between chunks of steps.
         feature_bytes = 4 * 8 * n_outputs * self.path.n_weights if accumulated else 0
+        boundaries = max(0, len(chunks) - 1) if accumulated else 0
+        carry_bytes = 8 * n_outputs * self.path.n_weights * boundaries
         check_fits(
-            (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes) * X.shape[0],
+            (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes + carry_bytes)
+            * X.shape[0],
             f"decompose on {X.shape[0]} rows ({self.n_train} training points, {n_outputs} outputs)",
             "decompose fewer rows at a time.",
         )
@@ -165,25 +183,24 @@ class Decomposition(SharedByTasks):
         def of(tile):
             return None if targets is None else targets.take(tile)
 
-        if accumulated:  # the steps run backward, in order: tiles of rows only
-            keys = [(tile, None) for tile in tiles]
-            tasks = [partial(self._accumulated, X[tile], of(tile)) for tile in tiles]
+        desc = f"decompose {X.shape[0]} rows"
+        if accumulated:  # the steps run backward: chunks of steps as a scan with a carry
+            parts = StepScan(self, chunks, self.scheduler).run(X, tiles, of, n_outputs, desc)
         else:
-            keys = [(tile, steps) for tile in tiles for steps in self.scheduler.step_chunks()]
+            keys = [(tile, steps) for tile in tiles for steps in chunks.slices]
             tasks = [partial(self._per_step, X[tile], steps, of(tile)) for tile, steps in keys]
-        results = self.scheduler.run(
-            tasks, units=len(tiles) * self.path.n_steps, desc=f"decompose {X.shape[0]} rows"
-        )
+            results = self.scheduler.run(tasks, units=len(tiles) * self.path.n_steps, desc=desc)
+            parts = [(tile, part) for (tile, _), part in zip(keys, results, strict=True)]
         contributions = np.zeros((X.shape[0], self.n_train, n_outputs))
         decay = np.zeros((X.shape[0], n_outputs))
         quadrature_error = np.zeros(X.shape[0])
         coupled = self.path.running_statistics is not None
         statistics = np.zeros_like(contributions) if coupled else None
-        for (tile, _), part in zip(keys, results, strict=True):
+        for tile, part in parts:
             contributions[tile] += part.contributions
             decay[tile] += part.decay
             quadrature_error[tile] += part.quadrature_error
-            if coupled:
+            if part.statistics is not None:
                 statistics[tile] += part.statistics
         probe = self.probes.current()
         extra = {} if statistics is None else {"statistics": statistics}
@@ -291,8 +308,10 @@ class Decomposition(SharedByTasks):
             contributions.cpu().numpy(), decay.cpu().numpy(), quadrature_error, statistics
         )
 
-    def _accumulated(self, X, targets=None):
-        """All steps, backward, for updates that mix steps or are preconditioned.
+    def _accumulated(self, X, targets, steps, fixed_inputs=True, carry_out=False):
+        """The steps ``steps`` (a slice: all of them, or a chunk), backward, for
+        updates that mix steps or are preconditioned, from no carried buffer: a
+        :class:`ChunkPart` (see :mod:`._step_scan` for the chunks' carries).
 
         With ``u_s = P_s * phi_s`` (materialised per layer, except the layers of
         fixed input under scalar mixing: :class:`FixedInputLayers`) and ``psi_s``
@@ -300,15 +319,20 @@ class Decomposition(SharedByTasks):
         per step: the test features (as for SGD), their materialisation (n K W),
         and one matrix product of (n K, W) with the batch's per-example gradients
         (W, |B_s|); a layer of fixed input costs n K d_out and its factored
-        product instead.
+        product instead. ``carry_out``: the chunk's buffer at its first step is
+        handed back (on the host) for the chunks before it.
         """
-        enabled = self.fixed_input_layers and self.path.update.scalar_mixing
+        enabled = fixed_inputs and self.fixed_input_layers and self.path.update.scalar_mixing
         try:
-            return self._accumulated_by(X, targets, enabled)
+            return self._accumulated_by(X, targets, steps, enabled, carry_out)
         except _InputsMoved:
-            return self._accumulated_by(X, targets, False)
+            return self._accumulated_by(X, targets, steps, False, carry_out)
 
-    def _accumulated_by(self, X, targets, fixed_inputs):
+    def _layout(self, dtype):
+        probe = self.probes.current()
+        return layout_by_rules(probe.rules, probe.params, dtype, self.steps.device)
+
+    def _accumulated_by(self, X, targets, steps, fixed_inputs, carry_out):
         """:meth:`_accumulated`, keeping the fixed-input layers factored if ``fixed_inputs``."""
         update = self.path.update
         test_copy, n_outputs = self._test_copy_of(targets)
@@ -318,11 +342,9 @@ class Decomposition(SharedByTasks):
         quadrature_error = np.zeros(n)
         statistics = self._statistics_block(X, n_outputs)
         probe = self.probes.current()
-        accumulation = update.backward(
-            layout_by_rules(probe.rules, probe.params, X.dtype, self.steps.device)
-        )
+        accumulation = update.backward(self._layout(X.dtype))
         fixed_layers = FixedInputLayers(probe.rules, fixed_inputs)
-        for index in self.progress.over(reversed(range(self.path.n_steps))):
+        for index in self.progress.over(reversed(range(steps.start, steps.stop))):
             start = self.steps.step(index).start
             rules = self.probes.current().rules
             batch = self.path.batches[index]
@@ -361,35 +383,86 @@ class Decomposition(SharedByTasks):
                 scales = self.path.unflatten(row)
                 u = [layer * rule.flatten(scales) for layer, rule in zip(u, rules, strict=True)]
             psi = accumulation.psi(index, u)
-            for layer, outer in fixed.items():  # psi = (sum_s c_s delta_s) [a, 1]^T
-                psi[layer] = FactoredGradients(outer.inputs, psi[layer])
-            if update.coupled_decay:
-                factor, direction = weighted(update.coupled_decay, start, params)
-                decay -= factor * sum(
-                    rule.directional(p, direction)
-                    if layer in fixed
-                    else p @ rule.flatten(direction)
-                    for layer, (p, rule) in enumerate(zip(psi, rules, strict=True))
-                )
-            if shared:
-                rows = self.steps.on_device(batch)
-                block = self._batch_inner(psi, integrated.start_factors, fixed)
-                contributions.index_add_(1, rows, block)
-                continue
-            if statistics is not None:  # the rows are coupled: the whole batch at once
-                rows = self.steps.on_device(batch)
-                train = self.probes.current().training_factors(
-                    start, self.X_train[rows], gradients, masks
-                )
-                contributions.index_add_(1, rows, self._batch_inner(psi, train, fixed))
-                continue
-            for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
-                rows = self.steps.on_device(batch[part])
-                train = self.probes.current().training_factors(
-                    start, self.X_train[rows], gradients[part], take_rows(masks, part)
-                )
-                contributions.index_add_(1, rows, self._batch_inner(psi, train, fixed))
-        return self._part(contributions, decay, quadrature_error, statistics)
+            inputs = {layer: outer.inputs for layer, outer in fixed.items()}
+            self._meet_steps_batch(
+                index,
+                psi,
+                inputs,
+                contributions,
+                decay,
+                integrated.start_factors if shared else None,
+                coupled=statistics is not None,
+            )
+        carry = None
+        if carry_out:
+            carry = [layer.cpu() for layer in accumulation.buffer]
+        inputs = {} if fixed_layers.inputs is None else fixed_layers.inputs
+        return ChunkPart(
+            self._part(contributions, decay, quadrature_error, statistics),
+            carry,
+            {layer: value.cpu() for layer, value in inputs.items()},
+        )
+
+    def _carried(self, n_rows, n_outputs, steps, carry, inputs, dtype):
+        """The part of a carried buffer ``carry`` (:math:`B_{steps.stop}`, per layer,
+        on the host) in the steps ``steps``: its :meth:`~BackwardAccumulation.carried`
+        ``psi`` met with each step's batch, and its share of the coupled decay term;
+        the layers in ``inputs`` ({layer: the query rows' inputs}) hold deltas. A
+        :class:`DecompositionPart` with zero quadrature error and no statistics (the
+        carry has no test features of its own). Cost per step: the batch's factors
+        and the products of the first pass, without the test copy."""
+        device = self.steps.device
+        update = self.path.update
+        carry = [layer.to(device) for layer in carry]
+        inputs = {layer: value.to(device) for layer, value in inputs.items()}
+        contributions = torch.zeros((n_rows, self.n_train, n_outputs), dtype=dtype, device=device)
+        decay = torch.zeros((n_rows, n_outputs), dtype=dtype, device=device)
+        accumulation = update.backward(self._layout(dtype), carry, steps.stop)
+        coupled = self.path.running_statistics is not None
+        for index in self.progress.over(reversed(range(steps.start, steps.stop))):
+            psi = accumulation.carried(index)
+            self._meet_steps_batch(index, psi, inputs, contributions, decay, None, coupled)
+        return DecompositionPart(
+            contributions.cpu().numpy(), decay.cpu().numpy(), np.zeros(n_rows), None
+        )
+
+    def _meet_steps_batch(self, index, psi, inputs, contributions, decay, shared, coupled):
+        """Step ``index``'s terms of ``psi`` (per layer; the layers in ``inputs`` hold
+        deltas of factors with those inputs): the coupled decay, into ``decay``, and
+        the products with the batch's training gradients, into ``contributions``
+        (from ``shared``, the batch's factors of the test copy's passes, if given;
+        the whole batch at once if its rows are ``coupled`` by BatchNorm; else by
+        tiles of the batch)."""
+        update = self.path.update
+        start = self.steps.step(index).start
+        probe = self.probes.current()
+        rules, params = probe.rules, probe.params
+        for layer, rows in inputs.items():  # psi = (sum_s c_s delta_s) [a, 1]^T
+            psi[layer] = FactoredGradients(rows, psi[layer])
+        if update.coupled_decay:
+            factor, direction = weighted(update.coupled_decay, start, params)
+            decay -= factor * sum(
+                rule.directional(p, direction) if layer in inputs else p @ rule.flatten(direction)
+                for layer, (p, rule) in enumerate(zip(psi, rules, strict=True))
+            )
+        batch = self.path.batches[index]
+        if shared is not None:
+            rows = self.steps.on_device(batch)
+            contributions.index_add_(1, rows, self._batch_inner(psi, shared, inputs))
+            return
+        gradients = self.path.output_gradients[index].to(self.steps.device)
+        masks = self.path.masks(index)
+        if coupled:  # the rows are coupled: the whole batch at once
+            rows = self.steps.on_device(batch)
+            train = probe.training_factors(start, self.X_train[rows], gradients, masks)
+            contributions.index_add_(1, rows, self._batch_inner(psi, train, inputs))
+            return
+        for part in self.planner.tiles(len(batch), 8 * self.path.n_weights):
+            rows = self.steps.on_device(batch[part])
+            train = probe.training_factors(
+                start, self.X_train[rows], gradients[part], take_rows(masks, part)
+            )
+            contributions.index_add_(1, rows, self._batch_inner(psi, train, inputs))
 
     def _batch_inner(self, psi, train, fixed=()):
         """``<psi, sum_k e_{s,i,k} g_k(x_i; w_s)>`` (n, rows, K) for the training rows

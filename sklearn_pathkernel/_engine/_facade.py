@@ -50,7 +50,7 @@ from ._fitted import FittedPath
 from ._gram import Gram
 from ._modes import OutputMode
 from ._planning import Planner
-from ._scheduling import Scheduler
+from ._scheduling import Scheduler, StepChunks
 from ._steps import PathSteps, ThreadProbes
 from ._stepwise import StepwiseDecomposition
 from ._targets import QueryTargets
@@ -121,6 +121,17 @@ class PathKernelEngine:
         Gram tasks hold as many rows as the device's working budget allows.
     n_jobs : int or None, default=None
         joblib jobs over blocks (respects ``joblib.parallel_config``, e.g. dask).
+    step_chunks : int or None, default=None
+        Contiguous chunks the path's steps are cut into, each a task with every
+        tile of query rows (at most one per step). None: one per joblib worker
+        where the steps are independent (Gram matrices, plain SGD's
+        decomposition), one where ``decompose`` accumulates them backward
+        (momentum, Nesterov, Adam, AdamW). A number splits the accumulation too,
+        as a scan with a carry between chunks (:mod:`._step_scan`): the chunks
+        run in parallel, on threads or dask workers; equal to one chunk's
+        result to rounding, at the cost of the products with the batches again
+        for all chunks but the last, and one buffer (``n K W`` numbers) to the
+        caller and back per chunk boundary.
     verbose : int, default=0
         Show a progress bar over blocks.
 
@@ -144,6 +155,7 @@ class PathKernelEngine:
         n_nodes=4,
         tile_size=512,
         n_jobs=None,
+        step_chunks=None,
         verbose=0,
     ):
         self.module = module
@@ -158,6 +170,9 @@ class PathKernelEngine:
         self.n_nodes = n_nodes
         self.tile_size = tile_size
         self.n_jobs = n_jobs
+        if step_chunks is not None and not isinstance(step_chunks, StepChunks):
+            check_scalar(step_chunks, "step_chunks", Integral, min_val=1)
+        self.step_chunks = step_chunks
         self.verbose = verbose
         self.device = X_train.device
         self.n_train = X_train.shape[0]
@@ -181,7 +196,9 @@ class PathKernelEngine:
             self.link, degrees, self.n_nodes, per_layer
         )
         self._steps = PathSteps(self.path, self.device)
-        self._scheduler = Scheduler(self.n_jobs, self.verbose, self.path.n_steps)
+        self._scheduler = Scheduler(
+            self.n_jobs, self.verbose, self.path.n_steps, self.__dict__.get("step_chunks")
+        )
         self._planner = Planner(
             self.device,
             self.tile_size,

@@ -171,6 +171,14 @@ class NetworkProbe:
             reason,
         )
 
+    def __getstate__(self):
+        # The caches of the last evaluations are not pickled: they hold the
+        # tensors of whole batches of nodes (hundreds of MB shipped to every dask
+        # worker with the task's owner otherwise).
+        state = self.__dict__.copy()
+        state["_unflattened"], state["_step_queries"] = [], []
+        return state
+
     def params(self, flat):
         """``path.unflatten(flat)``, remembered for the last few vectors: a step's
         start and direction are unflattened at every evaluation."""

@@ -19,18 +19,35 @@ Threads do not oversubscribe the cores: while ``n`` joblib threads run tasks,
 torch's intra-op threads (one pool for the process) are divided between them,
 ``torch.get_num_threads() // n`` each (at least one), and put back afterwards.
 
+Under joblib's dask backend every task runs on the cluster (one alone too), and a
+computation of several passes (``_step_scan``) ships its owner to the workers once
+for all of them (:meth:`Scheduler.sharing`).
+
 Cost: none beyond the tasks' own, plus joblib's dispatch per task.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-from joblib import Parallel, delayed, effective_n_jobs
+from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from joblib._parallel_backends import ThreadingBackend
 from joblib.parallel import get_active_backend
 from sklearn.utils import gen_even_slices
 
 from ._progress import NO_PROGRESS, step_progress
+
+
+def _active_dask_backend():
+    """joblib's active backend if it is its dask backend, else None."""
+    try:
+        import distributed  # noqa: F401
+        from joblib._dask import DaskDistributedBackend
+    except ImportError:
+        return None
+    backend, _ = get_active_backend(prefer="threads")
+    return backend if isinstance(backend, DaskDistributedBackend) else None
 
 
 class SharedByTasks:
@@ -81,6 +98,59 @@ def torch_threads_shared_by(n_workers):
         torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class StepChunks:
+    """The steps of a path cut into contiguous chunks, first to last.
+
+    Parameters
+    ----------
+    bounds : tuple of int
+        ``0 = b_0 < b_1 < ... < b_c = n_steps``: chunk ``j`` is the steps
+        ``[b_j, b_{j+1})`` (``(0,)``: a path of no steps, no chunk).
+    """
+
+    bounds: tuple
+
+    def __post_init__(self):
+        bounds = tuple(int(b) for b in self.bounds)
+        if (
+            not bounds
+            or bounds[0] != 0
+            or any(b <= a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        ):
+            raise ValueError(
+                f"Step chunks need increasing bounds from 0 with no empty chunk, got {bounds}."
+            )
+        object.__setattr__(self, "bounds", bounds)
+
+    @classmethod
+    def even(cls, n_steps, n_chunks):
+        """``n_chunks`` chunks of sizes that differ by at most one (at most one per
+        step), as :func:`sklearn.utils.gen_even_slices`."""
+        if n_steps == 0:
+            return cls((0,))
+        n_chunks = max(1, min(n_steps, n_chunks))
+        return cls((0, *(s.stop for s in gen_even_slices(n_steps, n_chunks))))
+
+    @classmethod
+    def of_sizes(cls, sizes):
+        """Chunks of the given numbers of steps, in order."""
+        return cls((0, *np.cumsum([int(size) for size in sizes]).tolist()))
+
+    @property
+    def slices(self):
+        """The chunks as slices of steps, first to last."""
+        return [slice(a, b) for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
+
+    @property
+    def n_steps(self):
+        """The steps of all chunks."""
+        return self.bounds[-1]
+
+    def __len__(self):
+        return len(self.bounds) - 1
+
+
 class Scheduler:
     """Runs independent tasks serially or through joblib.
 
@@ -92,19 +162,57 @@ class Scheduler:
         Show a progress bar over tasks.
     n_steps : int
         Steps of the path.
+    step_chunks : int, StepChunks or None, default=None
+        Chunks the steps are cut into (see :meth:`chunks`), evenly, or as given;
+        None: as the computation needs.
     """
 
-    def __init__(self, n_jobs, verbose, n_steps):
+    def __init__(self, n_jobs, verbose, n_steps, step_chunks=None):
         self.n_jobs, self.verbose, self.n_steps = n_jobs, verbose, n_steps
+        self.n_step_chunks = step_chunks
 
     def n_workers(self):
         """Workers running at once under the current joblib configuration."""
         return effective_n_jobs(self.n_jobs)
 
+    def chunks(self, accumulated=False):
+        """The path's steps as :class:`StepChunks`: ``step_chunks`` of them when
+        set; else one per worker for steps that are independent (Gram matrices,
+        plain SGD's decomposition), one for steps ``accumulated`` backward
+        (momentum, Adam: their chunks need a scan, :mod:`._step_scan`)."""
+        if isinstance(self.n_step_chunks, StepChunks):  # (chunks of chosen sizes)
+            if self.n_step_chunks.n_steps != self.n_steps:
+                raise ValueError(
+                    f"The step chunks cover {self.n_step_chunks.n_steps} steps; the path "
+                    f"has {self.n_steps}."
+                )
+            return self.n_step_chunks
+        if self.n_step_chunks is not None:
+            return StepChunks.even(self.n_steps, self.n_step_chunks)
+        return StepChunks.even(self.n_steps, 1 if accumulated else self.n_workers())
+
     def step_chunks(self):
-        """The path's steps in one contiguous chunk per worker (at most one per step)."""
-        n_chunks = max(1, min(self.n_steps, self.n_workers()))
-        return list(gen_even_slices(self.n_steps, n_chunks))
+        """The slices of :meth:`chunks` for independent steps."""
+        return self.chunks().slices
+
+    @contextmanager
+    def sharing(self, owner):
+        """The calls of :meth:`run` inside share one copy of ``owner`` on a dask
+        cluster: under joblib's dask backend, ``owner`` is scattered to every
+        worker once, when the block starts (joblib's ``scatter``), instead of once
+        per call (a computation of several passes, :mod:`._step_scan`); elsewhere
+        nothing changes."""
+        backend = _active_dask_backend()
+        if backend is None:
+            yield
+            return
+        shared = type(backend)(
+            client=backend.client,
+            scatter=[owner],
+            wait_for_workers_timeout=backend.wait_for_workers_timeout,
+        )
+        with parallel_config(backend=shared):
+            yield
 
     def run(self, tasks, *, units=None, desc="path kernel"):
         """The results of ``tasks`` (``functools.partial`` of bound methods of
@@ -118,7 +226,8 @@ class Scheduler:
         for owner in owners.values():
             owner.progress = progress
         try:
-            if self.n_workers() == 1 or len(tasks) == 1:
+            # (one task runs here, unless a cluster is to run it: dask's workers)
+            if self.n_workers() == 1 or (len(tasks) == 1 and _active_dask_backend() is None):
                 return [task() for task in tasks]
             with torch_threads_shared_by(min(self.n_workers(), len(tasks))):
                 return Parallel(n_jobs=self.n_jobs, verbose=self.verbose, prefer="threads")(

@@ -93,6 +93,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
         "n_points": [Interval(Integral, 1, None, closed="left")],
         "n_jobs": [Integral, None],
+        "step_chunks": [Interval(Integral, 1, None, closed="left"), None],
         "path_storage": [StrOptions({"memory", "disk"}), str, os.PathLike],
         "dtype": [StrOptions(set(TRAINING_DTYPES))],
         "device": [str, torch.device],
@@ -267,11 +268,12 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         """The kernel engine of the fitted path (built once, shared by callers)."""
         check_is_fitted(self)
         cache = self.__dict__.get("_kernel_cache")
-        settings = (self.quadrature, self.n_points, self.n_jobs, self.verbose)
+        settings = (self.quadrature, self.n_points, self.n_jobs, self.step_chunks, self.verbose)
         if cache is not None and settings != (
             cache.quadrature,
             cache.n_points,
             cache.n_jobs,
+            cache.step_chunks,
             cache.verbose,
         ):
             cache = None  # set_params after fit: the kernel follows the new settings
@@ -286,6 +288,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
                 quadrature=self.quadrature,
                 n_points=self.n_points,
                 n_jobs=self.n_jobs,
+                step_chunks=self.step_chunks,
                 verbose=self.verbose,
             )
             self.__dict__["_kernel_cache"] = cache
@@ -313,6 +316,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             self.module_ = self.module_.to(device)
             self._fit_X = self._fit_X.to(device)
         self.__dict__.setdefault("dtype", "float64")  # (pickled before the parameter)
+        self.__dict__.setdefault("step_chunks", None)  # (same)
 
     @property
     def kernel_(self):

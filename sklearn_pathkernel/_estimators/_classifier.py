@@ -96,6 +96,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         quadrature="exact",
         n_points=100,
         n_jobs=None,
+        step_chunks=None,
         path_storage="memory",
         dtype="float64",
         device="cpu",
@@ -122,6 +123,7 @@ class ExactPathKernelClassifier(MLPNetworkMixin, BasePathClassifier):
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_jobs = n_jobs
+        self.step_chunks = step_chunks
         self.path_storage = path_storage
         self.dtype = dtype
         self.device = device

@@ -153,6 +153,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         quadrature="exact",
         n_points=100,
         n_jobs=None,
+        step_chunks=None,
         path_storage="memory",
         dtype="float64",
         device="cpu",
@@ -184,6 +185,7 @@ class DistanceKernelClassifier(DistanceNetworkMixin, BasePathClassifier):
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_jobs = n_jobs
+        self.step_chunks = step_chunks
         self.path_storage = path_storage
         self.dtype = dtype
         self.device = device

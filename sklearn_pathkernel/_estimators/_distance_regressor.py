@@ -126,6 +126,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         quadrature="exact",
         n_points=100,
         n_jobs=None,
+        step_chunks=None,
         path_storage="memory",
         dtype="float64",
         device="cpu",
@@ -156,6 +157,7 @@ class DistanceKernelRegressor(DistanceNetworkMixin, BasePathRegressor):
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_jobs = n_jobs
+        self.step_chunks = step_chunks
         self.path_storage = path_storage
         self.dtype = dtype
         self.device = device

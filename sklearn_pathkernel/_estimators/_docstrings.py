@@ -187,6 +187,16 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Points of the ``"riemann"`` rule.
     n_jobs : int or None, default=None
         Parallel jobs (joblib) over blocks of kernel computations.
+    step_chunks : int or None, default=None
+        Contiguous chunks of the training steps, each a task of its own with
+        every tile of query rows. None: one per ``n_jobs`` worker where the steps
+        are independent (Gram matrices, plain SGD's ``decompose``), one where
+        ``decompose`` accumulates them backward (momentum, Nesterov, Adam,
+        AdamW). A number splits that accumulation too, as a scan with a carry
+        between chunks, so that the chunks run in parallel on threads or dask
+        workers: the same decomposition to rounding (1e-12), for more work (the
+        products with the batches again for all chunks but the last; see
+        ``doc/cluster.rst``).
     path_storage : "memory", "disk" or path-like, default="memory"
         Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
         numbers in the training ``dtype``, is kept: ``"memory"`` (RAM), ``"disk"`` (a

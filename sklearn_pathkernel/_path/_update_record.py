@@ -135,11 +135,20 @@ class UpdateRecord:
         c = self.gradient_scale * self.gradient_rates[step] * self.buffer_decay ** (step - earlier)
         return c + (self.direct_rates[step] if earlier == step else 0.0)
 
-    def backward(self, layout=None):
+    def backward(self, layout=None, carry=None, stop=None):
         """A fresh :class:`BackwardAccumulation` of this record's steps; ``layout``
         lays a :class:`~._blockwise.Blockwise` coefficient out as per-layer tensors
-        (needed only where parameter groups differ, see :func:`~._blockwise.on_layers`)."""
-        return BackwardAccumulation(self, layout)
+        (needed only where parameter groups differ, see :func:`~._blockwise.on_layers`).
+        ``carry`` (with ``stop``): the buffer :math:`B_{stop}` that the later steps
+        ``>= stop`` hand to this accumulation of the steps before ``stop`` (a chunk
+        of the steps, see :meth:`BackwardAccumulation.carried`)."""
+        return BackwardAccumulation(self, layout, carry, stop)
+
+    def carry_decay(self, n_steps):
+        """:math:`\\beta^{n}`: what a buffer carried into the last of ``n_steps``
+        steps weighs at the first of them, with no new features (a number, or a
+        :class:`~._blockwise.Blockwise`)."""
+        return self.buffer_decay**n_steps
 
     def forward(self):
         """A fresh :class:`ForwardAccumulation` of this record's steps."""
@@ -192,13 +201,52 @@ class BackwardAccumulation:
     ``u``'s size (and :math:`\\psi`'s own, unless it is the buffer: see :meth:`psi`).
     """
 
-    def __init__(self, record, layout=None):
+    def __init__(self, record, layout=None, carry=None, stop=None):
+        if (carry is None) != (stop is None):
+            raise ValueError("A carried buffer needs the step it is carried from (stop).")
         self.record, self.layout = record, layout
-        self._buffer = None
-        self._next_step = None
+        self._buffer = None if carry is None else list(carry)
+        self._next_step = stop
         self._constants = None
         self._scratch = None  # per layer: a tensor for ``alpha u`` and ``zeta u``
         self._psi = None  # per layer: the tensor psi is written into (or None)
+
+    @property
+    def buffer(self):
+        """:math:`B_r` of the last step ``r`` fed (the carry the steps fed hand to the
+        steps before them; None before the first step)."""
+        return self._buffer
+
+    def _feed(self, step):
+        if self._next_step is not None and step != self._next_step - 1:
+            raise ValueError(
+                f"Steps must be fed last to first: got {step} after {self._next_step}."
+            )
+        self._next_step = step
+
+    def _betas_gammas(self, n):
+        if self._constants is None:
+            record = self.record
+            self._constants = [
+                self._layers(c, n) for c in (record.buffer_decay, record.gradient_scale)
+            ]
+        return self._constants
+
+    def carried(self, step):
+        """The carry's part of :math:`\\psi_{step}`: the accumulation of a carried
+        buffer alone (no features of its own, :math:`u = 0`),
+        :math:`B_r = \\beta B_{r+1}`, :math:`\\psi_r = \\gamma B_r`; steps in decreasing
+        order, as :meth:`psi`.
+
+        The accumulation is linear in its buffer, so :math:`\\psi_r` of the steps of a
+        chunk ``[a, b)`` is their :meth:`psi` from no carry plus :meth:`carried` from
+        the carry :math:`B_b` (the chunked scan, ``_engine._step_scan``)."""
+        if self._buffer is None:
+            raise ValueError("No buffer to carry: feed psi first, or give a carry.")
+        self._feed(step)
+        betas, gammas = self._betas_gammas(len(self._buffer))
+        self._buffer = [beta * old for beta, old in zip(betas, self._buffer, strict=True)]
+        return [gamma * b for gamma, b in zip(gammas, self._buffer, strict=True)]
 
     def _layers(self, coefficient, n_layers):
         return on_layers(coefficient, self.layout, n_layers)
@@ -215,17 +263,9 @@ class BackwardAccumulation:
         without Nesterov) :math:`\\psi` is the buffer itself.
         """
         record = self.record
-        if self._next_step is not None and step != self._next_step - 1:
-            raise ValueError(
-                f"Steps must be fed last to first: got {step} after {self._next_step}."
-            )
-        self._next_step = step
+        self._feed(step)
         n = len(u)
-        if self._constants is None:
-            self._constants = [
-                self._layers(c, n) for c in (record.buffer_decay, record.gradient_scale)
-            ]
-        betas, gammas = self._constants
+        betas, gammas = self._betas_gammas(n)
         alphas = self._layers(record.gradient_rates[step], n)
         zetas = self._layers(record.direct_rates[step], n)
         if self._buffer is None:

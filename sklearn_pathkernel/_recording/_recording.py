@@ -157,6 +157,15 @@ class Recording(ExplanationMixin):
         backend (dask); ``None`` is one unless a joblib context says otherwise.
         Torch's own threads multiply with it: keep ``n_jobs *
         torch.get_num_threads()`` at most the cores.
+    step_chunks : int or None, default=None
+        Contiguous chunks of the recorded steps, each a task of its own with
+        every tile of query rows. None: one per ``n_jobs`` worker where the steps
+        are independent (Gram matrices, plain SGD's ``decompose``), one where
+        ``decompose`` accumulates them backward (momentum, Nesterov, Adam,
+        AdamW). A number splits that accumulation too, as a scan with a carry
+        between chunks, so that the chunks run in parallel on threads or dask
+        workers: the same decomposition to rounding (1e-12), for more work (see
+        ``doc/cluster.rst``).
     verbose : int, default=0
         Progress bars over the steps of long computations (decompositions,
         Gram matrices, self-influence) when positive.
@@ -204,7 +213,7 @@ class Recording(ExplanationMixin):
 
     Notes
     -----
-    ``quadrature``, ``n_points``, ``n_jobs`` and ``verbose`` are plain
+    ``quadrature``, ``n_points``, ``n_jobs``, ``step_chunks`` and ``verbose`` are plain
     attributes: set them on the recording that
     :meth:`~sklearn_pathkernel.TrainingRecorder.finish` returns
     (``recording.n_jobs = 2``) at any time, and the next computation follows
@@ -216,6 +225,7 @@ class Recording(ExplanationMixin):
         "quadrature": [StrOptions({"exact", "riemann", "dpk"})],
         "n_points": [Interval(Integral, 1, None, closed="left")],
         "n_jobs": [Integral, None],
+        "step_chunks": [Interval(Integral, 1, None, closed="left"), None],
         "verbose": ["verbose"],
     }
 
@@ -229,6 +239,7 @@ class Recording(ExplanationMixin):
         quadrature="exact",
         n_points=100,
         n_jobs=None,
+        step_chunks=None,
         verbose=0,
         link=None,
         targets=None,
@@ -256,6 +267,7 @@ class Recording(ExplanationMixin):
         self.quadrature = quadrature
         self.n_points = n_points
         self.n_jobs = n_jobs
+        self.step_chunks = step_chunks
         self.verbose = verbose
         self._engine_cache = None
         self._replay_cache = None
@@ -300,6 +312,7 @@ class Recording(ExplanationMixin):
     def __setstate__(self, state):
         # Recordings pickled before the options n_points and verbose existed.
         defaults = {"n_points": 100, "verbose": 0, "_replay_cache": None, "_stated_cache": None}
+        defaults["step_chunks"] = None  # (and before step_chunks)
         # (and before counterfactual attribution: no loss, no optimiser settings)
         defaults.update(loss=None, sample_weight=None, optimizer_settings_=None)
         self.__dict__.update({**defaults, **state})

@@ -81,3 +81,54 @@ def test_backward_accumulation_in_place_rounds_as_the_plain_recursion(
         for got, want in zip(psi, expected, strict=True):
             assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(u, given, strict=True))  # u left as given
+
+
+def test_backward_accumulation_over_chunks_with_a_carry_equals_the_closed_form():
+    """psi_r from no buffer over a chunk [a, b), plus the carried part of B_b,
+    equals psi_r = sum_{s >= r} c_{s,r} u_s from UpdateRecord.mixing (closed form);
+    the chunk's buffer at a plus beta^(b - a) B_b is the whole run's B_a."""
+    rng = np.random.RandomState(0)
+    n_steps, a, b = 7, 2, 5
+    record = UpdateRecord(
+        0.8, 0.3, 0.0, rng.rand(n_steps), rng.rand(n_steps), np.zeros(n_steps), None
+    )
+    u = [[torch.tensor(rng.randn(2, 3)), torch.tensor(rng.randn(4))] for _ in range(n_steps)]
+    whole = record.backward()
+    buffers = {}
+    for step in reversed(range(n_steps)):
+        whole.psi(step, u[step])
+        buffers[step] = [layer.clone() for layer in whole.buffer]  # (updated in place)
+    chunk = record.backward()
+    # (psi is updated in place by the next step: kept as copies)
+    local = {step: [p.clone() for p in chunk.psi(step, u[step])] for step in reversed(range(a, b))}
+    carried = record.backward(carry=buffers[b], stop=b)
+    for step in reversed(range(a, b)):
+        carry_part = carried.carried(step)
+        expected = [
+            sum(record.mixing(s, step) * u[s][layer] for s in range(step, n_steps))
+            for layer in range(2)
+        ]
+        for layer in range(2):
+            torch.testing.assert_close(
+                local[step][layer] + carry_part[layer], expected[layer], rtol=1e-14, atol=1e-14
+            )
+    decay = record.carry_decay(b - a)
+    assert decay == 0.8 ** (b - a)
+    for layer in range(2):
+        torch.testing.assert_close(
+            chunk.buffer[layer] + decay * buffers[b][layer],
+            buffers[a][layer],
+            rtol=1e-14,
+            atol=1e-14,
+        )
+
+
+def test_a_carry_needs_its_step_and_steps_come_last_to_first():
+    record = _record(None)
+    with pytest.raises(ValueError, match="stop"):
+        record.backward(carry=[torch.ones(3)])
+    with pytest.raises(ValueError, match="No buffer to carry"):
+        record.backward().carried(1)
+    accumulation = record.backward(carry=[torch.ones(3)], stop=2)
+    with pytest.raises(ValueError, match="last to first"):
+        accumulation.carried(0)
