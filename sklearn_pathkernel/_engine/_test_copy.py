@@ -20,6 +20,7 @@ import copy
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ._features import NodeChunk, StepFeatures
 from .integration._certificate import StepIntegral
@@ -27,6 +28,9 @@ from .integration._link_weights import GaussWeights
 
 #: Steps at which :meth:`TestCopy.nodes_per_row` counts a sample's nodes.
 SAMPLED_STEPS = 4
+#: Query sets of at most this many rows are their own sample: the kink searches
+#: :meth:`TestCopy.nodes_per_row` ran on them are kept for :meth:`TestCopy.integrate`.
+SAMPLE_ROWS = 2
 
 
 class IntegratedStep(NamedTuple):
@@ -71,6 +75,9 @@ class TestCopy:
         self.weighting = GaussWeights(self.n_nodes) if weighting is None else weighting
         self.target_weighting = target_weighting
         self.targets = None
+        # (step index, nodes per piece) -> (rows, RowNodes) of nodes_per_row's
+        # searches on a whole query set; shared by this test copy's copies
+        self._sampled = {}
 
     def for_targets(self, targets):
         """This test copy for a scalar target per row (a
@@ -126,11 +133,25 @@ class TestCopy:
         indices = np.unique(np.linspace(0, n_steps - 1, SAMPLED_STEPS).round().astype(int))
         most = n_nodes
         probe = self.probes.current()
+        self._sampled.clear()
         for index in indices:
-            nodes = self.rule.row_nodes(probe, self.steps.step(int(index)), sample, n_nodes).nodes
-            counts = np.bincount(nodes.rows, minlength=sample.shape[0])
+            row_nodes = self.rule.row_nodes(probe, self.steps.step(int(index)), sample, n_nodes)
+            if X.shape[0] <= SAMPLE_ROWS:  # the sample is X: integrate takes these again
+                self._sampled[(int(index), n_nodes)] = (sample, row_nodes)
+            counts = np.bincount(row_nodes.nodes.rows, minlength=sample.shape[0])
             most = max(most, int(counts.max()))
         return most
+
+    def _row_nodes(self, index, X, n_nodes):
+        """The rule's nodes of the rows ``X`` on step ``index``: those
+        :meth:`nodes_per_row` searched when it sampled these very rows there
+        (once), else the rule's own search."""
+        kept = self._sampled.pop((int(index), n_nodes), None)
+        if kept is not None:
+            sample, row_nodes = kept
+            if sample.shape == X.shape and sample.device == X.device and torch.equal(sample, X):
+                return row_nodes
+        return self.rule.row_nodes(self.probes.current(), self.steps.step(index), X, n_nodes)
 
     def features(self, chunks, n_rows, outputs_per_pair=1):
         """The :class:`StepFeatures` of evaluated node ``chunks`` of ``n_rows`` rows."""
@@ -253,7 +274,7 @@ class TestCopy:
         step = self.steps.step(index)
         n_nodes = self.n_nodes
         n_rows = X.shape[0]
-        row_nodes = self.rule.row_nodes(self.probes.current(), step, X, n_nodes)
+        row_nodes = self._row_nodes(index, X, n_nodes)
         if with_rows is None:
             chunks, start_factors = self.evaluate(step, X, row_nodes.nodes), None
         else:
