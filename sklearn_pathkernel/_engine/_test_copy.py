@@ -52,6 +52,20 @@ class IntegratedStep(NamedTuple):
     start_factors: object
 
 
+def _matching_rows(sample, X):
+    """Per row of ``X``, the index of an equal row of ``sample``; None when some
+    row has none (or they live on different devices, or differ in shape)."""
+    if sample.device != X.device or sample.shape[1:] != X.shape[1:]:
+        return None
+    picked = []
+    for row in X:
+        found = [j for j in range(sample.shape[0]) if torch.equal(sample[j], row)]
+        if not found:
+            return None
+        picked.append(found[0])
+    return picked
+
+
 class TestCopy:
     """Integrates and certifies the test copy of a step.
 
@@ -145,12 +159,14 @@ class TestCopy:
     def _row_nodes(self, index, X, n_nodes):
         """The rule's nodes of the rows ``X`` on step ``index``: those
         :meth:`nodes_per_row` searched when it sampled these very rows there
-        (once), else the rule's own search."""
-        kept = self._sampled.pop((int(index), n_nodes), None)
+        (a task may hold some of them), else the rule's own search."""
+        kept = self._sampled.get((int(index), n_nodes))
         if kept is not None:
             sample, row_nodes = kept
-            if sample.shape == X.shape and sample.device == X.device and torch.equal(sample, X):
-                return row_nodes
+            picked = _matching_rows(sample, X)
+            if picked is not None:
+                same = picked == list(range(sample.shape[0]))
+                return row_nodes if same else row_nodes.of_rows(picked)
         return self.rule.row_nodes(self.probes.current(), self.steps.step(index), X, n_nodes)
 
     def features(self, chunks, n_rows, outputs_per_pair=1):
