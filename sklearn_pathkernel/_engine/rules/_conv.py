@@ -254,7 +254,7 @@ def _row_segments(rows, n_rows):
 
 
 def _weighted_sums(rows, weights, values, n_rows):
-    """:func:`row_sums` of ``values`` (E, ...) without a scaled copy of them: per
+    """:func:`row_sums` of ``values`` (E, K, ...) without a scaled copy of them: per
     row, one product of its weights with its nodes' values."""
     segments = _row_segments(rows, n_rows)
     if segments is None:
@@ -262,7 +262,11 @@ def _weighted_sums(rows, weights, values, n_rows):
     dtype = torch.promote_types(weights.dtype, values.dtype)  # (as row_sums)
     out = values.new_zeros((n_rows, *values.shape[1:]), dtype=dtype)
     for row, nodes in segments:
-        out[row] = torch.tensordot(weights[nodes].to(dtype), values[nodes].to(dtype), dims=1)
+        part = values[nodes].to(dtype)
+        # (E, K, F) taken as (K, E, F): the probe's cotangents are laid out
+        # output first, and a batched product reads them in place
+        part = part.reshape(*part.shape[:2], -1).transpose(0, 1)
+        out[row] = torch.matmul(weights[nodes].to(dtype), part).view(values.shape[1:])
     return out
 
 
