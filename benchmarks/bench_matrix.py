@@ -12,6 +12,8 @@ Usage::
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
     python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
     python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
+    python benchmarks/bench_matrix.py --cnn28 --base cb7acb9 --gram-queries 0 --repeats 2
+    python benchmarks/bench_matrix.py --cnn28 --base none --gram-queries 0 --side 14
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -70,9 +72,14 @@ a new user writes for MNIST (conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3
 ReLU, 2x2 max-pool, linear 800->10; 12 810 weights), ``AdamW`` (lr 1e-3, weight
 decay 0.01), batches of 64, on MNIST (as the ``mnist`` cell); by default M = 320 and
 one epoch (5 steps), 2 queries, 1 cross-Gram query, one repeat, this commit only
-(``--sizes``, ``--steps``, ``--queries``, ``--base`` change that). Its line adds
-the process's peak resident memory, and the units that can switch along a step
-(ReLUs and max-pool windows per row).
+(``--sizes``, ``--steps``, ``--queries``, ``--base`` change that; ``--gram-queries
+0`` skips the cross Gram). Its line adds the process's peak resident memory, and
+the units that can switch along a step (ReLUs and max-pool windows per row).
+``--side S``: the same network on the MNIST images resized to S x S (area
+averaging for 14, antialiased bilinear otherwise; the linear layer takes what the
+convolutions and pools leave), for how the cost grows with the image. Pieces are
+counted where they are integrated (nodes over nodes per piece), not where the
+memory plan samples a few steps' kinks.
 
 Exactness: the largest relative difference between the two commits'
 contributions and Grams, and this commit's certificate (max over queries of
@@ -525,7 +532,9 @@ def main():
     parser.add_argument(
         "--base", default=None, help="earlier commit, or 'none' (c31ef24; --images: 57855f5)"
     )
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timings kept the fastest of (2; --cnn28: 1)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
     parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
@@ -552,7 +561,7 @@ def main():
         config = dict(CNN28)
         if args.steps is not None:
             config["steps"] = args.steps
-        if args.repeats == 2:  # (the default) one: a query takes many seconds
+        if args.repeats is None:  # one: a query takes many seconds
             args.repeats = 1
     elif args.images:
         config = dict(IMAGES_QUICK if args.quick else IMAGES)
@@ -562,6 +571,8 @@ def main():
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     sizes = args.sizes or config.get("sizes")
+    if args.repeats is None:
+        args.repeats = 2
     if args.cnn28:
         runs = [(CNN28_CELL, size) for size in sizes]
     elif args.images:
