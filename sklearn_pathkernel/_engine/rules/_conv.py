@@ -259,7 +259,7 @@ def _weighted_sums(rows, weights, values, n_rows):
     segments = _row_segments(rows, n_rows)
     if segments is None:
         return row_sums(rows, weights, values, n_rows)
-    dtype = torch.promote_types(weights.dtype, values.dtype)  # (as row_sums)
+    dtype = torch.promote_types(weights.dtype, values.dtype)
     out = values.new_zeros((n_rows, *values.shape[1:]), dtype=dtype)
     for row, nodes in segments:
         part = values[nodes].to(dtype)
@@ -279,7 +279,7 @@ def _weighted_grads(rows, weights, factors, n_rows):
         return row_sums(rows, weights, factors.grads, n_rows)
     columns, deltas = factors.columns, factors.deltas
     n_outputs, d_out, d_in = deltas.shape[1], deltas.shape[2], columns.shape[1]
-    dtype = torch.promote_types(weights.dtype, deltas.dtype)  # (as row_sums)
+    dtype = torch.promote_types(weights.dtype, deltas.dtype)
     out = deltas.new_zeros((n_rows, n_outputs, d_out * d_in), dtype=dtype)
     for row, nodes in segments:
         scaled = weights[nodes].to(dtype).view(-1, 1, 1) * columns[nodes].to(dtype)

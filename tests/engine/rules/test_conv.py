@@ -261,3 +261,22 @@ def test_conv_integrate_chunks_rows_with_other_columns_in_another_chunk():
     assert type(summed) is Gradients
     expected = sum(row_sums(c.rows, c.weights, c.factors.grads, 2) for c in chunks)
     torch.testing.assert_close(summed.grads, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_conv_integrate_chunks_in_float32(moving):
+    """A float32 run's factors and node weights: the sums stay float32 and equal
+    ``row_sums`` of the formed gradients."""
+    from sklearn_pathkernel._engine._features import NodeChunk
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+    from sklearn_pathkernel._engine.rules._rows import row_sums
+
+    chunks = [
+        NodeChunk(rows, weights.float(), ConvGradients(f.columns.float(), f.deltas.float()))
+        for rows, weights, f in _conv_chunks(moving, [[0, 0, 1], [1, 2]])
+    ]
+    rule = Conv2dRule(torch.nn.Conv2d(2, 5, 3), "w", "b")
+    summed = rule.integrate_chunks(chunks, 3)
+    expected = sum(row_sums(c.rows, c.weights, c.factors.grads, 3) for c in chunks)
+    assert summed.grads.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(summed.grads, expected, rtol=1e-5, atol=1e-5)
