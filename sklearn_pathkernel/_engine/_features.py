@@ -62,8 +62,14 @@ class StepFeatures:
         self.layers = []
         for index, rule in enumerate(rules):
             chunks = [NodeChunk(rows, weights, f[index]) for rows, weights, f in evaluated]
-            joined = _joined(chunks)
-            integral = None if joined is None else rule.integrate(*joined, n_rows, outputs_per_pair)
+            integral = joined = None
+            if len(chunks) > 1:  # (summed chunk by chunk where the rule can)
+                integral = rule.integrate_chunks(chunks, n_rows, outputs_per_pair)
+            if integral is None:
+                joined = _joined(chunks)
+                integral = (
+                    None if joined is None else rule.integrate(*joined, n_rows, outputs_per_pair)
+                )
             if integral is not None:
                 self.layers.append([NodeChunk(None, None, integral)])
             else:  # one chunk of every node: the products are cut to the budget later

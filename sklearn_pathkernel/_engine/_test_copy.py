@@ -20,6 +20,7 @@ import copy
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ._features import NodeChunk, StepFeatures
 from .integration._certificate import StepIntegral
@@ -27,6 +28,9 @@ from .integration._link_weights import GaussWeights
 
 #: Steps at which :meth:`TestCopy.nodes_per_row` counts a sample's nodes.
 SAMPLED_STEPS = 4
+#: Query sets of at most this many rows are their own sample: the kink searches
+#: :meth:`TestCopy.nodes_per_row` ran on them are kept for :meth:`TestCopy.integrate`.
+SAMPLE_ROWS = 2
 
 
 class IntegratedStep(NamedTuple):
@@ -46,6 +50,20 @@ class IntegratedStep(NamedTuple):
     features: StepFeatures
     quadrature_error: object
     start_factors: object
+
+
+def _matching_rows(sample, X):
+    """Per row of ``X``, the index of an equal row of ``sample``; None when some
+    row has none (or they live on different devices, or differ in shape)."""
+    if sample.device != X.device or sample.shape[1:] != X.shape[1:]:
+        return None
+    picked = []
+    for row in X:
+        found = [j for j in range(sample.shape[0]) if torch.equal(sample[j], row)]
+        if not found:
+            return None
+        picked.append(found[0])
+    return picked
 
 
 class TestCopy:
@@ -71,6 +89,9 @@ class TestCopy:
         self.weighting = GaussWeights(self.n_nodes) if weighting is None else weighting
         self.target_weighting = target_weighting
         self.targets = None
+        # (step index, nodes per piece) -> (rows, RowNodes) of nodes_per_row's
+        # searches on a whole query set; shared by this test copy's copies
+        self._sampled = {}
 
     def for_targets(self, targets):
         """This test copy for a scalar target per row (a
@@ -126,11 +147,27 @@ class TestCopy:
         indices = np.unique(np.linspace(0, n_steps - 1, SAMPLED_STEPS).round().astype(int))
         most = n_nodes
         probe = self.probes.current()
+        self._sampled.clear()
         for index in indices:
-            nodes = self.rule.row_nodes(probe, self.steps.step(int(index)), sample, n_nodes).nodes
-            counts = np.bincount(nodes.rows, minlength=sample.shape[0])
+            row_nodes = self.rule.row_nodes(probe, self.steps.step(int(index)), sample, n_nodes)
+            if X.shape[0] <= SAMPLE_ROWS:  # the sample is X: integrate takes these again
+                self._sampled[(int(index), n_nodes)] = (sample, row_nodes)
+            counts = np.bincount(row_nodes.nodes.rows, minlength=sample.shape[0])
             most = max(most, int(counts.max()))
         return most
+
+    def _row_nodes(self, index, X, n_nodes):
+        """The rule's nodes of the rows ``X`` on step ``index``: those
+        :meth:`nodes_per_row` searched when it sampled these very rows there
+        (a task may hold some of them), else the rule's own search."""
+        kept = self._sampled.get((int(index), n_nodes))
+        if kept is not None:
+            sample, row_nodes = kept
+            picked = _matching_rows(sample, X)
+            if picked is not None:
+                same = picked == list(range(sample.shape[0]))
+                return row_nodes if same else row_nodes.of_rows(picked)
+        return self.rule.row_nodes(self.probes.current(), self.steps.step(index), X, n_nodes)
 
     def features(self, chunks, n_rows, outputs_per_pair=1):
         """The :class:`StepFeatures` of evaluated node ``chunks`` of ``n_rows`` rows."""
@@ -255,7 +292,7 @@ class TestCopy:
         step = self.steps.step(index)
         n_nodes = self.n_nodes
         n_rows = X.shape[0]
-        row_nodes = self.rule.row_nodes(self.probes.current(), step, X, n_nodes)
+        row_nodes = self._row_nodes(index, X, n_nodes)
         if with_rows is None:
             chunks, start_factors = self.evaluate(step, X, row_nodes.nodes), None
         else:

@@ -134,6 +134,7 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
     lo, hi = np.tile(grid[:-1], n), np.tile(grid[1:], n)
     kink_rows, kink_t = [np.repeat(np.arange(n), grid.size - 2)], [np.tile(grid[1:-1], n)]
     searches, ends = [], None
+    settled = None  # per switch tensor and pool, whether solved on every piece so far
     for level in range(MAX_LEVELS + 1):
         if piece_row.size == 0:
             break
@@ -142,7 +143,8 @@ def row_kinks(probe, start, direction, X, rows, grid=(0.0, 1.0)):
             first = torch.arange(n, device=X.device) * n_pieces
             last = first + n_pieces - 1
             ends = StepEnds(*states[0].take(first).outputs, *states[-1].take(last).outputs)
-        solved = closed_form_kinks(states)
+        solved = closed_form_kinks(states, settled)
+        settled = Settled.of(solved)
         kink_rows.append(piece_row[solved.rows])
         kink_t.append(solved.t)
         changes = np.zeros((3, piece_row.size), dtype=bool)  # between consecutive samples
@@ -254,12 +256,33 @@ class ClosedFormKinks(NamedTuple):
     t: np.ndarray
 
 
-def closed_form_kinks(states):
+class Settled(NamedTuple):
+    """Per switch tensor and per max-pool, whether every entry was solved in closed
+    form on every piece of a level of :func:`row_kinks`: the next level's pieces
+    lie inside those, where the same polynomials have no kinks but the ones found
+    already, so they are not fitted again (a first layer's pre-activations are
+    linear along the whole step)."""
+
+    switches: list
+    pools: list
+
+    @classmethod
+    def of(cls, solved):
+        """From a level's :class:`ClosedFormKinks`."""
+        return cls(
+            [bool(mask.all()) for mask in solved.switches],
+            [bool(mask.all()) for mask in solved.pools],
+        )
+
+
+def closed_form_kinks(states, settled=None):
     """The kinks of the switching values and max-pool windows polynomial on their
     pieces, from the states at ``u = 0, 1/3, 2/3, 1`` (see :func:`polynomial_switches`
-    and :func:`._pool_switches.polynomial_pools`)."""
-    switches = polynomial_switches(states)
-    pools = polynomial_pools(states, POLYNOMIAL_RTOL)
+    and :func:`._pool_switches.polynomial_pools`); those ``settled`` (a
+    :class:`Settled` of the pieces these lie in, or None) are solved without a fit
+    and have no kinks inside the pieces."""
+    switches = polynomial_switches(states, None if settled is None else settled.switches)
+    pools = polynomial_pools(states, POLYNOMIAL_RTOL, None if settled is None else settled.pools)
     unsolved = torch.zeros(states[0].t.shape[0], dtype=torch.bool, device=states[0].t.device)
     for mask in (*switches.solved, *pools.solved):
         unsolved |= ~mask.flatten(1).all(1)
@@ -351,7 +374,7 @@ def _by_row(n, rows, t):
     return [t[begin:end] for begin, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def polynomial_switches(states):
+def polynomial_switches(states, settled=None):
     """Roots of the switching values that are linear or quadratic in ``t`` on an interval.
 
     ``states`` are the rows' states at ``u = 0, 1/3, 2/3, 1`` of their interval
@@ -368,6 +391,9 @@ def polynomial_switches(states):
     that leaves its piece and comes back within the interval are found, which
     the end signs cannot show.
 
+    ``settled`` (one bool per switch tensor, or None): tensors solved on the
+    pieces these intervals lie in, taken as solved without kinks inside them.
+
     Returns
     -------
     PolynomialSwitches
@@ -375,7 +401,10 @@ def polynomial_switches(states):
     """
     lo, hi = states[0].t, states[-1].t
     masks, kink_rows, kink_t = [], [], []
-    for samples in zip(*(state.switches for state in states), strict=True):
+    for index, samples in enumerate(zip(*(state.switches for state in states), strict=True)):
+        if settled is not None and settled[index]:
+            masks.append(torch.ones(samples[0].shape, dtype=torch.bool, device=lo.device))
+            continue
         # values are computed to a few eps of the row's largest one (at best;
         # the largest at the ends stands for it)
         floor = torch.maximum(samples[0].abs().amax(1), samples[-1].abs().amax(1))

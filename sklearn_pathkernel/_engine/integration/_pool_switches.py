@@ -105,7 +105,7 @@ def _windows(shape, kernel, stride, padding, dilation, device):
     return (unfolded[0].T.round().long() - 1).to(device)
 
 
-def polynomial_pools(states, rtol):
+def polynomial_pools(states, rtol, settled=None):
     """Kinks of the max-pool windows whose entries are all polynomials in ``t``.
 
     ``states`` are the rows' :class:`._switches.SwitchState` at ``u = 0, 1/3,
@@ -114,7 +114,9 @@ def polynomial_pools(states, rtol):
     every root in ``(0, 1)`` of ``v_i - v_j`` (each pair of entries) at which
     ``v_i`` is the window's largest value (to ``WINNER_RTOL``) is a kink: there
     the winner passes from one to the other. ``rtol``: the polynomial test's
-    tolerance (``_kinks.POLYNOMIAL_RTOL``).
+    tolerance (``_kinks.POLYNOMIAL_RTOL``). ``settled`` (one bool per pool, or
+    None): pools whose windows were all solved on the pieces these intervals lie
+    in, taken as solved without kinks inside them.
 
     Returns
     -------
@@ -124,6 +126,9 @@ def polynomial_pools(states, rtol):
     masks, kink_rows, kink_t = [], [], []
     for j, windows in enumerate(states[0].windows):
         indices = states[0].pools[j][1]
+        if settled is not None and settled[j]:
+            masks.append(torch.ones(indices.shape, dtype=torch.bool, device=indices.device))
+            continue
         if windows is None:
             masks.append(torch.zeros(indices.shape, dtype=torch.bool, device=indices.device))
             continue

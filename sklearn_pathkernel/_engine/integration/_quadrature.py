@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ._degree import NodeCounts
 from ._kinks import StepEnds, row_kinks
@@ -72,6 +73,22 @@ class RowNodes(NamedTuple):
     nodes: Nodes
     kinks: list | None
     ends: StepEnds | None
+
+    def of_rows(self, picked):
+        """These nodes for the rows ``picked`` (indices into this batch's rows),
+        renumbered ``0 .. len(picked) - 1`` in that order."""
+        picked = np.asarray(picked, dtype=np.int64)
+        parts = []
+        for position, row in enumerate(picked):
+            part = self.nodes.take(self.nodes.rows == row)
+            parts.append(Nodes(np.full(part.rows.size, position), part.t, part.weights))
+        nodes = Nodes.cat(parts) if parts else self.nodes.take(slice(0, 0))
+        kinks = None if self.kinks is None else [self.kinks[row] for row in picked]
+        ends = None
+        if self.ends is not None:
+            index = torch.as_tensor(picked, device=self.ends.f_start.device)
+            ends = type(self.ends)(*(value[index] for value in self.ends))
+        return RowNodes(nodes, kinks, ends)
 
 
 def pieces(rows, kinks):

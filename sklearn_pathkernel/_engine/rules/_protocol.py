@@ -228,6 +228,13 @@ class LayerRule(ABC):
         (keep one inner product per node). See ``StepFeatures``."""
         return None
 
+    def integrate_chunks(self, chunks, n_rows, outputs_per_pair=1):
+        """:meth:`integrate` of the nodes of several ``(rows, weights, factors)``
+        chunks (one per pass), or None: the chunks are then joined into one and
+        :meth:`integrate` decides. Rules whose node factors are large override it
+        to sum chunk by chunk, without the joined copy."""
+        return None
+
 
 class LinearInWeights(LayerRule):
     """A rule for a layer linear in its weights (``RowEvaluation.MOVED_OUTPUT``)."""

@@ -72,3 +72,61 @@ def test_the_search_returns_the_ends_of_the_step():
         expected, expected_scale = probe.output_with_scale(weights, X)
         torch.testing.assert_close(f, expected, rtol=0, atol=1e-14)
         torch.testing.assert_close(scale, expected_scale, rtol=0, atol=1e-14)
+
+
+class _TwoConvPool(nn.Module):
+    """conv 1->3 3x3, ReLU, 2x2 max-pool, conv 3->4 3x3, ReLU, 2x2 max-pool, linear:
+    the 28x28 benchmark CNN's shape on 10x10 images (three levels of kinks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, 3)
+        self.conv2 = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4 * 1 * 1, 2)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, 10, 10))), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def test_settled_layers_are_not_fitted_again_and_the_kinks_stay(monkeypatch):
+    """``row_kinks``: switch tensors and pools solved on every piece of a level
+    (``Settled``: the first convolution's ReLUs, linear along the step) are not
+    fitted on the next levels' sub-pieces, and the kinks are those of a search
+    that fits every tensor at every level."""
+    torch.manual_seed(0)
+    module = _TwoConvPool().to(DTYPE)
+    named = list(module.named_parameters())
+    start = torch.cat([p.detach().reshape(-1) for _, p in named])
+    direction = 0.5 * torch.randn_like(start)
+    path = WeightPath(
+        weights=torch.stack([start, start + direction]),
+        param_names=[name for name, _ in named],
+        param_shapes=[tuple(p.shape) for _, p in named],
+    )
+    X = torch.rand(6, 100, dtype=DTYPE)
+    probe = NetworkProbe(module, path, X[:1])
+    levels = []
+    of = _kinks.Settled.of.__func__
+
+    def recorded(cls, solved):
+        settled = of(cls, solved)
+        levels.append(settled)
+        return settled
+
+    monkeypatch.setattr(_kinks.Settled, "of", classmethod(recorded))
+    search = row_kinks(probe, start, direction, X, np.arange(X.shape[0]))
+    assert len(levels) >= 2 and levels[0].switches[0]  # the first ReLUs, settled at once
+    assert not all(levels[0].switches + levels[0].pools)  # a later level had work left
+    monkeypatch.setattr(
+        _kinks.Settled,
+        "of",
+        classmethod(
+            lambda cls, solved: cls([False] * len(solved.switches), [False] * len(solved.pools))
+        ),
+    )
+    every = row_kinks(probe, start, direction, X, np.arange(X.shape[0]))
+    assert sum(row.size for row in search.kinks) > 3 * X.shape[0]
+    for found, expected in zip(search.kinks, every.kinks, strict=True):
+        np.testing.assert_allclose(found, expected, rtol=0, atol=_kinks.KINK_MERGE)

@@ -191,3 +191,92 @@ def test_conv_gradients_sum_a_first_layers_nodes_before_forming_them():
     fresh = ConvGradients(columns[rows], deltas)
     torch.testing.assert_close(fresh.directional(step), same.grads @ step, rtol=1e-13, atol=1e-13)
     assert "grads" not in vars(fresh)
+
+
+def _conv_chunks(moving, rows_per_chunk, seed=0):
+    """Node chunks of ConvGradients over 4 rows: each row's columns fixed
+    (``moving`` False) or different at every node, and the formed gradients of
+    all nodes joined (the reference sums)."""
+    from sklearn_pathkernel._engine._features import NodeChunk
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+
+    generator = torch.Generator().manual_seed(seed)
+    row_columns = torch.randn(4, 10, 16, dtype=torch.float64, generator=generator)
+    chunks = []
+    for rows in rows_per_chunk:
+        rows = torch.tensor(rows, dtype=torch.long)
+        columns = row_columns[rows].clone()
+        if moving:
+            columns += torch.randn(columns.shape, dtype=torch.float64, generator=generator)
+        deltas = torch.randn(rows.numel(), 3, 5, 16, dtype=torch.float64, generator=generator)
+        weights = torch.rand(rows.numel(), dtype=torch.float64, generator=generator)
+        chunks.append(NodeChunk(rows, weights, ConvGradients(columns, deltas)))
+    return chunks
+
+
+@pytest.mark.parametrize("moving", [False, True])
+@pytest.mark.parametrize(
+    "rows_per_chunk",
+    [
+        [[0, 0, 1], [1, 2, 2, 2]],  # sorted, a row across two chunks, row 3 without nodes
+        [[2, 0, 2], [1, 0]],  # unsorted: the scatter route
+        [[], [0, 1, 1, 3]],  # an empty chunk
+    ],
+)
+def test_conv_integrate_chunks_equals_the_joined_sums(moving, rows_per_chunk):
+    """``Conv2dRule.integrate_chunks`` sums each chunk's nodes without joining
+    them; the result equals the row sums of all nodes' formed gradients (an
+    independent einsum and scatter), keeps the columns of a first convolution
+    (``ConvGradients``) and forms the gradients otherwise."""
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+    from sklearn_pathkernel._engine.rules._rows import row_sums
+
+    chunks = _conv_chunks(moving, rows_per_chunk)
+    rows = torch.cat([c.rows for c in chunks])
+    weights = torch.cat([c.weights for c in chunks])
+    columns = torch.cat([c.factors.columns for c in chunks])
+    deltas = torch.cat([c.factors.deltas for c in chunks])
+    formed = torch.einsum("nkop,nip->nkoi", deltas, columns).flatten(2)
+    expected = row_sums(rows, weights, formed, 4)
+    rule = Conv2dRule(torch.nn.Conv2d(2, 5, 3), "w", "b")
+    summed = rule.integrate_chunks(chunks, 4)
+    assert type(summed) is (Gradients if moving else ConvGradients)
+    torch.testing.assert_close(summed.grads, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_conv_integrate_chunks_rows_with_other_columns_in_another_chunk():
+    """A row whose columns differ between two chunks (not a first layer) is not
+    taken for fixed columns: the gradients are formed, and equal the joined sums."""
+    from sklearn_pathkernel._engine._features import NodeChunk
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+    from sklearn_pathkernel._engine.rules._rows import row_sums
+
+    chunks = _conv_chunks(False, [[0, 1], [1, 1]])
+    first = chunks[1].factors
+    chunks[1] = NodeChunk(
+        chunks[1].rows, chunks[1].weights, ConvGradients(first.columns + 1.0, first.deltas)
+    )
+    rule = Conv2dRule(torch.nn.Conv2d(2, 5, 3), "w", "b")
+    summed = rule.integrate_chunks(chunks, 2)
+    assert type(summed) is Gradients
+    expected = sum(row_sums(c.rows, c.weights, c.factors.grads, 2) for c in chunks)
+    torch.testing.assert_close(summed.grads, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_conv_integrate_chunks_in_float32(moving):
+    """A float32 run's factors and node weights: the sums stay float32 and equal
+    ``row_sums`` of the formed gradients."""
+    from sklearn_pathkernel._engine._features import NodeChunk
+    from sklearn_pathkernel._engine.rules._conv import ConvGradients
+    from sklearn_pathkernel._engine.rules._rows import row_sums
+
+    chunks = [
+        NodeChunk(rows, weights.float(), ConvGradients(f.columns.float(), f.deltas.float()))
+        for rows, weights, f in _conv_chunks(moving, [[0, 0, 1], [1, 2]])
+    ]
+    rule = Conv2dRule(torch.nn.Conv2d(2, 5, 3), "w", "b")
+    summed = rule.integrate_chunks(chunks, 3)
+    expected = sum(row_sums(c.rows, c.weights, c.factors.grads, 3) for c in chunks)
+    assert summed.grads.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(summed.grads, expected, rtol=1e-5, atol=1e-5)
