@@ -167,17 +167,21 @@ class Decomposition(SharedByTasks):
         feature_bytes = 4 * 8 * n_outputs * self.path.n_weights if accumulated else 0
         boundaries = max(0, len(chunks) - 1) if accumulated else 0
         carry_bytes = 8 * n_outputs * self.path.n_weights * boundaries
-        check_fits(
-            (row_bytes * (1 + self.scheduler.n_workers()) + feature_bytes + carry_bytes)
-            * X.shape[0],
-            f"decompose on {X.shape[0]} rows ({self.n_train} training points, {n_outputs} outputs)",
-            "decompose fewer rows at a time.",
-        )
         # Tiles from the nodes a query row really takes (kinks: tens to hundreds per step
         # for a CNN), measured on a sample, not the nodes of one smooth piece.
         nodes = self._test_copy_of(targets)[0].nodes_per_row(X)
         tiles = self.planner.query_tiles(
             X.shape[0], 2 * row_bytes + feature_bytes, nodes, max_rows=batch_size
+        )
+        # Every row's results are held to the end; the features only by the tiles
+        # that run at once (one per worker), the carries of every tile until combined.
+        widest = max((t.stop - t.start for t in tiles), default=0)
+        held = min(X.shape[0], widest * self.scheduler.n_workers())
+        check_fits(
+            (row_bytes * (1 + self.scheduler.n_workers()) + carry_bytes) * X.shape[0]
+            + feature_bytes * held,
+            f"decompose on {X.shape[0]} rows ({self.n_train} training points, {n_outputs} outputs)",
+            "decompose fewer rows at a time, or pass a smaller batch_size.",
         )
 
         def of(tile):

@@ -207,3 +207,30 @@ def test_decompose_batch_size_caps_the_tiles(relu_case, engine_cases):
         rtol=1e-12,
         atol=1e-15,
     )
+
+
+def test_accumulated_features_are_counted_for_the_tiles_held_at_once(engine_cases, monkeypatch):
+    """Momentum's test features are materialised per tile, not per row of the
+    call: with memory for a few tiles' features (not for every row's), a
+    decomposition in small tiles runs and equals the untiled one; with less
+    than one tile's, it is refused before any work, naming the request."""
+    from sklearn_pathkernel._engine import _planning as _memory
+    from sklearn_pathkernel._training import SolverSettings
+
+    module = engine_cases.mlp([5, 7, 6, 3])
+    module, path, X, y = engine_cases.trained(
+        module, n=24, steps=6, lr=0.1, solver=SolverSettings(solver="sgd", momentum=0.9),
+        batch_size=8,
+    )  # fmt: skip
+    engine = engine_cases.engine_for(module, path, X, y)
+    A = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = engine.decompose(A)
+    feature_bytes = 4 * 8 * 3 * path.n_weights  # a row's features, buffer and psi
+    results_bytes = 8 * 24 * 3 * 2 * len(A)  # every row's results (one worker)
+    assert feature_bytes * len(A) > 10 * feature_bytes * 2  # all rows' would not fit
+    monkeypatch.setattr(_memory, "available_memory", lambda: results_bytes + 10 * feature_bytes)
+    found = engine.decompose(A, batch_size=2)
+    np.testing.assert_allclose(found.contributions, expected.contributions, rtol=0, atol=1e-15)
+    monkeypatch.setattr(_memory, "available_memory", lambda: results_bytes + feature_bytes)
+    with pytest.raises(MemoryError, match="decompose on 40 rows.*batch_size"):
+        engine.decompose(A, batch_size=2)
