@@ -55,6 +55,13 @@ Sections (each can be run alone):
     160`` the scalar target of the first 40 and 160 queries in one call each, per
     query; ``--memory-queries 500`` the peak memory of the scalar target of 500
     queries (training rows on the test copy) in one call, in a forked process.
+``full``
+    The run at dattri's number of steps, not extrapolated: ``--full-steps``
+    (3950) steps in whole epochs of ``--rows`` rows, the path on disk
+    (``path_storage="disk"``, ``--dtype`` float32 for a float32 run), and the
+    scalar-target decomposition (``target="predicted"``) of ``--queries`` test
+    points in one call: wall and CPU minutes, the certificate and the process's
+    peak resident memory.
 ``grid``
     ``explain`` on the test images, ``self_influence`` over the training rows (the
     counterfactual's, and the contributions' with ``--self-contributions``), and an
@@ -110,7 +117,7 @@ from sklearn_pathkernel import ExactPathKernelClassifier, TrainingRecorder  # no
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress in a log file)
 
-SECTIONS = ("table", "user-loop", "profile", "grid")
+SECTIONS = ("table", "user-loop", "profile", "grid", "full")
 #: dattri's MNIST-10 + MLP run: 5000 rows, 50 epochs of batches of 64, 500 queries.
 FIELD = {"rows": 5000, "epochs": 50, "queries": 500, "steps": 50 * math.ceil(5000 / 64)}
 DEFAULT_METHODS = (
@@ -572,6 +579,41 @@ def gemm_rate(size=1024, repeats=5):
     return 2 * size**3 / best
 
 
+# -- the full run, not extrapolated ---------------------------------------------------------
+
+
+def run_full(args):
+    """dattri's run at its own number of steps (``--full-steps``, by default
+    ``FIELD['steps']``, in whole epochs of the training rows), the path on disk,
+    and the scalar-target decomposition (``target="predicted"``) of ``--queries``
+    test points in one call: wall and CPU time, the certificate, and the
+    process's peak resident memory."""
+    task = field_task(args)
+    per_epoch = math.ceil(task.n_train / 64)
+    epochs = math.ceil(args.full_steps / per_epoch)
+    clf = ExactPathKernelClassifier(
+        random_state=0, tol=None, path_storage="disk", **dict(task.settings, max_iter=epochs)
+    )
+    cpu = time.process_time()
+    clf, fit_seconds = _timed(lambda: clf.fit(task.X_train, task.y_train))
+    fit_cpu = time.process_time() - cpu
+    rss_fit = _maxrss()
+    queries = task.X_test[: args.queries]
+    cpu = time.process_time()
+    found, seconds = _timed(lambda: clf.decompose(queries, target="predicted"))
+    decompose_cpu = time.process_time() - cpu
+    print(
+        f"\n## the full run: M={task.n_train}, {clf.n_steps_} steps ({epochs} epochs), "
+        f"{args.dtype}, path on disk ({_mib(clf.path_.nbytes) / 1024:.2f} GiB)\n"
+        f"fit {fit_seconds:.1f} s (CPU {fit_cpu:.1f} s); decompose of {len(queries)} "
+        f"queries, scalar target: {seconds / 60:.2f} min (CPU {decompose_cpu / 60:.2f} min), "
+        f"{1e3 * seconds / len(queries) / clf.n_steps_:.3f} ms per query and step; residual "
+        f"{np.max(found.residual):.1e}, model_gap {np.max(np.abs(found.model_gap)):.1e}; "
+        f"peak resident {_maxrss():.0f} MiB (after the fit {rss_fit:.0f} MiB)"
+    )
+    return {"fit_s": fit_seconds, "decompose_s": seconds, "peak_mib": _maxrss()}
+
+
 # -- explanations at this size: the image grid -----------------------------------------------
 
 
@@ -614,7 +656,7 @@ def _maxrss():
 
 
 RUNNERS = {"table": run_table, "user-loop": run_user_loop, "profile": run_profile,
-           "grid": run_grid}  # fmt: skip
+           "grid": run_grid, "full": run_full}  # fmt: skip
 
 
 def main():
@@ -641,6 +683,8 @@ def main():
     parser.add_argument("--memory-queries", type=int, default=None,
                         help="profile: peak memory of the scalar target of this many "
                         "queries (training rows) in one call, in a forked process")  # fmt: skip
+    parser.add_argument("--full-steps", type=int, default=FIELD["steps"],
+                        help="full: steps of the run (whole epochs)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip

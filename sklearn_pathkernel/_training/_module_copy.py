@@ -104,6 +104,15 @@ def module_copy(module, parameter=None, buffer=None):
     return new
 
 
+def float64_tensor(name, tensor):
+    """A float64 copy of a floating point tensor, a copy of another (the module's
+    ``.to(torch.float64)``, on a copy: ``module_copy(module, float64_tensor,
+    float64_tensor)``)."""
+    if tensor.is_floating_point():
+        return tensor.detach().to(torch.float64, copy=True)
+    return tensor.detach().clone()
+
+
 def _clone(name, tensor):
     return tensor.detach().clone(memory_format=torch.preserve_format)
 

@@ -64,7 +64,7 @@ from .._path import BATCH_NORMS, MASKED_DROPOUT, flatten_parameters
 from ._batchnorm import StatisticsWatch, refuse_unsupported
 from ._dropout import MaskDraws
 from ._module_checks import check_module
-from ._module_copy import module_copy
+from ._module_copy import float64_tensor, module_copy
 from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
 from ._weight_watch import (
@@ -652,21 +652,13 @@ def _split(flat, params):
     return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
 
-def _float64(name, tensor):
-    """A float64 copy of a floating point tensor, a copy of another (the module's
-    ``.to(torch.float64)``, on a copy)."""
-    if tensor.is_floating_point():
-        return tensor.detach().to(torch.float64, copy=True)
-    return tensor.detach().clone()
-
-
 def _check_module(module, X):
     """The estimators' module checks on a float64 eval copy of ``module`` (batch
     coupling, randomness, output shape and finiteness), on the first rows of ``X``."""
     for name, layer in module.named_modules():
         if isinstance(layer, _BatchNorm):
             refuse_unsupported(name, layer, training=False)
-    copy64 = module_copy(module, _float64, _float64).eval()
+    copy64 = module_copy(module, float64_tensor, float64_tensor).eval()
     rows = X[: min(64, X.shape[0])].to(torch.float64)
     # (the output's width is the module's own: its first row's, in check_module)
     check_module(copy64, rows, None, classifier=True)

@@ -510,3 +510,43 @@ def test_a_module_of_the_wrong_input_width_is_named(data):
     conv = nn.Sequential(nn.Conv2d(3, 2, 2), nn.Flatten(), nn.LazyLinear(N_CLASSES))
     with pytest.raises(ValueError, match=r"'0' \(Conv2d\) expects 3 input channels, .* have 1"):
         check_module(conv.double(), torch.zeros(2, 1, 4, 4, dtype=torch.float64), N_CLASSES)
+
+
+class RowwiseWhenAlone(nn.Module):
+    """A Linear map summed row by row for one row and by a matrix product for a
+    batch: per-sample (the same numbers in exact arithmetic), but a float32 batch
+    and its rows one at a time round differently (as BLAS blocking does for a
+    784-wide MNIST layer: 1.2e-7 relative)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(N_CLASSES, 300))
+
+    def forward(self, x):
+        x = x.repeat(1, 75)  # (300 features: rounding of a long sum)
+        if x.shape[0] == 1:
+            return (x[:, None, :] * self.weight[None]).sum(-1)
+        return x @ self.weight.T
+
+
+def test_float32_rounding_is_not_taken_for_coupled_rows(data):
+    """A float32 network is checked on its float64 copy: rounding that differs
+    between a batch and its rows is accepted (the checks' tolerance is for
+    float64), real coupling is still refused, and the modes are set on the
+    user's network (dropout trained with its masks, the rest in eval mode)."""
+    X, _ = data
+    X32 = torch.as_tensor(X, dtype=torch.float32)
+    torch.manual_seed(0)
+    module = RowwiseWhenAlone()
+    with torch.no_grad():  # (the premise: float32 rounds apart, float64 does not)
+        rows = X32[:N_CHECK_ROWS]
+        batch, single = module(rows), torch.cat([module(r[None]) for r in rows])
+        assert (batch - single).abs().max() / batch.abs().max() > 1e-9
+    network = nn.Sequential(RowwiseWhenAlone(), nn.Dropout(0.5), nn.Linear(N_CLASSES, N_CLASSES))
+    network.train()
+    check_module(network, X32, N_CLASSES)
+    assert network[1].training and not network[0].training and not network[2].training
+    assert network[0].weight.dtype == torch.float32  # (the user's network, not its copy)
+    coupled = nn.Sequential(nn.Linear(N_FEATURES, 8), CenterBatch(), linear_head()).float()
+    with pytest.raises(ValueError, match=r"couples the rows.*layer '1' \(CenterBatch\)"):
+        check_module(coupled, X32, N_CLASSES)
