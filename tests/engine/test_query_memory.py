@@ -73,9 +73,7 @@ def _spy(monkeypatch, owner, name):
     return seen
 
 
-def test_the_planner_s_query_tiles_respect_a_budget_on_a_cnn_recording(
-    monkeypatch, cnn_recording
-):
+def test_the_planner_s_query_tiles_respect_a_budget_on_a_cnn_recording(monkeypatch, cnn_recording):
     """Under a budget of two and a half rows' planned bytes, a recording's
     decomposition runs in tiles of two rows, each within the budget, and gives the
     decomposition of one tile."""
@@ -193,9 +191,7 @@ _MEASURE = textwrap.dedent(
 def _measured_growth(budget):
     """Peak RSS growth (bytes) of a decomposition of 12 queries in a fresh process
     whose planner has ``budget`` bytes (0: the planner's own)."""
-    script = _MEASURE.format(
-        root=ROOT, tests=os.path.join(ROOT, "tests", "engine"), budget=budget
-    )
+    script = _MEASURE.format(root=ROOT, tests=os.path.join(ROOT, "tests", "engine"), budget=budget)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
