@@ -65,13 +65,14 @@ def images(data, n, generator):
     return X, torch.as_tensor(labels[:n], dtype=torch.int64)
 
 
-def record(package, M, epochs, net="small", data="random", n_queries=0, batch=64):
-    """The recording of ``net`` trained on ``M`` images, and ``n_queries`` others."""
+def record(package, M, epochs, net="small", data="random", n_queries=0, batch=64, first=0):
+    """The recording of ``net`` trained on ``M`` images, and ``n_queries`` others
+    (from the ``first`` after them)."""
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    X_all, y_all = images(data, M + n_queries, g)
+    X_all, y_all = images(data, M + first + n_queries, g)
     X, y = X_all[:M], y_all[:M]
     torch.manual_seed(0)
     model = network(net)
@@ -86,7 +87,7 @@ def record(package, M, epochs, net="small", data="random", n_queries=0, batch=64
             recorder.rows(rows)
             F.cross_entropy(out, y[rows]).backward()
             optimizer.step()
-    queries = X_all[M:] if data == "mnist" else X[:n_queries] + 0.01
+    queries = X_all[M + first :] if data == "mnist" else X[first : first + n_queries] + 0.01
     return recorder.finish(), queries
 
 
@@ -104,7 +105,9 @@ def measure(args):
         sys.path.insert(0, os.path.dirname(HERE))
         import sklearn_pathkernel as package
     n = 0 if args.method == "self_influence" else args.n
-    recording, queries = record(package, args.train, args.epochs, args.net, args.data, n)
+    recording, queries = record(
+        package, args.train, args.epochs, args.net, args.data, n, first=args.first_query
+    )
     recording._engine()  # the float64 engine, built before the baseline is read
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open("/proc/self/statm") as statm:  # the resident memory now, in pages
@@ -135,7 +138,7 @@ def run(method, n, base, args):
     process, or ``(exit status, None, None, None)`` when it failed."""
     command = [sys.executable, __file__, "--one", method, "--n", str(n)]
     command += ["--train", str(args.train), "--epochs", str(args.epochs)]
-    command += ["--net", args.net, "--data", args.data]
+    command += ["--net", args.net, "--data", args.data, "--first-query", str(args.first_query)]
     if args.batch_size is not None:
         command += ["--batch-size", str(args.batch_size)]
     if args.stop_after is not None:
@@ -159,6 +162,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=2, help="epochs of batches of 64")
     parser.add_argument("--net", choices=["small", "issue38"], default="small")
     parser.add_argument("--data", choices=["random", "mnist"], default="random")
+    parser.add_argument("--first-query", type=int, default=0, help="queries from this one on")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per tile")
     parser.add_argument(
         "--stop-after",
