@@ -20,6 +20,7 @@ import torch
 from ._modes import OutputMode
 from ._output_subspace import in_output_subspace
 from ._planning import rows_per_tile
+from .rules._gradients import Gradients
 from .rules._rows import row_sums
 
 
@@ -65,6 +66,8 @@ class StepFeatures:
             integral = joined = None
             if len(chunks) > 1:  # (summed chunk by chunk where the rule can)
                 integral = rule.integrate_chunks(chunks, n_rows, outputs_per_pair)
+                if integral is None:  # (materialised gradients: added chunk by chunk)
+                    integral = _integrated_by_chunks(rule, chunks, n_rows)
             if integral is None:
                 joined = _joined(chunks)
                 integral = (
@@ -225,6 +228,28 @@ def _product_chunks(chunks, out):
         for begin in range(0, rows.numel(), size):
             part = slice(begin, begin + size)
             yield NodeChunk(rows[part], weights[part], factors.take(part))
+
+
+def _integrated_by_chunks(rule, chunks, n_rows):
+    """Each row's integral of a layer whose rule sums materialised gradients
+    (``rule.integrates_gradients``), chunk by chunk: a ``Gradients`` (n_rows, K,
+    W_layer), or None (factored factors, or a single chunk: joined as before).
+
+    Joining the chunks first would copy every node's factors of the layer while
+    the chunks are held (for a convolutional network with max-pooling, hundreds of
+    nodes per row at a step, each with its cotangents at every position).
+    """
+    chunks = [chunk for chunk in chunks if chunk.rows.numel()]
+    if (
+        len(chunks) < 2
+        or not rule.integrates_gradients
+        or not all(isinstance(chunk.factors, Gradients) for chunk in chunks)
+    ):
+        return None
+    out = chunks[0].factors.zero_sums(n_rows)
+    for rows, weights, factors in chunks:
+        factors.add_row_sums(out, rows, weights)
+    return Gradients(out)
 
 
 def _joined(chunks):

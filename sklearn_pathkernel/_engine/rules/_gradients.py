@@ -56,12 +56,26 @@ class Gradients:
         """Each row's weighted sum of its nodes' gradients (see ``row_sums``)."""
         return Gradients(row_sums(rows, weights, self.grads, n_rows))
 
+    def zero_sums(self, n_rows):
+        """Zeros for the row sums of :meth:`add_row_sums`: (n_rows, K, W_layer)."""
+        return self.grads.new_zeros((n_rows, *self.grads.shape[1:]))
+
+    def add_row_sums(self, out, rows, weights):
+        """Add each row's weighted sum of these nodes' gradients into ``out``
+        (n_rows, K, W_layer), node ``e`` into row ``rows[e]``; returns ``out``.
+        Over the chunks of a step's nodes, in order, the same sums as
+        :meth:`row_sums` of the chunks joined."""
+        scaled = weights.view(-1, *([1] * (self.grads.ndim - 1))) * self.grads
+        return out.index_add_(0, rows, scaled)
+
 
 class MaterialisedRule(LayerRule):
     """A rule whose factors are materialised :class:`Gradients` (the generic,
     whole-network and convolutional-distance rules): inner products, directional
     derivatives and the sums over a row's quadrature nodes are those of the
     gradients themselves, ``O(n m K K' W)`` and ``O(n K W)``."""
+
+    integrates_gradients = True
 
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Each row's weighted sum of its nodes' gradients (always cheaper than one

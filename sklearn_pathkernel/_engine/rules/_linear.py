@@ -35,6 +35,8 @@ class LinearRule(WeightAndBiasRule):
     materialised gradients (:class:`Gradients`) along extra axes.
     """
 
+    integrates_gradients = True  # (materialised factors: ``row_sums``)
+
     @classmethod
     def for_module(cls, module, names):
         if {name for name, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}:

@@ -97,6 +97,12 @@ class LayerRule(ABC):
     #: How a row is evaluated at its own ``t`` (see :class:`RowEvaluation`). The
     #: default is the one that is always correct.
     row_evaluation: RowEvaluation = RowEvaluation.NONE
+    #: Whether :meth:`integrate` of materialised factors (a ``Gradients``) is each
+    #: row's weighted sum of its nodes' gradients, ``sum_e w_e g_e``: then the
+    #: sums are taken chunk by chunk of nodes (``Gradients.add_row_sums``), not
+    #: over a copy of every node's factors joined first. False (the default):
+    #: the nodes are joined and :meth:`integrate` decides.
+    integrates_gradients: bool = False
 
     @classmethod
     def for_module(cls, module, names):
