@@ -161,3 +161,21 @@ def relu_case():
     """A ReLU MLP 5-16-12-3 trained eight steps on 30 points, and nine queries."""
     module, path, X, y = trained(mlp([5, 16, 12, 3]), n=30, steps=8)
     return module, path, X, y, queries(5, n=9)
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    """A client of a dask cluster of two worker processes, one thread each (per
+    test module: starting one takes seconds)."""
+    distributed = pytest.importorskip("distributed")
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            worker_dashboard_address=None,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client

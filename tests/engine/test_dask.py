@@ -15,18 +15,8 @@ RTOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def client():
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            worker_dashboard_address=None,
-        ) as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        yield client
+def client(dask_client):
+    return dask_client
 
 
 @pytest.fixture(scope="module")

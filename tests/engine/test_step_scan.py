@@ -174,34 +174,24 @@ def test_step_chunks_are_checked():
         _engine(recording, step_chunks=StepChunks.of_sizes([1, 2])).decompose(_queries())
 
 
-def test_chunks_on_a_dask_cluster_of_two_workers_equal_the_single_pass():
+def test_chunks_on_a_dask_cluster_of_two_workers_equal_the_single_pass(dask_client, monkeypatch):
     distributed = pytest.importorskip("distributed")
+    client = dask_client
     recording = _recording("adamw", nn.ReLU, 8, 2)
     X = _queries()
     single = _engine(recording).decompose(X)
     engine = _engine(recording, step_chunks=2, n_jobs=2)
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            worker_dashboard_address=None,
-        ) as cluster,
-        distributed.Client(cluster) as client,
-        distributed.get_task_stream(client) as stream,
-        parallel_config(backend="dask"),
-    ):
-        scattered = []
-        scatter = client.scatter
+    scattered = []
+    scatter = client.scatter
 
-        def counted(data, *args, **kwargs):
-            scattered.append(data)
-            return scatter(data, *args, **kwargs)
+    def counted(data, *args, **kwargs):
+        scattered.append(data)
+        return scatter(data, *args, **kwargs)
 
-        client.scatter = counted
+    monkeypatch.setattr(client, "scatter", counted)
+    with distributed.get_task_stream(client) as stream, parallel_config(backend="dask"):
         chunked = engine.decompose(X)
-        cluster_workers = set(client.scheduler_info()["workers"])
+    cluster_workers = set(client.scheduler_info()["workers"])
     # The chunks ran on the cluster's worker processes, not in this process, and
     # the engine's parts went to the cluster once for both passes.
     workers = {task["worker"] for task in stream.data}
