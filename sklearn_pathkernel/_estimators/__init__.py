@@ -3,6 +3,7 @@
 from ._classifier import ExactPathKernelClassifier
 from ._distance_classifier import DistanceKernelClassifier
 from ._distance_regressor import DistanceKernelRegressor
+from ._docstrings import fill_doc, step_chunks_parameter
 from ._kernel import ExactPathKernel
 from ._regressor import ExactPathKernelRegressor
 from ._transformer import PathKernelTransformer
@@ -14,4 +15,6 @@ __all__ = [
     "ExactPathKernelClassifier",
     "ExactPathKernelRegressor",
     "PathKernelTransformer",
+    "fill_doc",
+    "step_chunks_parameter",
 ]

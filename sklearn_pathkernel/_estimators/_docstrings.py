@@ -177,7 +177,24 @@ IMAGE_PARAMETERS = """image_shape : tuple of int or None, default=None
         A ``ValueError`` names an entry that is not of these forms, or a pool
         larger than the layer's output."""
 
-PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
+
+def step_chunks_parameter(steps):
+    """The ``step_chunks`` entry of a parameter list, for the ``steps`` steps
+    ("training" or "recorded"): the estimators' and ``Recording``'s."""
+    return f"""step_chunks : int or None, default=None
+        Contiguous chunks of the {steps} steps, each a task of its own with
+        every tile of query rows. None: one per ``n_jobs`` worker where the steps
+        are independent (Gram matrices, plain SGD's ``decompose``), one where
+        ``decompose`` accumulates them backward (momentum, Nesterov, Adam,
+        AdamW). A number splits that accumulation too, as a scan with a carry
+        between chunks, so that the chunks run in parallel on threads or dask
+        workers: the same decomposition to rounding (1e-12), for more work (the
+        products with the batches again for all chunks but the last; see
+        ``doc/cluster.rst``)."""
+
+
+PATH_PARAMETERS = (
+    """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         How the test-copy features integrate the gradient along each step:
         ``"exact"`` splits each step at the kinks of the network and uses
         Gauss-Legendre nodes on each smooth piece; ``"riemann"`` is the paper's
@@ -187,16 +204,9 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Points of the ``"riemann"`` rule.
     n_jobs : int or None, default=None
         Parallel jobs (joblib) over blocks of kernel computations.
-    step_chunks : int or None, default=None
-        Contiguous chunks of the training steps, each a task of its own with
-        every tile of query rows. None: one per ``n_jobs`` worker where the steps
-        are independent (Gram matrices, plain SGD's ``decompose``), one where
-        ``decompose`` accumulates them backward (momentum, Nesterov, Adam,
-        AdamW). A number splits that accumulation too, as a scan with a carry
-        between chunks, so that the chunks run in parallel on threads or dask
-        workers: the same decomposition to rounding (1e-12), for more work (the
-        products with the batches again for all chunks but the last; see
-        ``doc/cluster.rst``).
+    """
+    + step_chunks_parameter("training")
+    + """
     path_storage : "memory", "disk" or path-like, default="memory"
         Where the recorded weight path, an array of ``(n_steps + 1) x n_weights``
         numbers in the training ``dtype``, is kept: ``"memory"`` (RAM), ``"disk"`` (a
@@ -239,6 +249,7 @@ PATH_PARAMETERS = """quadrature : {"exact", "riemann", "dpk"}, default="exact"
         Print the training loss per epoch and show a progress bar over the
         steps of kernel computations (Grams, decompositions, self-influence),
         which moves with each recorded step of each tile of rows."""
+)
 
 FITTED_ATTRIBUTES = """module_ : torch.nn.Module
         The trained network (in ``dtype``, weights ``w_S``), on ``device_``.

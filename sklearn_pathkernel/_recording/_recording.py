@@ -48,7 +48,7 @@ from sklearn.utils._param_validation import (
 from sklearn.utils.validation import check_array
 
 from .._engine import PathKernelEngine, checked_against, checked_for_targets, target_values
-from .._estimators import ExactPathKernel
+from .._estimators import ExactPathKernel, fill_doc, step_chunks_parameter
 from .._explain import ExplanationMixin, decomposition_targets
 from .._path import FunctionLink
 from .._training import RecordingRefused, float64_run, largest_difference
@@ -131,6 +131,7 @@ def output_function(link):
     return identity if link is None else link
 
 
+@fill_doc(step_chunks=step_chunks_parameter("recorded"))
 class Recording(ExplanationMixin):
     """The exact path kernel of a training run recorded in the user's own loop.
 
@@ -157,15 +158,7 @@ class Recording(ExplanationMixin):
         backend (dask); ``None`` is one unless a joblib context says otherwise.
         Torch's own threads multiply with it: keep ``n_jobs *
         torch.get_num_threads()`` at most the cores.
-    step_chunks : int or None, default=None
-        Contiguous chunks of the recorded steps, each a task of its own with
-        every tile of query rows. None: one per ``n_jobs`` worker where the steps
-        are independent (Gram matrices, plain SGD's ``decompose``), one where
-        ``decompose`` accumulates them backward (momentum, Nesterov, Adam,
-        AdamW). A number splits that accumulation too, as a scan with a carry
-        between chunks, so that the chunks run in parallel on threads or dask
-        workers: the same decomposition to rounding (1e-12), for more work (see
-        ``doc/cluster.rst``).
+    {step_chunks}
     verbose : int, default=0
         Progress bars over the steps of long computations (decompositions,
         Gram matrices, self-influence) when positive.
