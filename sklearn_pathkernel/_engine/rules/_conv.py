@@ -212,37 +212,6 @@ class ConvGradients(Gradients):
             return ConvGradients(columns, deltas)
         return Gradients(sum(_weighted_grads(rows, w, f, n_rows) for rows, w, f in chunks))
 
-    def zero_sums(self, n_rows):
-        """See :meth:`Gradients.zero_sums` (no gradient formed)."""
-        n_outputs, d_out = self.deltas.shape[1:3]
-        return self.deltas.new_zeros((n_rows, n_outputs, d_out * self.columns.shape[1]))
-
-    def add_row_sums(self, out, rows, weights):
-        """See :meth:`Gradients.add_row_sums`: per row of these nodes, the
-        cotangents summed first where its columns are the same at all of them,
-        else each row's gradients summed by one product (no node's gradient
-        formed)."""
-        present, local = torch.unique(rows, return_inverse=True)
-        columns = self._row_columns(local, present.numel())
-        if columns is not None:
-            sums = _conv_grads(columns, row_sums(local, weights, self.deltas, present.numel()))
-        else:  # (per row, one product over its nodes: no gradient formed per node)
-            sums = _weighted_grads(local, weights, self, present.numel())
-        return out.index_add_(0, present, sums)
-
-    def _row_columns(self, rows, n_rows):
-        """Each row's columns (n_rows, d_in', P) when they are the same at all its
-        nodes, else None."""
-        if not rows.numel():
-            return None
-        columns = self.columns[first_of_rows(rows, n_rows)]
-        # (one column entry first: a moving input differs there already)
-        if torch.equal(columns[rows, 0], self.columns[:, 0]) and torch.equal(
-            columns[rows], self.columns
-        ):
-            return columns
-        return None
-
 
 def _shared_columns(chunks, n_rows):
     """(n_rows, d_in', P): each row's columns when they are the same at all its
