@@ -119,7 +119,10 @@ class Planner:
             outputs = None
             if one_output:
                 outputs = torch.zeros(self.example.shape[0], dtype=torch.long, device=self.device)
-            factors = self.probes.main.factors(self.steps.weights(0), self.example, outputs)
+            # The calling thread's probe: the first measurement of a scalar target's
+            # rows runs in the tasks, on every joblib thread at once.
+            probe = self.probes.current()
+            factors = probe.factors(self.steps.weights(0), self.example, outputs)
             self._row_bytes[one_output] = max(8, sum(f.nbytes for f in factors))
         return self._row_bytes[one_output]
 

@@ -9,7 +9,13 @@ The probe works on its own deep copy of the module (made once, at
 construction): its hooks and the per-row forwards it puts in place of some
 layers' ``forward`` live on that copy only, and are removed before every
 evaluation returns, so the module it was given (an estimator's ``module_``)
-is never touched and may be used from other threads meanwhile.
+is never touched and may be used from other threads meanwhile. The probe
+itself serves one thread at a time: while it evaluates, its hooks act on every
+pass through its copy, so a second thread's pass would take the first one's
+hooks (and give it its own: a moved-output term added twice is a wrong output
+and no error). A second thread that asks while another evaluates is refused
+with a ``RuntimeError``; each thread has a probe of its own
+(:class:`~._steps.ThreadProbes`).
 
 The hooks see a layer's parameters only through that layer's own call. A network
 that uses a parameter any other way (a layer called twice, weights tied across
@@ -26,7 +32,9 @@ along a step its input is fixed and its output affine in ``t``.
 
 import contextlib
 import copy
+import functools
 import logging
+import threading
 
 import torch
 from torch.func import functional_call
@@ -46,6 +54,21 @@ from .rules._jacobian import JacobianRule
 from .rules._protocol import RowEvaluation, RowWeights
 
 logger = logging.getLogger(__name__)
+
+#: Guards every probe's claim (``NetworkProbe._user``): held for a few operations only.
+_CLAIMS = threading.Lock()
+
+
+def _one_thread_at_a_time(method):
+    """A :class:`NetworkProbe` method that installs hooks on its module or runs it:
+    the calling thread claims the probe for the call (:meth:`NetworkProbe._claimed`)."""
+
+    @functools.wraps(method)
+    def claimed(self, *args, **kwargs):
+        with self._claimed():
+            return method(self, *args, **kwargs)
+
+    return claimed
 
 
 class NetworkProbe:
@@ -95,6 +118,7 @@ class NetworkProbe:
     affine_first_layer = True
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
+        self._user = (None, 0)  # (the thread evaluating, its nested calls): _claimed
         module = copy.deepcopy(module)
         for _, layer in dropout_layers(module):  # the query side: dropout is the identity
             layer.eval()
@@ -149,6 +173,30 @@ class NetworkProbe:
         )
         self._input_reaches_first_layer_alone = _input_reaches_first_alone(module, self.layers)
 
+    @contextlib.contextmanager
+    def _claimed(self):
+        """The probe for the calling thread alone while the block runs (re-entrant):
+        the hooks and patched forwards of an evaluation act on every pass through
+        the probe's module, whichever thread runs it, so another thread's
+        evaluation meanwhile would be wrong (silently, for the moved-output terms
+        of per-row points). A second thread is refused: ``RuntimeError``."""
+        me = threading.get_ident()
+        with _CLAIMS:
+            holder, depth = self._user
+            if depth and holder != me:
+                raise RuntimeError(
+                    "A network probe is evaluated by two threads at once: its forward hooks "
+                    "would act on both threads' passes and give wrong factors or outputs. "
+                    "Each thread needs a probe of its own (ThreadProbes.current())."
+                )
+            self._user = (me, depth + 1)
+        try:
+            yield
+        finally:
+            with _CLAIMS:
+                self._user = (me, self._user[1] - 1)
+
+    @_one_thread_at_a_time
     def _check(self, example):
         """The dry run: keep the per-layer rules, or switch to the ``JacobianRule``."""
         self._unchecked = False
@@ -177,6 +225,7 @@ class NetworkProbe:
         # worker with the task's owner otherwise).
         state = self.__dict__.copy()
         state["_unflattened"], state["_step_queries"] = [], []
+        state["_user"] = (None, 0)  # (no thread of the unpickled copy evaluates it)
         return state
 
     def params(self, flat):
@@ -189,6 +238,7 @@ class NetworkProbe:
         self._unflattened = [(flat, flat._version, params), *self._unflattened[:3]]
         return params
 
+    @_one_thread_at_a_time
     def _forward(self, start, X, direction=None, t=None, hook=None, logits=False, along=None):
         """``link(module(X))`` with row ``i`` at weights ``start + t_i direction``.
 
@@ -311,6 +361,7 @@ class NetworkProbe:
         self._step_queries = [(keys, queries), *self._step_queries[:1]]
         return queries
 
+    @_one_thread_at_a_time
     def _first_layer(self, start, direction, X):
         """The first parameterised layer called, at ``start`` and moved by
         ``direction``, on the rows of ``X`` (:class:`StepQueries`)."""
@@ -353,6 +404,7 @@ class NetworkProbe:
             start, X, outputs, direction=direction, t=t, cotangents=cotangents, rows=rows
         )[1]
 
+    @_one_thread_at_a_time
     def training_factors(self, start, X, outputs, masks):
         """:meth:`factors` of training rows at a step's start with the step's
         dropout masks applied (``masks``: layer name to the rows' masks, or None
@@ -428,6 +480,7 @@ class NetworkProbe:
         flat[:, 0, :n_weights] = grads
         return Gradients(flat)
 
+    @_one_thread_at_a_time
     def output_and_factors(
         self, start, X, outputs=None, *, direction=None, t=None, cotangents=None, rows=None
     ):

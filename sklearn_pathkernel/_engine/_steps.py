@@ -6,13 +6,13 @@ out and remembers, per thread, the last step asked: a step is evaluated many
 times in a row (kinks, nodes, certificate), and the same tensors let the probe
 reuse their unflattened parameters. :class:`ThreadProbes` gives every worker
 thread its own probe (probes register forward hooks on their module while they
-evaluate it).
+evaluate it, and refuse a second thread meanwhile): every evaluation in a task
+goes through ``current()``, never through another thread's probe.
 
 Cost: one host-to-device copy of two weight vectors (``2 W`` numbers) per step
 and thread; one copy of the module per worker thread.
 """
 
-import copy
 import threading
 from dataclasses import dataclass
 
@@ -109,7 +109,10 @@ class ThreadProbes:
     def __init__(self, module, path, example, link):
         self.module, self.path, self.example, self.link = module, path, example, link
         self.main = NetworkProbe(module, path, example, link=link)
-        self._workers = {}  # thread ident -> NetworkProbe
+        # Thread ident -> NetworkProbe. An ident is reused only after its thread has
+        # ended: a later thread (of a later joblib call) takes over the probe of one
+        # that is gone, never that of a thread still running.
+        self._workers = {}
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -117,12 +120,18 @@ class ThreadProbes:
         return state
 
     def current(self):
-        """The probe of the calling thread."""
+        """The probe of the calling thread.
+
+        A worker's probe evaluates a copy of ``module`` of its own (the probe
+        copies it), which no probe hooks: the main thread's probe has its own
+        copy too, so a worker's copy made while another thread evaluates carries
+        none of its hooks.
+        """
         if threading.current_thread() is threading.main_thread():
             return self.main
         ident = threading.get_ident()
         if ident not in self._workers:
             self._workers[ident] = NetworkProbe(
-                copy.deepcopy(self.module), self.path, self.example, link=self.link
+                self.module, self.path, self.example, link=self.link
             )
         return self._workers[ident]
