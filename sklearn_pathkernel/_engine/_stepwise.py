@@ -27,10 +27,13 @@ Both work on materialised features (``K W`` numbers per row and layer,
 ``W`` the weights): each step's ``psi_s`` meets the batch's per-example
 gradients in one product per layer. Cost per step and row: the test copy (as
 ``decompose``), ``K W`` for the features, and ``|B_s| K W`` for the term
-(``K W`` for the diagonal). Memory: the self-influence holds three ``K W``
-arrays and the quadrature nodes' factors per row of a tile (``ROW_BUDGET_BYTES``
-in all, the nodes counted on a sample of rows) and one ``W`` buffer per
-training point; :meth:`StepwiseDecomposition.terms` keeps the backward
+(``K W`` for the diagonal). A scalar target per row (``QueryTargets``, e.g. a
+classifier's own label's log-probability) makes every ``K`` here 1: one
+output's work. Memory: the self-influence holds three ``K W`` arrays and the
+quadrature nodes' factors per row of a tile (``ROW_BUDGET_BYTES`` in all, the
+nodes counted on a sample of rows) and, for momentum and Adam, one ``W`` buffer
+per training point of a block (``BUFFER_BUDGET_BYTES`` in all; more points take
+more passes over the steps); :meth:`StepwiseDecomposition.terms` keeps the backward
 accumulation's buffer of every query row across the steps (``K W`` numbers per
 row, besides a tile's temporaries), so many queries go in batches.
 """
@@ -45,6 +48,9 @@ from ._progress import step_progress
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
+#: Bytes of the accumulated self-influence's momentum buffers (``W`` numbers per
+#: training point) held at once; more points go in blocks, a pass over the steps each.
+BUFFER_BUDGET_BYTES = 2**30
 
 
 class StepTerm(NamedTuple):
@@ -128,11 +134,13 @@ class StepwiseDecomposition:
         position = _positions(batch, rows)
         return self.path.output_gradients[index][position].to(self.device)
 
-    def _tile_rows(self, X):
-        """Rows per tile for queries like ``X``: their materialised features and
-        their node factors (:meth:`~._test_copy.TestCopy.nodes_per_row`, measured
-        on ``X``'s first and last rows) within ``ROW_BUDGET_BYTES``, at least one."""
-        row_bytes = 3 * 8 * self.n_outputs * self.path.n_weights
+    def _tile_rows(self, X, n_outputs=None):
+        """Rows per tile for queries like ``X``: their materialised features of
+        ``n_outputs`` outputs (None: the ``K`` outputs) and their node factors
+        (:meth:`~._test_copy.TestCopy.nodes_per_row`, measured on ``X``'s first
+        and last rows) within ``ROW_BUDGET_BYTES``, at least one."""
+        n_outputs = self.n_outputs if n_outputs is None else n_outputs
+        row_bytes = 3 * 8 * n_outputs * self.path.n_weights
         nodes = self.test_copy.nodes_per_row(X)
         per_row = self.test_copy.planner.query_row_bytes(row_bytes, nodes)
         return max(1, ROW_BUDGET_BYTES // per_row)
@@ -179,46 +187,81 @@ class StepwiseDecomposition:
 
     # -- the self-influence ----------------------------------------------------
 
-    def self_influence(self, first_step=0):
+    def self_influence(self, first_step=0, targets=None):
         """``c_i(x_i)`` per training point and output: (M, K), the diagonal of
         ``decompose(X_train).contributions`` (``x_i`` on the test copy).
 
-        With ``first_step``, only the terms of the gradients taken from that
-        step on (the diagonal of the attribution over time, summed over those
-        steps); steps before it are skipped.
+        Parameters
+        ----------
+        first_step : int, default=0
+            Only the terms of the gradients taken from that step on (the
+            diagonal of the attribution over time, summed over those steps);
+            steps before it are skipped.
+        targets : QueryTargets or None, default=None
+            A scalar target per training row (its ``n_rows`` is ``M``, in the
+            order of the training rows): ``c_i(x_i)`` of row ``i``'s own target
+            :math:`T_i`, (M, 1), the diagonal of ``decompose(X_train,
+            targets=targets).contributions``, at the cost of one output per row
+            (each quadrature node back-propagates :math:`\\nabla T_i` alone, and
+            the features hold one output).
+
+        Returns
+        -------
+        ndarray of shape (M, K), or (M, 1) with ``targets``
         """
+        if targets is not None and targets.n_rows != self.n_train:
+            raise ValueError(
+                f"targets must hold one label per training row ({self.n_train}), "
+                f"got {targets.n_rows}."
+            )
         steps = range(first_step, self.path.n_steps)
-        size = self._tile_rows(self.X_train)
-        progress = step_progress(self.verbose, len(steps), "self-influence")
+        n_outputs = self.n_outputs if targets is None else 1
+        size = self._tile_rows(self.X_train, n_outputs)
+        if self.update.per_step:
+            progress = step_progress(self.verbose, len(steps), "self-influence")
+            route = self._self_influence_per_step
+        else:
+            blocks = len(self._tiles(self.n_train, self._buffer_rows()))
+            progress = step_progress(self.verbose, blocks * len(steps), "self-influence")
+            route = self._self_influence_accumulated
         try:
-            if self.update.per_step:
-                return self._self_influence_per_step(progress.over(steps), size)
-            return self._self_influence_accumulated(progress.over(steps), size)
+            return route(steps, size, targets, progress)
         finally:
             progress.close()
 
-    def _self_influence_per_step(self, steps, size):
+    def _buffer_rows(self):
+        """Training points whose momentum buffers (``W`` numbers each) one pass of
+        the accumulated route holds: ``BUFFER_BUDGET_BYTES`` of them, at least one."""
+        itemsize = torch.empty((), dtype=self.X_train.dtype).element_size()
+        return max(1, BUFFER_BUDGET_BYTES // (itemsize * max(self.path.n_weights, 1)))
+
+    def _self_influence_per_step(self, steps, size, targets, progress):
         """Plain SGD: only the steps whose batch holds ``i``, ``x_i`` integrated there."""
-        M, K = self.n_train, self.n_outputs
+        M = self.n_train
+        K = self.n_outputs if targets is None else 1
         total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
-        for index in steps:
+        for index in progress.over(steps):
             batch = np.asarray(self.path.batches[index])
             scale = self.update.step_scale(index)
             for tile in self._tiles(batch.size, size):
                 rows = batch[tile]
-                X = self.X_train[self.steps.on_device(rows)]
+                on_device = self.steps.on_device(rows)
+                X = self.X_train[on_device]
+                own = None if targets is None else targets.take(on_device)
                 gradients = self._output_gradients(index, rows)
                 if self.path.masks(index):  # the training rows with their masks
-                    u, _ = self._scaled_features(index, X)
+                    u, _ = self._scaled_features(index, X, targets=own)
                     train = self._training_gradients(index, rows)
                 else:
-                    u, start_factors = self._scaled_features(index, X, with_rows=(X, gradients))
+                    u, start_factors = self._scaled_features(
+                        index, X, with_rows=(X, gradients), targets=own
+                    )
                     train = self._training_gradients(index, rows, start_factors)
                 diagonal = scale * _diagonal(u, train)
-                total.index_add_(0, self.steps.on_device(rows), diagonal)
+                total.index_add_(0, on_device, diagonal)
         return total.cpu().numpy()
 
-    def _self_influence_accumulated(self, steps, size):
+    def _self_influence_accumulated(self, steps, size, targets, progress):
         """Momentum, Adam: forward over the steps, with each point's own buffer.
 
         Exchanging the sums, ``c_i(x_i) = sum_s <u_s(x_i), m_s(i)>`` with ``u_s =
@@ -226,47 +269,65 @@ class StepwiseDecomposition:
         ``i``'s own share of update ``s``: ``m_s(i) = gamma alpha_s b_s(i) + zeta_s
         [i in B_s] g_s(x_i)`` with the buffer ``b_s(i) = beta b_{s-1}(i) + [i in
         B_s] g_s(x_i)`` (``W`` numbers per point, not ``K W``). A point enters once
-        its first batch has been taken.
+        its first batch has been taken. The points go in blocks of
+        :meth:`_buffer_rows` (one pass over the steps each), so that the buffers
+        held stay within ``BUFFER_BUDGET_BYTES`` whatever ``M``; each point's sum
+        over the steps is the same in any block.
         """
+        M = self.n_train
+        K = self.n_outputs if targets is None else 1
+        total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
+        for block in self._tiles(M, self._buffer_rows()):
+            self._accumulate_block(block, progress.over(steps), size, targets, total)
+        return total.cpu().numpy()
+
+    def _accumulate_block(self, block, steps, size, targets, total):
+        """The accumulated route's terms of the training points ``block`` (a slice
+        of ``range(M)``), added into ``total``."""
         update = self.update
-        M, K = self.n_train, self.n_outputs
         device, X_train = self.device, self.X_train
-        total = torch.zeros((M, K), dtype=X_train.dtype, device=device)
         layout = self._layout(X_train.dtype)
-        buffer = None  # per rule, (M, W_l)
-        seen = np.zeros(M, dtype=bool)
+        n_block = block.stop - block.start
+        buffer = None  # per rule, (n_block, W_l)
+        seen = np.zeros(n_block, dtype=bool)
         for index in steps:
             batch = np.asarray(self.path.batches[index])
-            rows = self.steps.on_device(batch)
-            gradients = self._training_gradients(index, batch)
+            mine = batch[(batch >= block.start) & (batch < block.stop)]
+            if buffer is None and mine.size == 0:
+                continue  # no point of the block seen yet: nothing to add
+            gradients = self._training_gradients(index, mine) if mine.size else None
             if buffer is None:
-                buffer = [g.new_zeros((M, g.shape[1])) for g in gradients]
+                buffer = [g.new_zeros((n_block, g.shape[1])) for g in gradients]
             n_layers = len(buffer)
             betas = on_layers(update.buffer_decay, layout, n_layers)
-            for layer, g, beta in zip(buffer, gradients, betas, strict=True):
-                layer.mul_(beta).index_add_(0, rows, g)
-            seen[batch] = True
+            local = self.steps.on_device(mine - block.start)
+            for number, (layer, beta) in enumerate(zip(buffer, betas, strict=True)):
+                layer.mul_(beta)
+                if mine.size:
+                    layer.index_add_(0, local, gradients[number])
+            seen[mine - block.start] = True
             rates = on_layers(
                 update.gradient_scale * update.gradient_rates[index], layout, n_layers
             )
             direct = update.direct_rates[index]
             directs = on_layers(direct, layout, n_layers)
-            in_batch = np.full(M, -1)
-            in_batch[batch] = np.arange(batch.size)
+            in_batch = np.full(n_block, -1)
+            in_batch[mine - block.start] = np.arange(mine.size)
             active = np.flatnonzero(seen)
             for tile in self._tiles(active.size, size):
                 part = active[tile]
                 on_device = self.steps.on_device(part)
-                u, _ = self._scaled_features(index, X_train[on_device])
+                rows = self.steps.on_device(part + block.start)
+                own_targets = None if targets is None else targets.take(rows)
+                u, _ = self._scaled_features(index, X_train[rows], targets=own_targets)
                 own = [rate * layer[on_device] for rate, layer in zip(rates, buffer, strict=True)]
                 position = in_batch[part]
                 if direct and (position >= 0).any():
-                    local = self.steps.on_device(np.flatnonzero(position >= 0))
+                    at = self.steps.on_device(np.flatnonzero(position >= 0))
                     picked = self.steps.on_device(position[position >= 0])
                     for layer, g, zeta in zip(own, gradients, directs, strict=True):
-                        layer.index_add_(0, local, zeta * g[picked])
-                total.index_add_(0, on_device, _diagonal(u, own))
-        return total.cpu().numpy()
+                        layer.index_add_(0, at, zeta * g[picked])
+                total.index_add_(0, rows, _diagonal(u, own))
 
 
 def _positions(batch, rows):
