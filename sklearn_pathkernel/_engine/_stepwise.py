@@ -284,8 +284,7 @@ class StepwiseDecomposition:
     def _accumulate_block(self, block, steps, size, targets, total):
         """The accumulated route's terms of the training points ``block`` (a slice
         of ``range(M)``), added into ``total``."""
-        update = self.update
-        device, X_train = self.device, self.X_train
+        update, X_train = self.update, self.X_train
         layout = self._layout(X_train.dtype)
         n_block = block.stop - block.start
         buffer = None  # per rule, (n_block, W_l)
