@@ -44,7 +44,9 @@ import numpy as np
 import torch
 
 from .._path import layout_by_rules, on_layers, read_row, take_rows
+from ._modes import OutputMode
 from ._progress import step_progress
+from .rules._gradients import FactoredGradients
 
 #: Bytes of materialised features (features, buffer, psi) per tile of rows.
 ROW_BUDGET_BYTES = 256 * 2**20
@@ -74,6 +76,14 @@ class StepwiseDecomposition:
     """Per-step terms and the self-influence of a recorded path
     (``PathKernelEngine.stepwise()`` builds one from the engine's parts).
 
+    Attributes
+    ----------
+    fixed_input_layers : bool
+        Whether the self-influence under scalar mixing keeps a layer of fixed
+        input (a first ``nn.Linear``) factored (see
+        :meth:`_self_influence_accumulated`); False: every layer materialised
+        (the generic route, for comparison).
+
     Parameters
     ----------
     fitted : FittedPath
@@ -82,6 +92,8 @@ class StepwiseDecomposition:
     verbose : int, default=0
         Show the progress over steps.
     """
+
+    fixed_input_layers = True
 
     def __init__(self, fitted, test_copy, verbose=0):
         self.probes, self.steps, self.test_copy = fitted.probes, fitted.steps, test_copy
@@ -95,15 +107,24 @@ class StepwiseDecomposition:
     def _probe(self):
         return self.probes.current()
 
-    def _scaled_features(self, index, X, with_rows=None, targets=None):
+    def _scaled_features(self, index, X, with_rows=None, targets=None, keep=()):
         """``u_s = P_s phi_s(X)`` per rule (n, K, W_l), and the start factors of
         ``with_rows`` when given; with ``targets`` (a ``QueryTargets`` of ``X``'s
-        rows), of the scalar targets: (n, 1, W_l)."""
+        rows), of the scalar targets: (n, 1, W_l). The layers in ``keep`` (no
+        preconditioner) stay factored: their ``FactoredGradients`` ``(a,
+        delta)``, or :class:`_Unfactored` is raised where they are not."""
         test_copy = self.test_copy if targets is None else self.test_copy.for_targets(targets)
         integrated = test_copy.integrate(
             index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows
         )
-        u = integrated.features.materialised()
+        u = integrated.features.materialised(keep=keep)
+        rules = self._probe().rules
+        for layer in keep:
+            factors = integrated.features.row_factors(layer)
+            outer = None if factors is None else rules[layer].outer_factors(factors)
+            if outer is None:
+                raise _Unfactored(layer, "its test features are not factored")
+            u[layer] = outer
         if self.update.preconditioners is not None:
             scales = self.path.unflatten(read_row(self.update.preconditioners, index, self.device))
             rules = self._probe().rules
@@ -115,17 +136,22 @@ class StepwiseDecomposition:
         probe = self._probe()
         return layout_by_rules(probe.rules, probe.params, dtype, self.device)
 
+    def _training_factors(self, index, rows):
+        """The factors of ``sum_k e_{s,i,k} g_k(x_i; w_s)`` of the training ``rows``
+        (a host index array, all in step ``index``'s batch), per rule."""
+        start = self.steps.step(index).start
+        gradients = self._output_gradients(index, rows)
+        X = self.X_train[self.steps.on_device(rows)]
+        batch = np.asarray(self.path.batches[index])
+        masks = take_rows(self.path.masks(index), _positions(batch, rows))
+        return self._probe().training_factors(start, X, gradients, masks)
+
     def _training_gradients(self, index, rows, factors=None):
         """``sum_k e_{s,i,k} g_k(x_i; w_s)`` of the training ``rows`` (a host index
         array), per rule (b, W_l)."""
         probe = self._probe()
         if factors is None:
-            start = self.steps.step(index).start
-            gradients = self._output_gradients(index, rows)
-            X = self.X_train[self.steps.on_device(rows)]
-            batch = np.asarray(self.path.batches[index])
-            masks = take_rows(self.path.masks(index), _positions(batch, rows))
-            factors = probe.training_factors(start, X, gradients, masks)
+            factors = self._training_factors(index, rows)
         return [rule.materialise(f)[:, 0] for rule, f in zip(probe.rules, factors, strict=True)]
 
     def _output_gradients(self, index, rows):
@@ -273,28 +299,55 @@ class StepwiseDecomposition:
         :meth:`_buffer_rows` (one pass over the steps each), so that the buffers
         held stay within ``BUFFER_BUDGET_BYTES`` whatever ``M``; each point's sum
         over the steps is the same in any block.
+
+        Under scalar mixing (SGD, momentum, Nesterov), a layer whose per-example
+        gradients are ``delta [a, 1]^T`` with the input ``a`` of the row itself at
+        every step (a first ``nn.Linear``: ``a = x_i``) keeps that form on both
+        sides (``fixed_input_layers``): the buffer holds ``sum c delta`` (``d_out``
+        numbers, not ``d_out (d_in + 1)``), the test features their deltas, and
+        they meet by ``(a_x . a_i + 1) (delta_x . m_i)``. A block whose layer is
+        not factored at some step (or whose input moved) reruns on the generic
+        route.
         """
         M = self.n_train
         K = self.n_outputs if targets is None else 1
         total = torch.zeros((M, K), dtype=self.X_train.dtype, device=self.device)
+        fixed = self.fixed_input_layers and self.update.scalar_mixing
         for block in self._tiles(M, self._buffer_rows()):
-            self._accumulate_block(block, progress.over(steps), size, targets, total)
+            excluded = set() if fixed else None
+            over = progress.over(steps)
+            while True:
+                try:
+                    total[block] = self._accumulate_block(block, over, size, targets, excluded)
+                    break
+                except _Unfactored as error:  # that layer materialised, from the start
+                    excluded.add(error.layer)
+                    over = steps
         return total.cpu().numpy()
 
-    def _accumulate_block(self, block, steps, size, targets, total):
-        """The accumulated route's terms of the training points ``block`` (a slice
-        of ``range(M)``), added into ``total``."""
+    def _accumulate_block(self, block, steps, size, targets, excluded):
+        """The accumulated route's ``c_i(x_i)`` of the training points ``block`` (a
+        slice of ``range(M)``): (n_block, K), keeping the layers of fixed input
+        factored but those in ``excluded`` (None: keep none)."""
         update, X_train = self.update, self.X_train
         layout = self._layout(X_train.dtype)
         n_block = block.stop - block.start
-        buffer = None  # per rule, (n_block, W_l)
+        K = self.n_outputs if targets is None else 1
+        out = torch.zeros((n_block, K), dtype=X_train.dtype, device=self.device)
+        buffer = None  # per rule, (n_block, W_l), or (n_block, d_out) for a kept layer
+        keep, inputs = (), {}  # the kept layers, and each one's inputs (n_block, d_in)
         seen = np.zeros(n_block, dtype=bool)
         for index in steps:
             batch = np.asarray(self.path.batches[index])
             mine = batch[(batch >= block.start) & (batch < block.stop)]
             if buffer is None and mine.size == 0:
                 continue  # no point of the block seen yet: nothing to add
-            gradients = self._training_gradients(index, mine) if mine.size else None
+            gradients = None
+            if mine.size:
+                factors = self._training_factors(index, mine)
+                if buffer is None and excluded is not None:
+                    keep = self._fixed_layers(index, mine[:1], factors, targets, excluded)
+                gradients = self._own_gradients(factors, keep, inputs, mine - block.start, seen)
             if buffer is None:
                 buffer = [g.new_zeros((n_block, g.shape[1])) for g in gradients]
             n_layers = len(buffer)
@@ -318,7 +371,7 @@ class StepwiseDecomposition:
                 on_device = self.steps.on_device(part)
                 rows = self.steps.on_device(part + block.start)
                 own_targets = None if targets is None else targets.take(rows)
-                u, _ = self._scaled_features(index, X_train[rows], targets=own_targets)
+                u, _ = self._scaled_features(index, X_train[rows], targets=own_targets, keep=keep)
                 own = [rate * layer[on_device] for rate, layer in zip(rates, buffer, strict=True)]
                 position = in_batch[part]
                 if direct and (position >= 0).any():
@@ -326,7 +379,89 @@ class StepwiseDecomposition:
                     picked = self.steps.on_device(position[position >= 0])
                     for layer, g, zeta in zip(own, gradients, directs, strict=True):
                         layer.index_add_(0, at, zeta * g[picked])
-                total.index_add_(0, rows, _diagonal(u, own))
+                own_inputs = {layer: inputs[layer][on_device] for layer in keep}
+                out.index_add_(0, on_device, self._own_diagonal(u, own, own_inputs))
+        return out
+
+    def _fixed_layers(self, index, row, factors, targets, excluded):
+        """The layers to keep factored: those whose training ``factors`` and whose
+        test features of the training row ``row`` (a host index array of one
+        row, in step ``index``'s batch) at step ``index`` are both ``delta [a,
+        1]^T`` (a layer integrated over its nodes with one input per row, a first
+        ``nn.Linear``). That the inputs stay put is checked at every later step."""
+        rules = self._probe().rules
+        rows = self.steps.on_device(row)
+        test_copy = self.test_copy
+        if targets is not None:
+            test_copy = test_copy.for_targets(targets.take(rows))
+        features = test_copy.integrate(
+            index, self.X_train[rows], outputs_per_pair=test_copy.n_outputs
+        ).features
+        keep = []
+        for layer, (rule, f) in enumerate(zip(rules, factors, strict=True)):
+            test = features.row_factors(layer)
+            if layer in excluded:
+                continue
+            if rule.outer_factors(f) is not None and test is not None:
+                if rule.outer_factors(test) is not None:
+                    keep.append(layer)
+        return tuple(keep)
+
+    def _own_gradients(self, factors, keep, inputs, local, seen):
+        """The training rows' gradients per rule, materialised (b, W_l) or, for the
+        ``keep`` layers, their deltas (b, d_out), the rows' inputs written into
+        ``inputs`` (``{layer: (n_block, d_in)}``, the block's rows ``local``, a
+        host array) at their first batch and checked equal at every later one."""
+        rules = self._probe().rules
+        gradients = []
+        for layer, (rule, f) in enumerate(zip(rules, factors, strict=True)):
+            if layer not in keep:
+                gradients.append(rule.materialise(f)[:, 0])
+                continue
+            outer = rule.outer_factors(f)
+            if outer is None:
+                raise _Unfactored(layer, "its training gradients are not factored")
+            if layer not in inputs:
+                inputs[layer] = outer.inputs.new_zeros((seen.size, outer.inputs.shape[1]))
+            before = seen[local]
+            on_device = self.steps.on_device(local)
+            if before.any():
+                old = self.steps.on_device(np.flatnonzero(before))
+                if not torch.equal(inputs[layer][on_device[old]], outer.inputs[old]):
+                    raise _Unfactored(layer, "its input moved between steps")
+            inputs[layer][on_device] = outer.inputs
+            gradients.append(outer.deltas[:, 0])
+        return gradients
+
+    def _own_diagonal(self, u, own, inputs):
+        """``sum_l <u_l(row i), own_l(row i)>`` per row and output (n, K); the layers
+        in ``inputs`` (``{layer: the rows' own inputs}``) hold ``FactoredGradients``
+        on the test side and deltas on their own side, met by the rule's inner
+        product of factors, ``(a_x . a_i + 1) (delta_x . m_i)``, output by output."""
+        rules = self._probe().rules
+        total = 0.0
+        for layer, (p, g) in enumerate(zip(u, own, strict=True)):
+            if layer not in inputs:
+                total = total + _diagonal([p], [g])
+                continue
+            right = FactoredGradients(inputs[layer], g[:, None])
+            columns = [
+                rules[layer].inner(
+                    FactoredGradients(p.inputs, p.deltas[:, k : k + 1]), right, OutputMode.DIAG
+                )
+                for k in range(p.deltas.shape[1])
+            ]
+            total = total + torch.stack(columns, 1)
+        return total
+
+
+class _Unfactored(Exception):
+    """Layer ``layer``, kept factored, is not at some step (the block reruns with it
+    materialised)."""
+
+    def __init__(self, layer, why):
+        super().__init__(f"layer {layer}: {why}")
+        self.layer = layer
 
 
 def _positions(batch, rows):
