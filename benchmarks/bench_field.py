@@ -748,9 +748,11 @@ def field_grid(explanation, predicted, query, task, influence, k, n_steps):
         f"log p({predicted}) = {log_p:.3f}",
         fontsize=9,
     )
+    decay = float(explanation.decay[query, 0])
     ax.set_xlabel(
-        f"start {explanation.bias[query, 0]:+.2f}\n"
-        f"training rows {explanation.total[query, 0]:+.2f}",
+        f"= initial network {explanation.bias[query, 0]:+.3f}\n"
+        f"+ all training rows {explanation.total[query, 0]:+.3f}"
+        + (f"\n+ weight decay {decay:+.3f}" if decay else ""),
         fontsize=8,
     )
     sides = (
@@ -786,11 +788,12 @@ def field_grid(explanation, predicted, query, task, influence, k, n_steps):
             color="#7d3c98",
         )
         if j == 0:
-            ax.set_ylabel("highest self-\ninfluence", fontsize=8, color="#7d3c98")
+            ax.set_ylabel("highest self-influence\n(own label's log p)", fontsize=8,
+                          color="#7d3c98")  # fmt: skip
     fig.suptitle(
-        f"Why test image {query} is a {predicted}: the training images that raised and "
-        f"lowered log p({predicted}) most (exact contributions over {n_steps} "
-        f"steps; * = label differs from {predicted})",
+        f"Why test image {query} is a {predicted}: the training images that raised and lowered "
+        f"log p({predicted}) most\n(exact contributions over {n_steps} steps, share of all "
+        f"that the {task.n_train} training rows moved; * = label differs from {predicted})",
         fontsize=9.5,
     )
     return fig
