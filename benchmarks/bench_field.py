@@ -653,37 +653,61 @@ def run_grid(args):
     )
     _, decompose_s, decompose_cpu = _timed_cpu(lambda: clf.decompose(queries, target="predicted"))
     influence, self_s, self_cpu = _timed_cpu(lambda: clf.self_influence(target="output"))
+    result = {}
     row_steps = _active_row_steps(clf.path_.batches, M, S)
     full_steps = math.ceil(args.extrapolate_steps / math.ceil(M / 64)) * math.ceil(M / 64)
     full_row_steps = row_steps + M * (full_steps - S)  # every row active after epoch 1
     per_query = explain_s / len(queries) / S
     per_row = self_s / row_steps
+    per_query_cpu, per_row_cpu = explain_cpu / len(queries) / S, self_cpu / row_steps
     print(
         f"\n## explanations at this size: M={M}, {S} steps ({epochs} epochs), {args.dtype}, "
         f"path on disk ({_mib(clf.path_.nbytes):.0f} MiB); fit {fit_seconds:.1f} s "
         f"(CPU {fit_cpu:.1f} s)\n"
         f"explain(target='predicted') of {len(queries)} test images: {explain_s:.1f} s "
-        f"(CPU {explain_cpu:.1f} s), {1e3 * per_query:.3f} ms per query and step; "
+        f"(CPU {explain_cpu:.1f} s), {1e3 * per_query:.3f} ms per query and step (CPU "
+        f"{1e3 * per_query_cpu:.3f} ms); "
         f"decompose(target='predicted') of the same: {decompose_s:.1f} s (CPU "
         f"{decompose_cpu:.1f} s), explain/decompose {explain_s / decompose_s:.2f}\n"
         f"self_influence(target='output') over {M} rows: {self_s:.1f} s (CPU {self_cpu:.1f} s), "
         f"{row_steps} row-steps (each row from its first batch on), "
-        f"{1e3 * per_row:.3f} ms per row and step\n"
+        f"{1e3 * per_row:.3f} ms per row and step (CPU {1e3 * per_row_cpu:.3f} ms)\n"
         f"EXTRAPOLATED (linear) to {full_steps} steps: explain of 500 queries "
-        f"{per_query * 500 * full_steps / 60:.1f} min (from a {len(queries)}-query call; "
-        f"a 500-query call costs less per query), self_influence over {M} rows "
-        f"{per_row * full_row_steps / 60:.1f} min ({full_row_steps} row-steps); "
+        f"{per_query * 500 * full_steps / 60:.1f} min, CPU "
+        f"{per_query_cpu * 500 * full_steps / 60:.1f} min (from a {len(queries)}-query "
+        "call; a 500-query call costs less per query), "
+        f"self_influence over {M} rows {per_row * full_row_steps / 60:.1f} min, CPU "
+        f"{per_row_cpu * full_row_steps / 60:.1f} min ({full_row_steps} row-steps); "
         f"peak resident {_maxrss():.0f} MiB"
     )
     top = influence.ranking()[:5]
     print(f"most self-influential rows {top.tolist()} (labels {task.y_train[top].tolist()})")
-    result = {"fit_s": fit_seconds, "explain_s": explain_s, "decompose_s": decompose_s,
+    result.update({"fit_s": fit_seconds, "explain_s": explain_s, "decompose_s": decompose_s,
               "self_s": self_s, "steps": S, "queries": len(queries), "row_steps": row_steps,
               "explain_ms_per_query_step": 1e3 * per_query,
               "self_ms_per_row_step": 1e3 * per_row,
+              "explain_cpu_ms_per_query_step": 1e3 * per_query_cpu,
+              "self_cpu_ms_per_row_step": 1e3 * per_row_cpu,
               "extrapolated_explain_500_min": per_query * 500 * full_steps / 60,
               "extrapolated_self_min": per_row * full_row_steps / 60,
-              "peak_mib": _maxrss()}  # fmt: skip
+              "peak_mib": _maxrss()})  # fmt: skip
+    if args.compare_routes:  # the same self-influence, every layer materialised
+        from sklearn_pathkernel._engine._stepwise import StepwiseDecomposition
+
+        StepwiseDecomposition.fixed_input_layers = False
+        try:
+            generic, generic_s, generic_cpu = _timed_cpu(
+                lambda: clf.self_influence(target="output")
+            )
+        finally:
+            StepwiseDecomposition.fixed_input_layers = True
+        gap = np.abs(generic.values - influence.values).max() / np.abs(generic.values).max()
+        print(
+            f"self_influence(target='output'), every layer materialised: {generic_s:.1f} s "
+            f"(CPU {generic_cpu:.1f} s), {generic_cpu / self_cpu:.2f}x the CPU of the first "
+            f"layer kept factored; values equal to {gap:.1e} of their scale"
+        )
+        result.update(self_generic_s=generic_s, self_generic_cpu_s=generic_cpu)
     if args.self_counterfactual:
         _, result["self_counterfactual_s"] = _timed(
             lambda: clf.self_influence(method="counterfactual")
@@ -837,7 +861,8 @@ def main():
     parser.add_argument("--ensemble", type=int, default=10, help="TRAK's models")
     parser.add_argument("--profile-steps", type=int, default=100)
     parser.add_argument("--compare-routes", action="store_true",
-                        help="profile: also time the generic route (issue 36 item 5)")  # fmt: skip
+                        help="profile, grid: also time the generic route (every layer "
+                        "materialised)")  # fmt: skip
     parser.add_argument("--base", default=None,
                         help="profile: time the scalar target against this commit's package "
                         "in the same process (alternated, best of --repeats)")  # fmt: skip
