@@ -63,9 +63,19 @@ Sections (each can be run alone):
     points in one call: wall and CPU minutes, the certificate and the process's
     peak resident memory.
 ``grid``
-    ``explain`` on the test images, ``self_influence`` over the training rows (the
-    counterfactual's, and the contributions' with ``--self-contributions``), and an
-    image grid of one query's proponents and opponents saved to ``--grid``.
+    Issue 36 item 7, the explanation API at this size: the run of ``--full-steps``
+    steps as ``full`` trains it (the path on disk, ``--dtype``; the training rows of
+    the full run whatever ``--queries``), ``explain(X_test[:queries], k,
+    target="predicted")`` and beside it ``decompose`` of the same target (one
+    output per query both), ``self_influence(target="output")`` over every
+    training row (its own label's log-probability, all the scores read: one
+    output per row; ``--self-counterfactual`` adds the counterfactual's), per query
+    and step and per row and step costs extrapolated linearly to
+    ``--extrapolate-steps`` (stated as extrapolated), and an image grid saved to
+    ``--grid``: one test image (``--grid-query``; by default the first the network
+    gets wrong) with its true and predicted class, its ``k`` proponents and
+    opponents with their labels, contributions and shares, and the ``k`` training
+    images of highest self-influence.
 
 Hooks for work in progress (issue 36 items 2 and 3): ``--dtype float32`` trains the
 user loop in float32 (the recording replays it in float64) and passes ``dtype=`` to
@@ -77,7 +87,8 @@ scalar-target decomposition once the explanation API takes a target
     python benchmarks/bench_field.py --rows 1000 --epochs 3 --queries 100 --subsets 20
     python benchmarks/bench_field.py --sections profile --rows 5000 --profile-steps 20 \\
         --queries 50
-    python benchmarks/bench_field.py --sections grid --quick --grid mnist_grid.png
+    python benchmarks/bench_field.py --sections grid --rows 4500 --queries 50 \\
+        --full-steps 400 --dtype float32 --grid mnist_grid.png
 """
 
 import argparse
@@ -127,7 +138,7 @@ DEFAULT_METHODS = (
 #: ``--quick``: CI-sized (the contributions' self-influence, a decomposition per
 #: training row, is left out: about 6 minutes at this size on a loaded 2-core machine).
 QUICK = {"rows": 500, "epochs": 2, "queries": 20, "subsets": 6, "loo": 4, "ensemble": 2,
-         "profile_steps": 8, "skip_ours_self": True}  # fmt: skip
+         "profile_steps": 8, "skip_ours_self": True, "full_steps": 16}  # fmt: skip
 
 
 def _mib(nbytes):
@@ -152,8 +163,8 @@ def check_hooks(args):
         sys.exit("--scalar needs scalar targets in the explanation API (issue 36 item 2)")
 
 
-def field_task(args):
-    task = make_task("mnist10", args.rows, args.queries)
+def field_task(args, n_test=None):
+    task = make_task("mnist10", args.rows, args.queries if n_test is None else n_test)
     task.settings["max_iter"] = args.epochs
     if args.dtype == "float32":  # (only reached when the estimator takes dtype=)
         task.settings["dtype"] = "float32"
@@ -582,6 +593,19 @@ def gemm_rate(size=1024, repeats=5):
 # -- the full run, not extrapolated ---------------------------------------------------------
 
 
+def fit_on_disk(task, steps):
+    """The estimator's run of ``steps`` steps rounded up to whole epochs, the path
+    on disk: ``(clf, wall seconds, CPU seconds, epochs)``."""
+    per_epoch = math.ceil(task.n_train / 64)
+    epochs = math.ceil(steps / per_epoch)
+    clf = ExactPathKernelClassifier(
+        random_state=0, tol=None, path_storage="disk", **dict(task.settings, max_iter=epochs)
+    )
+    cpu = time.process_time()
+    clf, seconds = _timed(lambda: clf.fit(task.X_train, task.y_train))
+    return clf, seconds, time.process_time() - cpu, epochs
+
+
 def run_full(args):
     """dattri's run at its own number of steps (``--full-steps``, by default
     ``FIELD['steps']``, in whole epochs of the training rows), the path on disk,
@@ -589,14 +613,7 @@ def run_full(args):
     test points in one call: wall and CPU time, the certificate, and the
     process's peak resident memory."""
     task = field_task(args)
-    per_epoch = math.ceil(task.n_train / 64)
-    epochs = math.ceil(args.full_steps / per_epoch)
-    clf = ExactPathKernelClassifier(
-        random_state=0, tol=None, path_storage="disk", **dict(task.settings, max_iter=epochs)
-    )
-    cpu = time.process_time()
-    clf, fit_seconds = _timed(lambda: clf.fit(task.X_train, task.y_train))
-    fit_cpu = time.process_time() - cpu
+    clf, fit_seconds, fit_cpu, epochs = fit_on_disk(task, args.full_steps)
     rss_fit = _maxrss()
     queries = task.X_test[: args.queries]
     cpu = time.process_time()
@@ -618,28 +635,200 @@ def run_full(args):
 
 
 def run_grid(args):
-    task = field_task(args)
-    clf, fit_seconds = _timed(lambda: task.fit(seed=0))
-    explanation, explain_seconds = _timed(lambda: clf.explain(task.X_test, k=args.k))
-    influence, self_seconds = _timed(lambda: clf.self_influence(method="counterfactual"))
-    result = {"fit_s": fit_seconds, "explain_s": explain_seconds,
-              "self_counterfactual_s": self_seconds}  # fmt: skip
-    line = (
-        f"\n## explanations: M={task.n_train}, {clf.n_steps_} steps (fit {fit_seconds:.1f} s); "
-        f"explain on {len(task.X_test)} test images {explain_seconds:.1f} s; "
-        f"self_influence(method='counterfactual') over {task.n_train} rows {self_seconds:.1f} s"
+    """Item 7 at the field's size: the run of ``--full-steps`` steps (the path on
+    disk, ``--dtype``), ``explain(X_test[:queries], target="predicted")`` and,
+    beside it on the same queries, ``decompose(..., target="predicted")`` (the one
+    output's work it should cost), ``self_influence(target="output")`` over every
+    training row (each row's own label's log-probability: all a classifier's
+    ``scores`` read, one output per row), and the image grid of one query. Per
+    query and step and per row and step costs, extrapolated linearly to
+    ``--extrapolate-steps`` steps and 500 queries (an extrapolation, stated so)."""
+    # the training rows of the full run (500 test images held out) whatever --queries
+    task = field_task(args, n_test=max(args.queries, FIELD["queries"]))
+    clf, fit_seconds, fit_cpu, epochs = fit_on_disk(task, args.full_steps)
+    S, M = clf.n_steps_, task.n_train
+    queries = task.X_test[: args.queries]
+    explanation, explain_s, explain_cpu = _timed_cpu(
+        lambda: clf.explain(queries, k=args.k, target="predicted")
     )
-    if args.self_contributions:
-        _, result["self_contributions_s"] = _timed(lambda: clf.self_influence())
-        line += f"; self_influence() (contributions) {result['self_contributions_s']:.1f} s"
-    print(line)
-    top = np.argsort(-influence.scores)[:5]
+    _, decompose_s, decompose_cpu = _timed_cpu(lambda: clf.decompose(queries, target="predicted"))
+    influence, self_s, self_cpu = _timed_cpu(lambda: clf.self_influence(target="output"))
+    result = {}
+    row_steps = _active_row_steps(clf.path_.batches, M, S)
+    full_steps = math.ceil(args.extrapolate_steps / math.ceil(M / 64)) * math.ceil(M / 64)
+    full_row_steps = row_steps + M * (full_steps - S)  # every row active after epoch 1
+    per_query = explain_s / len(queries) / S
+    per_row = self_s / row_steps
+    per_query_cpu, per_row_cpu = explain_cpu / len(queries) / S, self_cpu / row_steps
+    print(
+        f"\n## explanations at this size: M={M}, {S} steps ({epochs} epochs), {args.dtype}, "
+        f"path on disk ({_mib(clf.path_.nbytes):.0f} MiB); fit {fit_seconds:.1f} s "
+        f"(CPU {fit_cpu:.1f} s)\n"
+        f"explain(target='predicted') of {len(queries)} test images: {explain_s:.1f} s "
+        f"(CPU {explain_cpu:.1f} s), {1e3 * per_query:.3f} ms per query and step (CPU "
+        f"{1e3 * per_query_cpu:.3f} ms); "
+        f"decompose(target='predicted') of the same: {decompose_s:.1f} s (CPU "
+        f"{decompose_cpu:.1f} s), explain/decompose {explain_s / decompose_s:.2f}\n"
+        f"self_influence(target='output') over {M} rows: {self_s:.1f} s (CPU {self_cpu:.1f} s), "
+        f"{row_steps} row-steps (each row from its first batch on), "
+        f"{1e3 * per_row:.3f} ms per row and step (CPU {1e3 * per_row_cpu:.3f} ms)\n"
+        f"EXTRAPOLATED (linear) to {full_steps} steps: explain of 500 queries "
+        f"{per_query * 500 * full_steps / 60:.1f} min, CPU "
+        f"{per_query_cpu * 500 * full_steps / 60:.1f} min (from a {len(queries)}-query "
+        "call; a 500-query call costs less per query), "
+        f"self_influence over {M} rows {per_row * full_row_steps / 60:.1f} min, CPU "
+        f"{per_row_cpu * full_row_steps / 60:.1f} min ({full_row_steps} row-steps); "
+        f"peak resident {_maxrss():.0f} MiB"
+    )
+    top = influence.ranking()[:5]
     print(f"most self-influential rows {top.tolist()} (labels {task.y_train[top].tolist()})")
+    result.update({"fit_s": fit_seconds, "explain_s": explain_s, "decompose_s": decompose_s,
+              "self_s": self_s, "steps": S, "queries": len(queries), "row_steps": row_steps,
+              "explain_ms_per_query_step": 1e3 * per_query,
+              "self_ms_per_row_step": 1e3 * per_row,
+              "explain_cpu_ms_per_query_step": 1e3 * per_query_cpu,
+              "self_cpu_ms_per_row_step": 1e3 * per_row_cpu,
+              "extrapolated_explain_500_min": per_query * 500 * full_steps / 60,
+              "extrapolated_self_min": per_row * full_row_steps / 60,
+              "peak_mib": _maxrss()})  # fmt: skip
+    if args.compare_routes:  # the same self-influence, every layer materialised
+        from sklearn_pathkernel._engine._stepwise import StepwiseDecomposition
+
+        StepwiseDecomposition.fixed_input_layers = False
+        try:
+            generic, generic_s, generic_cpu = _timed_cpu(
+                lambda: clf.self_influence(target="output")
+            )
+        finally:
+            StepwiseDecomposition.fixed_input_layers = True
+        gap = np.abs(generic.values - influence.values).max() / np.abs(generic.values).max()
+        print(
+            f"self_influence(target='output'), every layer materialised: {generic_s:.1f} s "
+            f"(CPU {generic_cpu:.1f} s), {generic_cpu / self_cpu:.2f}x the CPU of the first "
+            f"layer kept factored; values equal to {gap:.1e} of their scale"
+        )
+        result.update(self_generic_s=generic_s, self_generic_cpu_s=generic_cpu)
+    if args.self_counterfactual:
+        _, result["self_counterfactual_s"] = _timed(
+            lambda: clf.self_influence(method="counterfactual")
+        )
+        print(f"self_influence(method='counterfactual') {result['self_counterfactual_s']:.1f} s")
     if args.grid:
-        figure = explanation.plot(query=0, image_shape=(28, 28))
-        figure.savefig(args.grid, dpi=100)
-        print(f"image grid of query 0's proponents and opponents: {args.grid}")
+        predicted = clf.predict(queries)  # the class whose log-probability is explained
+        query = _grid_query(args, predicted, task.y_test[: len(queries)])
+        figure = field_grid(explanation, predicted, query, task, influence, args.k, S)
+        figure.savefig(args.grid, dpi=110, bbox_inches="tight")
+        print(f"image grid of query {query}'s proponents and opponents: {args.grid}")
+        result["grid_query"] = query
     return result
+
+
+def _timed_cpu(function):
+    cpu = time.process_time()
+    result, seconds = _timed(function)
+    return result, seconds, time.process_time() - cpu
+
+
+def _active_row_steps(batches, M, S):
+    """Row-steps of the accumulated self-influence: each training row from its
+    first batch to the last step."""
+    first = np.full(M, S)
+    for step, batch in enumerate(batches):
+        batch = np.asarray(batch)
+        first[batch] = np.minimum(first[batch], step)
+    return int((S - first).sum())
+
+
+def _grid_query(args, predicted, y_test):
+    """``--grid-query``, or the first explained test image the network gets wrong
+    (what a person asks "why?" of), else the first."""
+    if args.grid_query is not None:
+        return args.grid_query
+    wrong = np.flatnonzero(predicted != y_test)
+    return int(wrong[0]) if wrong.size else 0
+
+
+def field_grid(explanation, predicted, query, task, influence, k, n_steps):
+    """One query's ``k`` proponents and opponents as images (labels, contributions,
+    shares), and the training images of highest self-influence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = min(k, explanation.k)
+    y_test = task.y_test
+    predicted = predicted[query]
+    log_p = float(explanation.output[query, 0])
+    fig = plt.figure(figsize=(1.45 * (k + 2), 6.6))
+    grid = fig.add_gridspec(3, k + 2, width_ratios=[2.2, 0.25] + [1] * k, hspace=0.75)
+    ax = fig.add_subplot(grid[0:2, 0])
+    ax.imshow(explanation.queries[query].reshape(28, 28), cmap="gray_r")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    verdict = "right" if predicted == y_test[query] else "WRONG"
+    ax.set_title(
+        f"test image {query}\ntrue {y_test[query]}, predicted {predicted} ({verdict})\n"
+        f"log p({predicted}) = {log_p:.3f}",
+        fontsize=9,
+    )
+    decay = float(explanation.decay[query, 0])
+    ax.set_xlabel(
+        f"= initial network {explanation.bias[query, 0]:+.3f}\n"
+        f"+ all training rows {explanation.total[query, 0]:+.3f}"
+        + (f"\n+ weight decay {decay:+.3f}" if decay else ""),
+        fontsize=8,
+    )
+    sides = (
+        ("proponents: raised", explanation.proponent_indices, explanation.proponent_values,
+         explanation.proponent_shares, "#c0392b"),
+        ("opponents: lowered", explanation.opponent_indices, explanation.opponent_values,
+         explanation.opponent_shares, "#2e86c1"),
+    )  # fmt: skip
+    for row, (name, indices, values, shares, color) in enumerate(sides):
+        for j in range(k):
+            index = int(indices[query, 0, j])
+            label = task.y_train[index]
+            ax = fig.add_subplot(grid[row, j + 2])
+            ax.imshow(task.X_train[index].reshape(28, 28), cmap="gray_r")
+            _frame(ax, color)
+            mark = "" if label == predicted else " *"
+            ax.set_title(
+                f"#{index}: {label}{mark}\n{values[query, 0, j]:+.4f}\n"
+                f"({100 * shares[query, 0, j]:+.1f}%)",
+                fontsize=7.5,
+                color=color,
+            )
+            if j == 0:
+                ax.set_ylabel(name, fontsize=8, color=color)
+    top = influence.ranking()[:k]
+    for j, index in enumerate(top):
+        ax = fig.add_subplot(grid[2, j + 2])
+        ax.imshow(task.X_train[index].reshape(28, 28), cmap="gray_r")
+        _frame(ax, "#7d3c98")
+        ax.set_title(
+            f"#{index}: {task.y_train[index]}\n{influence.scores[index]:+.3f}",
+            fontsize=7.5,
+            color="#7d3c98",
+        )
+        if j == 0:
+            ax.set_ylabel("highest self-influence\n(own label's log p)", fontsize=8,
+                          color="#7d3c98")  # fmt: skip
+    fig.suptitle(
+        f"Why test image {query} is a {predicted}: the training images that raised and lowered "
+        f"log p({predicted}) most\n(exact contributions over {n_steps} steps, share of all "
+        f"that the {task.n_train} training rows moved; * = label differs from {predicted})",
+        fontsize=9.5,
+    )
+    return fig
+
+
+def _frame(ax, color):
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_edgecolor(color)
+        spine.set_linewidth(2)
 
 
 # -- driver ---------------------------------------------------------------------------------
@@ -672,7 +861,8 @@ def main():
     parser.add_argument("--ensemble", type=int, default=10, help="TRAK's models")
     parser.add_argument("--profile-steps", type=int, default=100)
     parser.add_argument("--compare-routes", action="store_true",
-                        help="profile: also time the generic route (issue 36 item 5)")  # fmt: skip
+                        help="profile, grid: also time the generic route (every layer "
+                        "materialised)")  # fmt: skip
     parser.add_argument("--base", default=None,
                         help="profile: time the scalar target against this commit's package "
                         "in the same process (alternated, best of --repeats)")  # fmt: skip
@@ -688,10 +878,15 @@ def main():
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip
-    parser.add_argument("--self-contributions", action="store_true",
-                        help="grid: also self_influence() of the contributions")  # fmt: skip
+    parser.add_argument("--self-counterfactual", action="store_true",
+                        help="grid: also self_influence(method='counterfactual')")  # fmt: skip
     parser.add_argument("--k", type=int, default=6, help="grid: proponents and opponents")
     parser.add_argument("--grid", default=None, help="grid: the image file to write")
+    parser.add_argument("--grid-query", type=int, default=None,
+                        help="grid: the test image drawn (default: the first the "
+                        "network gets wrong, else 0)")  # fmt: skip
+    parser.add_argument("--extrapolate-steps", type=int, default=FIELD["steps"],
+                        help="grid: the steps the costs are extrapolated to")  # fmt: skip
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="the run's dtype (the estimator's dtype=)")  # fmt: skip
     parser.add_argument("--scalar", action="store_true",

@@ -51,6 +51,10 @@ class Target(ABC):
     column_label = True
     #: Whether :math:`T` is linear in ``f`` (its gradient does not move along a step).
     linear = False
+    #: Whether fitting a training point lowers :math:`T` at it (a loss), rather
+    #: than raising it (its own label's output or margin): the sign a ranking by
+    #: self-influence reads :math:`T`'s contributions with.
+    lowered_by_fitting = False
 
     @abstractmethod
     def __call__(self, f, label):
@@ -110,6 +114,7 @@ class LossTarget(Target):
     """
 
     column_label = False
+    lowered_by_fitting = True
 
     def __init__(self, loss):
         self.loss = loss

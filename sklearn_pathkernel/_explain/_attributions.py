@@ -18,7 +18,7 @@ import numpy as np
 
 from .._engine import AdjointSweep
 from ._counterfactual import counterfactual_outputs, counterfactual_self_influence, sweep_queries
-from ._self_influence import self_influence
+from ._self_influence import scalar_self_influence, self_influence
 
 #: The attributions, by the name ``method=`` takes.
 ATTRIBUTIONS = {}
@@ -77,8 +77,10 @@ class Attribution(ABC):
         the cost of one output: ``K`` is 1."""
 
     @abstractmethod
-    def self_influence(self, context, first_epoch, batch_size):
-        """Each training point's score for its own output: a ``SelfInfluence``."""
+    def self_influence(self, context, first_epoch, batch_size, targets=None):
+        """Each training point's score for its own output: a ``SelfInfluence``;
+        with ``targets`` (a ``QueryTargets`` of the training rows), for its own
+        scalar target at the cost of one output per row: ``values`` (M, 1)."""
 
     @classmethod
     def from_options(cls, hessian=None):
@@ -109,8 +111,8 @@ class Contributions(Attribution):
         parts = context.engine.decompose(queries, targets=targets)
         return ScoreTile(parts.contributions, parts.output, parts.bias, parts.decay)
 
-    def self_influence(self, context, first_epoch, batch_size):
-        return self_influence(context, context.engine.stepwise(), first_epoch)
+    def self_influence(self, context, first_epoch, batch_size, targets=None):
+        return self_influence(context, context.engine.stepwise(), first_epoch, targets)
 
 
 @register_attribution("counterfactual")
@@ -137,12 +139,7 @@ class Counterfactual(Attribution):
     def tile(self, context, queries, targets=None):
         n = queries.shape[0]
         if targets is not None:
-            if context.training_run is None:
-                raise ValueError(
-                    "Counterfactual attribution needs the training loss, targets, sample "
-                    "weights and optimiser, which this model does not hold."
-                )
-            run = context.training_run()
+            run = self._run(context)
             hessian = run.update.stable_adjoint if self.hessian is None else self.hessian
             found = sweep_queries(
                 AdjointSweep(run), queries, targets.target, targets.labels, n, hessian
@@ -154,8 +151,26 @@ class Counterfactual(Attribution):
         missing = np.full_like(output, np.nan)
         return ScoreTile(scores, output, missing, missing)
 
-    def self_influence(self, context, first_epoch, batch_size):
-        return counterfactual_self_influence(context, batch_size, self.hessian)
+    def self_influence(self, context, first_epoch, batch_size, targets=None):
+        if targets is None:
+            return counterfactual_self_influence(context, batch_size, self.hessian)
+        run = self._run(context)
+        hessian = run.update.stable_adjoint if self.hessian is None else self.hessian
+        found = sweep_queries(  # one adjoint vector per row, batch_size rows at a time
+            AdjointSweep(run), context.engine.X_train, targets.target, targets.labels,
+            batch_size, hessian,
+        )  # fmt: skip
+        return scalar_self_influence(context, np.diagonal(found["scores"]).copy(), targets)
+
+    @staticmethod
+    def _run(context):
+        """The context's ``TrainingRun``, or a clear error where it has none."""
+        if context.training_run is None:
+            raise ValueError(
+                "Counterfactual attribution needs the training loss, targets, sample "
+                "weights and optimiser, which this model does not hold."
+            )
+        return context.training_run()
 
 
 def attribution_of(method, hessian=None):

@@ -10,6 +10,8 @@ explanation is a method here, written against the
 new attribution in ``_attributions``, never in a host class.
 """
 
+from dataclasses import replace
+
 import numpy as np
 
 from ._attributions import attribution_of
@@ -18,7 +20,7 @@ from ._explanation import Explanation
 from ._over_time import attribute_over_time
 from ._scoring import class_totals, path_norms
 from ._streaming import StreamedTopK, influence_matrix, query_tiles
-from ._targets import decomposition_targets
+from ._targets import decomposition_targets, training_targets
 from ._topk import check_k
 
 
@@ -236,7 +238,7 @@ class Explainer:
             out[tile] = class_totals(scores, codes, classes.size)
         return out
 
-    def self_influence(self, *, first_epoch=0):
+    def self_influence(self, *, first_epoch=0, target=None):
         """Each training point's score for its own output, for mislabel and outlier
         detection.
 
@@ -247,6 +249,17 @@ class Explainer:
             diagonal of :meth:`explain_over_time` summed over those epochs): late
             epochs weigh what the network still had to fit at the end.
             ``method="contributions"`` only.
+        target : {"output", "margin", "loss", "predicted"}, array-like of int \
+                of shape (M,) or None, default=None
+            Score each training point for one scalar of its own instead of every
+            output, at the cost of one output per point (see ``decompose``'s
+            ``target``, with the point's own training label as ``y``):
+            ``"output"``, a classifier's log-probability of the point's own label
+            (what ``scores`` reads, without the other ``K - 1`` outputs' work; a
+            regressor's output 0); ``"margin"``, its own label's margin;
+            ``"loss"``, the training loss at ``(x_i, y_i)``; ``"predicted"``, the
+            log-probability of its predicted class; an int array, that output per
+            point. None (the default): every output.
 
         Returns
         -------
@@ -255,29 +268,42 @@ class Explainer:
             ``decompose(X_train).contributions`` (over the path norms with
             ``normalize``); for the counterfactual scores, each point's score for
             its own label (a classifier; the other columns NaN) or every output.
-            ``scores`` (M,) to rank by; ``detection_curve``, ``auc``,
-            ``found_at``, ``to_frame`` and ``plot``.
+            With ``target``, ``values`` has shape (M, 1), one output named after
+            the target, as ``explain(X, target=...)``'s: the diagonal of
+            ``decompose(X_train, target=target, y=y_train).contributions`` (for
+            ``"output"``, of a classifier, ``decompose(X_train).contributions[i, i,
+            label_i]``), or the counterfactual scores of that target. (M, 1)
+            rather than (M, K) with NaN in the other columns: a margin or a loss
+            is no column of the outputs, and NaN columns would be read as
+            measured. ``scores`` (M,) to rank by (with a target, the value,
+            negated for the loss, which fitting lowers); ``detection_curve``,
+            ``auc``, ``found_at``, ``to_frame`` and ``plot``.
 
         Notes
         -----
         Cost linear in ``M``, like a Gram diagonal: plain SGD integrates each
         point at the steps whose batch held it; momentum and Adam need
-        ``psi_s(x_i)`` over every later step (``M S`` test copies); the
-        counterfactual scores sweep ``M`` (a regressor: ``M K``) adjoint vectors,
-        ``batch_size`` at a time. Never the ``(M, M, K)`` decomposition.
+        ``psi_s(x_i)`` over every later step (``M S`` test copies, each of ``K``
+        outputs, or of one with a target: a classifier's scores need only their
+        label's, ``target="output"``, ``K`` times less work), the points'
+        momentum buffers held in blocks of 1 GiB (a pass over the steps each);
+        the counterfactual scores sweep ``M`` (a regressor without a target: ``M
+        K``) adjoint vectors, ``batch_size`` at a time. Never the ``(M, M, K)``
+        decomposition.
         """
         self.attribution.check_options(first_epoch=first_epoch)
         context = self._context()
-        found = self.attribution.self_influence(context, first_epoch, self.batch_size)
+        targets = training_targets(context, target)
+        if targets is None:  # (attributions written before targets take three arguments)
+            found = self.attribution.self_influence(context, first_epoch, self.batch_size)
+        else:
+            found = self.attribution.self_influence(context, first_epoch, self.batch_size, targets)
+            found = replace(found, output_names=(_target_name(target),))
         if not self.normalize:
             return found
-        values = found.values / path_norms(context.engine)[:, None]
-        scores = (
-            values[np.arange(context.n_train), context.label_codes()]
-            if context.is_classifier
-            else np.abs(values).sum(axis=1)
-        )
-        return type(found)(values, scores, found.targets, found.output_names)
+        norms = path_norms(context.engine)
+        # (every score is linear in its row's values, and the norms are positive)
+        return replace(found, values=found.values / norms[:, None], scores=found.scores / norms)
 
     def explain_over_time(self, X, *, period="epoch", by_class=False, columns=None,
                           filename=None):  # fmt: skip

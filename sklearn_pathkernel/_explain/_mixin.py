@@ -45,12 +45,15 @@ class ExplanationMixin:
         return explainer.explain(X, k, target=target, y=y)
 
     def self_influence(
-        self, *, first_epoch=0, normalize=False, method="contributions", batch_size=64,
-        hessian=None,
+        self, *, first_epoch=0, target=None, normalize=False, method="contributions",
+        batch_size=64, hessian=None,
     ):  # fmt: skip
-        """Each training point's score for its own output, for mislabel and outlier
-        detection: ``Explainer(self, ...).self_influence(first_epoch=first_epoch)``
-        (see :meth:`Explainer.self_influence`).
+        """Each training point's score for its own output (or, with ``target``, for
+        one scalar of its own at the cost of one output, e.g. ``target="output"``:
+        a classifier's own label's log-probability, all that ``scores`` reads),
+        for mislabel and outlier detection: ``Explainer(self,
+        ...).self_influence(first_epoch=first_epoch, target=target)`` (see
+        :meth:`Explainer.self_influence`).
 
         Returns
         -------
@@ -59,7 +62,7 @@ class ExplanationMixin:
         explainer = Explainer(
             self, method=method, normalize=normalize, batch_size=batch_size, hessian=hessian
         )
-        return explainer.self_influence(first_epoch=first_epoch)
+        return explainer.self_influence(first_epoch=first_epoch, target=target)
 
     def counterfactual(
         self, X, y=None, *, target="output", output=None, batch_size=64, certify=0, h=1e-4,

@@ -25,12 +25,16 @@ class SelfInfluence:
 
     Attributes
     ----------
-    values : ndarray of shape (M, K)
-        ``c_i(x_i)``: what training point ``i`` added to each output at itself.
+    values : ndarray of shape (M, K), or (M, 1) for a scalar target
+        ``c_i(x_i)``: what training point ``i`` added to each output at itself
+        (to its own target's value, with ``target=``).
     scores : ndarray of shape (M,)
         The ranking score: for a classifier the contribution to its own
         label's output (``values[i, label_i]``: how far it raised its own
         label's log-probability); for a regressor ``sum_k |values[i, k]|``.
+        With a scalar target, ``values[:, 0]`` (``-values[:, 0]`` for the
+        loss, which fitting lowers; ``|values[:, 0]|`` for a regressor's
+        output).
     targets : ndarray of shape (M,) or (M, K)
         The training labels or values.
     output_names : tuple of str
@@ -113,10 +117,12 @@ class SelfInfluence:
         return ax
 
 
-def self_influence(context, stepwise, first_epoch=0):
+def self_influence(context, stepwise, first_epoch=0, targets=None):
     """The :class:`SelfInfluence` of a context's training points, from
     ``stepwise.self_influence()`` (a ``StepwiseDecomposition`` of its engine),
-    the gradients of epochs ``first_epoch`` on."""
+    the gradients of epochs ``first_epoch`` on; with ``targets`` (a
+    ``QueryTargets`` of the training rows), of each row's own scalar target at
+    the cost of one output (:func:`scalar_self_influence`)."""
     epochs = np.asarray(context.epochs)
     if isinstance(first_epoch, bool) or not isinstance(first_epoch, int | np.integer):
         raise TypeError(f"first_epoch must be an int, got {type(first_epoch).__name__}.")
@@ -126,9 +132,39 @@ def self_influence(context, stepwise, first_epoch=0):
             f"first_epoch={first_epoch} is out of range: the run has {n_epochs} epochs."
         )
     first_step = int(np.searchsorted(epochs, first_epoch))
-    values = stepwise.self_influence(first_step)
+    values = stepwise.self_influence(first_step, targets=targets)
+    if targets is not None:
+        return scalar_self_influence(context, values[:, 0], targets)
     if context.is_classifier:
         scores = values[np.arange(values.shape[0]), context.label_codes()]
     else:
         scores = np.abs(values).sum(axis=1)
     return SelfInfluence(values, scores, context.targets, context.output_names)
+
+
+def scalar_self_influence(context, own, targets):
+    """The :class:`SelfInfluence` of one scalar target per training row.
+
+    Parameters
+    ----------
+    context : ExplanationContext
+    own : ndarray of shape (M,)
+        Row ``i``'s score for its own target :math:`T_i`.
+    targets : QueryTargets
+        The targets (``targets.target`` names the one output).
+
+    Returns
+    -------
+    SelfInfluence
+        ``values`` (M, 1), ``own``; ``scores`` oriented so that a point the
+        network had to fit scores high: ``-own`` for a target fitting lowers (a
+        loss), ``own`` for a classifier's output or margin, ``|own|`` for a
+        regressor's output (fitting moves it either way).
+    """
+    if targets.target.lowered_by_fitting:
+        scores = -own
+    elif context.is_classifier:
+        scores = own.copy()
+    else:
+        scores = np.abs(own)
+    return SelfInfluence(own[:, None], scores, context.targets, (targets.target.name,))

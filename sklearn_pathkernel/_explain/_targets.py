@@ -76,3 +76,20 @@ def decomposition_targets(context, queries, target, y=None):
 def _predicted(context, queries):
     """Each query's predicted class (the largest output at the final weights)."""
     return context.engine.output(queries).argmax(1)
+
+
+def training_targets(context, target):
+    """The :class:`QueryTargets` of the training rows for their self-influence, or
+    None (``target`` None: every output).
+
+    Each row's target is read with its own training label or value as ``y``
+    (``"output"`` and ``"margin"`` of a classifier: its own label's class;
+    ``"loss"``: the training loss at ``(x_i, y_i)``); ``"predicted"``: its
+    predicted class at the final weights; an int array of shape (M,): that
+    output per row. See :func:`decomposition_targets`.
+    """
+    if target is None:
+        return None
+    # (the labels are ignored where the target takes none: "predicted", a regressor's
+    # output, an int array)
+    return decomposition_targets(context, context.engine.X_train, target, context.targets)

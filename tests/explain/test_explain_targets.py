@@ -37,6 +37,33 @@ def test_explain_of_a_target_sorts_its_decomposition(solver, target):
                                found.output[:, 0], rtol=0, atol=1e-11)  # fmt: skip
 
 
+@pytest.mark.parametrize("solver", ["sgd-mini", "momentum"])
+def test_explain_of_a_target_asks_one_output_per_query(solver, monkeypatch):
+    """The test copy ``explain(X, target="predicted")`` integrates holds one output
+    (the target's cotangent) for every query row and step, against ``K`` without a
+    target, the same rows and steps."""
+    from sklearn_pathkernel._engine._test_copy import TestCopy
+
+    clf, X, _ = classifier(solver)
+    asked = []
+    integrate = TestCopy.integrate
+
+    def counted(test_copy, index, rows, **options):
+        asked.append((test_copy.n_outputs, options.get("outputs_per_pair", 1), rows.shape[0]))
+        return integrate(test_copy, index, rows, **options)
+
+    monkeypatch.setattr(TestCopy, "integrate", counted)
+    clf.explain(X[:5], k=3, target="predicted")
+    assert asked and {(n, per_pair) for n, per_pair, _ in asked} == {(1, 1)}
+    rows = sum(n_rows for _, _, n_rows in asked)
+    assert rows == 5 * clf.n_steps_
+    asked.clear()
+    clf.explain(X[:5], k=3)
+    K = len(clf.classes_)
+    assert {(n, per_pair) for n, per_pair, _ in asked} == {(K, K)}
+    assert sum(n_rows for _, _, n_rows in asked) == rows
+
+
 def test_influence_matrix_columns_are_the_full_matrix_columns():
     clf, X, y = classifier("momentum")
     columns = np.array([3, 0, 7, 1, 9])

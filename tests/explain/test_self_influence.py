@@ -36,9 +36,9 @@ def test_plain_sgd_integrates_only_the_batch_steps(small_classifier, monkeypatch
     rows = []
     original = stepwise._scaled_features
 
-    def counting(index, Xs, with_rows=None):
+    def counting(index, Xs, with_rows=None, targets=None):
         rows.append(Xs.shape[0])
-        return original(index, Xs, with_rows)
+        return original(index, Xs, with_rows, targets)
 
     monkeypatch.setattr(stepwise, "_scaled_features", counting)
     stepwise.self_influence()

@@ -78,6 +78,27 @@ def test_self_influence_is_the_diagonal_of_decompose(classifier_recording):
     np.testing.assert_array_equal(result.scores, result.values[np.arange(len(y)), y.numpy()])
 
 
+def test_self_influence_of_a_scalar_target(classifier_recording):
+    """One output per row: the label column of the full diagonal, the margin's and
+    (the recording stating no loss) a clear refusal of the loss."""
+    recording, X, y = classifier_recording
+    M = len(X)
+    contributions = recording.decompose(X).contributions
+    expected = contributions[np.arange(M), np.arange(M), y.numpy()]
+    found = recording.self_influence(target="output")
+    scale = max(np.abs(expected).max(), 1.0)
+    assert found.values.shape == (M, 1)
+    np.testing.assert_allclose(found.values[:, 0], expected, rtol=0, atol=1e-12 * scale)
+    np.testing.assert_array_equal(found.scores, found.values[:, 0])
+    margin = recording.decompose(X, target="margin", y=y.numpy()).contributions
+    found = recording.self_influence(target="margin", first_epoch=0)
+    np.testing.assert_allclose(
+        found.values[:, 0], margin[np.arange(M), np.arange(M)], rtol=0, atol=1e-12 * scale
+    )
+    with pytest.raises(ValueError, match="target='loss' needs the training loss"):
+        recording.self_influence(target="loss")
+
+
 def test_over_time_class_contributions_and_influence_matrix(classifier_recording):
     recording, X, y = classifier_recording
     queries = X[:3] - 0.1
