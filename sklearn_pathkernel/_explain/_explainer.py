@@ -294,10 +294,8 @@ class Explainer:
         self.attribution.check_options(first_epoch=first_epoch)
         context = self._context()
         targets = training_targets(context, target)
-        if targets is None:  # (attributions written before targets take three arguments)
-            found = self.attribution.self_influence(context, first_epoch, self.batch_size)
-        else:
-            found = self.attribution.self_influence(context, first_epoch, self.batch_size, targets)
+        found = self.attribution.self_influence(context, first_epoch, self.batch_size, targets)
+        if targets is not None:
             found = replace(found, output_names=(_target_name(target),))
         if not self.normalize:
             return found
