@@ -114,6 +114,12 @@ class StepScales:
     flat : bool, default=False
         Whether ``scales`` are 1-d host tensors, one per parameter, in the
         parameters' dtypes (the step log then writes them with one ``torch.cat``).
+    arrays : list of ndarray or None, default=None
+        With ``flat``: numpy views of ``scales``, when every one has such a view
+        (the step log then writes them with one ``numpy.concatenate``).
+    learning_rate : float or None, default=None
+        The largest learning rate of the used groups, when the rule read it (the
+        step log's display rate; read from the groups otherwise).
     """
 
     scales: list
@@ -121,6 +127,8 @@ class StepScales:
     adam_terms: list = None
     rate: float = 1.0
     flat: bool = False
+    arrays: list = None
+    learning_rate: float = None
 
 
 def _relative(values, active):
@@ -427,7 +435,8 @@ class SGDRule(OptimizerRule):
 
     def after_step(self, step, active):
         rate, scales = _relative(self._rates, active)
-        return StepScales(scales, 0.0, rate=rate)
+        # (the largest learning rate of the used groups: each has a parameter here)
+        return StepScales(scales, 0.0, rate=rate, learning_rate=max(self._rates))
 
 
 @register_optimizer("adam")
@@ -453,6 +462,7 @@ class AdamRule(OptimizerRule):
     def __init__(self, optimizer, params, names):
         super().__init__(optimizer, params, names)
         self._held = [None] * len(params)  # per parameter: its _StateViews
+        self._views_of_held = None  # their _HeldViews, while the same views are held
 
     @classmethod
     def step_values(cls, group):
@@ -531,10 +541,36 @@ class AdamRule(OptimizerRule):
                 _number(group["eps"]),
                 "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
             )
-        seconds, sizes, corrections, eps = [], [], [], []
-        terms = {}  # per (group, step count): computed once
+        learning_rate = max([value[0] for value in settings.values()])
         states = self.optimizer.state
         held = self._held
+        if self._all_active(active):
+            # the usual step (every parameter updated): per parameter its state's
+            # views (kept while the optimiser holds the same tensors) and step count
+            counts = []
+            for index, param in enumerate(self.params):
+                lr, beta_1, beta_2, group_eps, second = settings[self.group_of[index]]
+                state = states[param]
+                count, moment = state["step"], state[second]
+                kept = held[index]
+                if (
+                    kept is None
+                    or kept.count_tensor is not count
+                    or kept.moment_tensor is not moment
+                ):
+                    kept = held[index] = _StateViews(count, moment)
+                    self._views_of_held = None
+                counts.append(
+                    float(kept.count_view) if kept.count_view is not None else kept.count()
+                )
+            views = self._views_of_held
+            if views is None:
+                views = self._views_of_held = _HeldViews(held)
+            if views.seconds is not None and counts.count(counts[0]) == len(counts):
+                # one step count (and, with one group, one set of terms) for all
+                return self._uniform_scales(settings, counts[0], views, learning_rate)
+        seconds, sizes, corrections, eps = [], [], [], []
+        terms = {}  # per (group, step count): computed once
         flat = True
         parameters = zip(self.params, self.group_of, active, strict=True)
         for index, (param, k, on) in enumerate(parameters):
@@ -551,6 +587,7 @@ class AdamRule(OptimizerRule):
             kept = held[index]
             if kept is None or kept.count_tensor is not count or kept.moment_tensor is not moment:
                 kept = held[index] = _StateViews(count, moment)
+                self._views_of_held = None
             # (the views' fields read here rather than through their methods: a
             # call less per parameter and step)
             count = float(kept.count_view) if kept.count_view is not None else kept.count()
@@ -570,7 +607,58 @@ class AdamRule(OptimizerRule):
                 flat = False
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
-        return StepScales(seconds, self._decoupled_decay, terms, rate, flat)
+        return StepScales(
+            seconds, self._decoupled_decay, terms, rate, flat, learning_rate=learning_rate
+        )
+
+    def _all_active(self, active):
+        return active.count(True) == len(active)
+
+    def _uniform_scales(self, settings, count, views, learning_rate):
+        """The :class:`StepScales` of a step that updated every parameter, all at the
+        same step ``count``: the same numbers as the general case's loop, with the
+        terms computed once per group (flat host views of the second moments)."""
+        terms = {}
+        sizes, corrections, eps = [], [], []
+        for k in self.group_of:
+            term = terms.get(k)
+            if term is None:
+                lr, beta_1, beta_2, group_eps, _ = settings[k]
+                # torch.optim.Adam, step by step (_single_tensor_adam).
+                term = terms[k] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5, group_eps)
+            sizes.append(term[0])
+            corrections.append(term[1])
+            eps.append(term[2])
+        rate, relative = _relative(sizes, [True] * len(sizes))
+        terms = list(zip(relative, corrections, eps, strict=True))
+        return StepScales(
+            views.seconds,
+            self._decoupled_decay,
+            terms,
+            rate,
+            views.on_host,
+            views.arrays,
+            learning_rate,
+        )
+
+
+class _HeldViews:
+    """The flat second moments of all parameters (their :class:`_StateViews`), as the
+    lists a step's :class:`StepScales` takes, made once while the views are kept.
+
+    Parameters
+    ----------
+    held : list of _StateViews
+    """
+
+    def __init__(self, held):
+        flats = [kept.flat for kept in held]
+        #: The flat views, one per parameter (None when one is not contiguous).
+        self.seconds = None if any(f is None for f in flats) else flats
+        self.on_host = self.seconds is not None and all(kept.on_host for kept in held)
+        arrays = [kept.array for kept in held]
+        #: Numpy views of them (None unless every one has one).
+        self.arrays = None if not self.on_host or any(a is None for a in arrays) else arrays
 
 
 class _StateViews:
@@ -593,6 +681,13 @@ class _StateViews:
         #: The second moment, flat (a view; None when it is not contiguous).
         self.flat = moment.detach().view(-1) if moment.is_contiguous() else None
         self.on_host = self.flat is not None and moment.is_cpu
+        #: A numpy view of the flat second moment (None unless a host tensor of a
+        #: numpy dtype).
+        self.array = (
+            self.flat.numpy()
+            if self.on_host and moment.dtype in (torch.float64, torch.float32, torch.float16)
+            else None
+        )
 
     def holds(self, count, moment):
         """Whether these are views of ``count`` and ``moment``."""

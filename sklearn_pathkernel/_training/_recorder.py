@@ -77,6 +77,8 @@ from ._weight_watch import (
 )
 
 CHECKS = ("first", "every", "none")
+#: A forward pass's dropout masks and statistics without such layers (never written).
+_NO_MASKS = {}
 MISMATCH = ("refuse", "record")
 
 
@@ -167,7 +169,11 @@ class PathRecorder:
             if isinstance(layer, _BatchNorm | _DropoutNd | nn.RReLU)
         ]
         self._open, self._done, self._rows = [], [], None
-        self._saved, self._stale, self._own_forward = {}, False, False
+        # per parameter: the fingerprint of the gradient the step's backward passes
+        # left (None where they left none)
+        self._saved, self._stale, self._own_forward = [None] * len(self._params), False, False
+        self._none = [None] * len(self._params)  # (no gradient produced: compared with)
+        self._no_removal = [False] * len(self._params)
         self._dropout = MaskDraws(module, generator)
         self._stats = StatisticsWatch(module)
         # (read at every forward pass: kept rather than looked up)
@@ -189,13 +195,14 @@ class PathRecorder:
         #: Objects whose ``before_step(optimizer, args, kwargs)`` and ``after_step``
         #: run at the end of the recorder's own step hooks (:meth:`watch_steps`).
         self._step_watchers = []
-        self._in_backward, self._before, self._leftover = False, None, {}
+        self._in_backward, self._before, self._leftover = False, None, self._none
         self._last_rows = (None, None)  # (the last rows' copy, and what it was made from)
         self._structure = StructureWatch(module, optimizer)
         self._weights = WeightWatch(self._params)
         self._weights.after_step()
         # (the running statistics of BatchNorm layers move; the StatisticsWatch follows them)
         self._constants = ConstantWatch(module, {*self._names, *self._stats.buffer_names()})
+        self._has_constants = self._constants.watched()
         self._finished = False
 
     def watch_steps(self, watcher):
@@ -224,11 +231,31 @@ class PathRecorder:
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
-        rows = self._copied_rows(indices)
-        if rows.size and not _in_range(rows, self._n_rows):
-            raise IndexError(
-                f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
-            )
+        if (
+            type(indices) is torch.Tensor
+            and indices is not self._last_rows[1]
+            and indices.dtype is torch.int64
+            and indices.ndim == 1
+            and indices.is_cpu
+            and not indices.requires_grad
+            and 0 < len(indices) <= _LIST_RANGE_ROWS
+        ):
+            # the usual case written out (a loader's host tensor of indices): one
+            # numpy view, its copy, and the range by Python's min and max of a list
+            rows = indices.numpy().copy()
+            listed = rows.tolist()
+            if min(listed) < 0 or max(listed) >= self._n_rows:
+                raise IndexError(
+                    f"Row indices must lie in [0, {self._n_rows}); got "
+                    f"{min(listed)}..{max(listed)}."
+                )
+            self._last_rows = rows, indices
+        else:
+            rows = self._copied_rows(indices)
+            if rows.size and not _in_range(rows, self._n_rows):
+                raise IndexError(
+                    f"Row indices must lie in [0, {self._n_rows}); got {rows.min()}..{rows.max()}."
+                )
         if self._open and self._open[-1].rows is None:
             self._open[-1].rows = rows
             if output is not None:
@@ -397,13 +424,26 @@ class PathRecorder:
                     "and nn.BatchNorm2d with their batch statistics)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
-        versions = [p._version for p in self._params]
-        batch = MicroBatch(args[0], self._rows, versions, started=self._started)
-        batch.masks = self._dropout.take() if self._has_dropout else {}
-        batch.stats = self._stats.take() if self._has_statistics else {}
+        batch = MicroBatch(
+            args[0],
+            self._rows,
+            [p._version for p in self._params],
+            None,
+            False,
+            self._dropout.take() if self._has_dropout else _NO_MASKS,
+            self._stats.take() if self._has_statistics else _NO_MASKS,
+            self._started,
+        )
         self._rows = None
         self._open.append(batch)
-        output.register_hook(batch.take_gradient)
+        node = output.grad_fn
+        if node is None:  # (a leaf: the module returned a tensor it did not compute)
+            output.register_hook(batch.take_tensor_gradient)
+        else:
+            # a pre-hook of the output's node: the gradient as it enters the module,
+            # at a fifth of Tensor.register_hook's cost
+            batch.output_nr = output.output_nr
+            node.register_prehook(batch.take_gradient)
 
     def _versions(self):
         return [p._version for p in self._params]
@@ -429,13 +469,15 @@ class PathRecorder:
         else:  # (the usual case written out: a call less per backward pass)
             before = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         saved, leftover = self._saved, self._leftover
-        for index, now in enumerate(before):
-            if index in saved:
-                if now != saved[index]:  # reset (zero_grad) without a step
-                    self._done, self._saved = [], {}
-                    break
-            elif now is not None and now == leftover.get(index):
-                self._stale = True  # a gradient left over from before the last step
+        if before != self._none or saved != self._none:
+            # (else, the usual case: no gradient yet, none saved; nothing to notice)
+            for index, now in enumerate(before):
+                if saved[index] is not None:
+                    if now != saved[index]:  # reset (zero_grad) without a step
+                        self._done, self._saved = [], list(self._none)
+                        break
+                elif now is not None and now == leftover[index]:
+                    self._stale = True  # a gradient left over from before the last step
         self._before = before
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
@@ -443,9 +485,10 @@ class PathRecorder:
         """The end of a backward pass: the gradients it produced (those whose
         identity or version changed) are the step's, and its batches are done."""
         self._in_backward = False
+        saved = self._saved
         for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
             if now is not None and now != before:
-                self._saved[index] = now
+                saved[index] = now
         open_batches = self._open
         if len(open_batches) == 1 and open_batches[0].output_gradient is not None:
             self._done.append(open_batches[0])  # (the usual case, sooner)
@@ -462,20 +505,22 @@ class PathRecorder:
                 "changed since the recorder was created (a parameter added, replaced, frozen "
                 "or unfrozen); create a new recorder for a new set of parameters."
             )
-        active = [p.grad is not None for p in self._params]
-        self._check_gradients(step, active)
+        now = self._fingerprints()
+        active = [fingerprint is not None for fingerprint in now]
+        if self._stale or now != self._saved:  # (else, the usual case: nothing changed)
+            self._check_gradients(step, active)
         batches = self._done
         if not batches:
             raise RecordingRefused(
                 f"Step {step}: no backward pass through the module's output was recorded since "
                 "the last step (gradients set by hand?)."
             )
-        versions = self._versions()
+        versions = [p._version for p in self._params]
         for batch in batches:
             batch.check(step, self.X, versions, self._X_numpy)
         if not self._weights.unchanged(self._log):
             self._refuse_changed_weights(step)
-        if self._constants.touched():
+        if self._has_constants and self._constants.touched():
             changed = self._constants.difference(self.module)
             if changed is not None:
                 name, difference = changed
@@ -486,7 +531,12 @@ class PathRecorder:
                     "holds it constant."
                 )
         # a parameter the backward pass reached whose gradient was removed by hand
-        removed = [not on and index in self._saved for index, on in enumerate(active)]
+        saved = self._saved
+        removed = (
+            self._no_removal
+            if saved == now
+            else [not on and saved[index] is not None for index, on in enumerate(active)]
+        )
         self._rule.before_step(step, active, removed)
         if len(batches) == 1:  # the user's own index array, kept (shared between steps)
             rows, gradient = batches[0].rows, batches[0].output_gradient
@@ -510,7 +560,7 @@ class PathRecorder:
         for index, param in enumerate(self._params):
             if not active[index]:
                 continue
-            saved = self._saved.get(index)
+            saved = self._saved[index]
             if saved is None and not bool(param.grad.any()):
                 continue  # a zero gradient set by hand: a parameter the loss does not reach
             if saved != _fingerprint(self.check, param.grad):
@@ -550,13 +600,18 @@ class PathRecorder:
     def _after_step(self, optimizer, args, kwargs):
         step = self.n_steps
         rows, gradient, active, masks = self._pending
-        weights = self._weights.flat_views()
+        watch = self._weights
+        weights = watch.flat_views()
         scales = self._rule.after_step(step, active)
-        lr = max([float(g["lr"]) for g in self._rule.groups()])
-        self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
-        self._weights.after_step()
+        lr = scales.learning_rate
+        if lr is None:  # (a rule that did not read it)
+            lr = max([float(g["lr"]) for g in self._rule.groups()])
+        self._log.append(
+            weights, rows, gradient, scales, lr, masks, watch.on_host_views, watch.arrays
+        )
+        watch.after_step()
         self._leftover = self._saved
-        self._open, self._done, self._saved, self._rows = [], [], {}, None
+        self._open, self._done, self._saved, self._rows = [], [], list(self._none), None
         for watcher in self._step_watchers:
             watcher.after_step(optimizer, args, kwargs)
 
