@@ -618,6 +618,22 @@ class AdamRule(OptimizerRule):
         """The :class:`StepScales` of a step that updated every parameter, all at the
         same step ``count``: the same numbers as the general case's loop, with the
         terms computed once per group (flat host views of the second moments)."""
+        if len(self._used) == 1:
+            # one group: one step size, its own rate, so each relative size is 1.0
+            # (x / x), unless it is 0 or not finite (then as _relative makes it)
+            lr, beta_1, beta_2, group_eps, _ = settings[self._used[0]]
+            size = lr / (1 - beta_1**count)
+            if 0 < size < float("inf"):
+                term = (1.0, (1 - beta_2**count) ** 0.5, group_eps)
+                return StepScales(
+                    views.seconds,
+                    self._decoupled_decay,
+                    [term] * len(self.params),
+                    size,
+                    views.on_host,
+                    views.arrays,
+                    learning_rate,
+                )
         terms = {}
         sizes, corrections, eps = [], [], []
         for k in self.group_of:
