@@ -486,7 +486,11 @@ class PathRecorder:
         identity or version changed) are the step's, and its batches are done."""
         self._in_backward = False
         saved = self._saved
-        for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
+        if self.check == "every":
+            after = self._fingerprints()
+        else:  # (the usual case written out: a call less per backward pass)
+            after = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
+        for index, (before, now) in enumerate(zip(self._before, after, strict=True)):
             if now is not None and now != before:
                 saved[index] = now
         open_batches = self._open
@@ -498,14 +502,17 @@ class PathRecorder:
         self._open = [b for b in open_batches if b.output_gradient is None]
 
     def _before_step(self, optimizer, args, kwargs):
-        step = self.n_steps
+        step = self._log.n_steps
         if self._structure.changed():
             raise RecordingRefused(
                 f"Step {step}: the module's trainable parameters or the optimiser's parameters "
                 "changed since the recorder was created (a parameter added, replaced, frozen "
                 "or unfrozen); create a new recorder for a new set of parameters."
             )
-        now = self._fingerprints()
+        if self.check == "every":
+            now = self._fingerprints()
+        else:  # (the usual case written out: a call less per step)
+            now = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         active = [fingerprint is not None for fingerprint in now]
         if self._stale or now != self._saved:  # (else, the usual case: nothing changed)
             self._check_gradients(step, active)
@@ -598,7 +605,7 @@ class PathRecorder:
                 )
 
     def _after_step(self, optimizer, args, kwargs):
-        step = self.n_steps
+        step = self._log.n_steps
         rows, gradient, active, masks = self._pending
         watch = self._weights
         weights = watch.flat_views()

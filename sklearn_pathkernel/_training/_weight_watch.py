@@ -147,10 +147,11 @@ class WeightWatch:
         """Whether the weights now are bitwise the reference: the last recorded weights
         of ``log`` (a :class:`~._step_log.StepLog`, on the host) or the device copy."""
         flat = self._flat()
-        if self._bytes is not None:
+        scratch = self._bytes
+        if scratch is not None:
             recorded = log.last_weight_bytes()  # (None unless a host array of a numpy dtype)
             if recorded is not None and log.dtype == self._scratch.dtype:
-                return self._bytes.tobytes() == recorded
+                return scratch.tobytes() == recorded
         reference = log.last_weights() if self._on_host else self._reference
         return same_bits(flat, reference)
 
