@@ -16,11 +16,15 @@ batch)::
 What each hook records (no extra forward or backward pass):
 
 - a forward hook on the module: the batch's inputs (a reference, checked against
-  the training rows at the step) and, through a tensor hook on the output, the
-  output gradient ``e_{s,i} = -dL/dout_i`` exactly as the user's own loss and
-  reduction produced it (class weights, mean or sum included);
-- at the start and at the end of each backward pass through the output (the
-  output's gradient hook, and a callback queued from it to the end of the pass:
+  the training rows at the step) and, through a pre-hook of the autograd node that
+  made the output (``output.grad_fn.register_prehook``: a fifth of the cost of
+  ``Tensor.register_hook``, at the same point of the pass; a tensor hook only for
+  an output without a node), the output gradient ``e_{s,i} = -dL/dout_i`` exactly
+  as the user's own loss and reduction produced it (class weights, mean or sum
+  included; after the output's own tensor hooks, so the gradient that flows into
+  the module);
+- at the start and at the end of each backward pass through the output (that
+  gradient hook, and a callback queued from it to the end of the pass:
   two calls per pass, whatever the number of parameters): which gradients the
   pass produced, so that a gradient changed afterwards (clipping,
   ``GradScaler.unscale_``, a manual edit) is refused, gradients reset without a
@@ -40,10 +44,14 @@ Per step the hooks do a fixed number of operations whatever the batch (a few per
 parameter): a batch's inputs are compared with ``X[rows]`` by one numpy gather and
 one ``memcmp``, the weights with the previous step's result by one concatenation
 and one ``memcmp``, the optimiser's groups are read once, and Adam's state through
-views kept while the optimiser holds the same tensors; the host copies are one
-``torch.cat`` per row. In the loop each such operation costs several times what
-it costs alone (numpy reductions most: a batch's row range is checked with
-Python's ``min``/``max`` of a list); the user guide's "Cost" gives the figures.
+views kept while the optimiser holds the same tensors (with one group and one step
+count, Adam's terms are computed once per step, not per parameter); the host copies
+(and the weight check's concatenation) are one ``numpy.concatenate`` of kept numpy
+views per row (``torch.cat`` where the tensors have no numpy view); the gradients'
+fingerprints of the step are one list, compared with the step's in one comparison.
+In the loop each such operation costs several times what it costs alone (numpy
+reductions most: a batch's row range is checked with Python's ``min``/``max`` of a
+list); the user guide's "Cost" gives the figures.
 
 The network's output ``f`` is the module's own output (logits for a classifier):
 the kernel decomposes it. Since ``G_s = sum_i J_i^T dL/dout_i`` by the chain rule,

@@ -121,9 +121,7 @@ class WeightWatch:
             self._views = [p.detach().view(-1) for p in self.params]
             self._pointers = pointers
             dtype = self._scratch.dtype
-            if self._bytes is not None and all(
-                v.is_cpu and v.dtype == dtype for v in self._views
-            ):
+            if self._bytes is not None and all(v.is_cpu and v.dtype == dtype for v in self._views):
                 self.arrays = [v.numpy() for v in self._views]
         return self._views
 
