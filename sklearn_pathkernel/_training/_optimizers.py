@@ -506,17 +506,29 @@ class AdamRule(OptimizerRule):
 
     def before_step(self, step, active, removed):
         groups = self.optimizer.param_groups
-        # each used group read once: its options, form settings and decoupled decay
-        settings, by_group = [], {}
+        # each used group read once, before the step (what the step uses): its
+        # options, form settings and decoupled decay, and for after_step its
+        # learning rate, betas, eps and second moment's name
+        settings, by_group, step_settings = [], {}, {}
         for k in self._used:
             group = groups[k]
             if group.get("maximize", False):
                 self.check_options(step)  # (refuses, naming the option)
             decoupled = self._decoupled(group)
             decay = _number(group["weight_decay"])
-            settings.append((_number(group["betas"][0]), decoupled, decay))
+            betas = group["betas"]
+            beta_1, lr = _number(betas[0]), _number(group["lr"])
+            settings.append((beta_1, decoupled, decay))
             # torch.optim skips a parameter without a gradient: no decay there
-            by_group[k] = -(_number(group["lr"]) * decay) if decoupled else 0.0
+            by_group[k] = -(lr * decay) if decoupled else 0.0
+            step_settings[k] = (
+                lr,
+                beta_1,
+                _number(betas[1]),
+                _number(group["eps"]),
+                "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
+            )
+        self._step_settings = step_settings
         form = self.form(step, settings)
         self.check_skips(step, active, form, removed)
         if len(by_group) == 1 and all(active):  # (blockwise's outcome, sooner)
@@ -526,21 +538,9 @@ class AdamRule(OptimizerRule):
                 by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)
             ]
             self._decoupled_decay = blockwise(decays, self.numels)
-        self._groups = groups
 
     def after_step(self, step, active):
-        groups = self._groups
-        settings = {}  # per used group: read once
-        for k in self._used:
-            group = groups[k]
-            betas = group["betas"]
-            settings[k] = (
-                _number(group["lr"]),
-                _number(betas[0]),
-                _number(betas[1]),
-                _number(group["eps"]),
-                "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
-            )
+        settings = self._step_settings  # (read before the step)
         learning_rate = max([value[0] for value in settings.values()])
         states = self.optimizer.state
         held = self._held
