@@ -321,6 +321,14 @@ class OptimizerRule(ABC):
                     )
                 self._had_state[index] = True
 
+    def settings_key(self):
+        """Everything :meth:`step_values` reads from the used groups, as read for the
+        current step by :meth:`before_step` (numbers, flags and names, in the used
+        groups' order; learning rates left out), so that equal keys mean equal
+        ``step_values``; None when the rule does not know it (then ``step_values``
+        is read at every step)."""
+        return None
+
     def recorded_form(self):
         """The linear form of the recorded steps (the current settings' before any)."""
         return self._form if self._form is not None else self.linear_form(0)
@@ -433,6 +441,11 @@ class SGDRule(OptimizerRule):
         groups = self.optimizer.param_groups
         self._rates = [_number(groups[k]["lr"]) for k in self.group_of]
 
+    def settings_key(self):
+        # (step_values reads momentum, nesterov and weight decay: the form's settings,
+        # which form() leaves equal to the step's)
+        return self._form_settings
+
     def after_step(self, step, active):
         rate, scales = _relative(self._rates, active)
         # (the largest learning rate of the used groups: each has a parameter here)
@@ -463,6 +476,7 @@ class AdamRule(OptimizerRule):
         super().__init__(optimizer, params, names)
         self._held = [None] * len(params)  # per parameter: its _StateViews
         self._views_of_held = None  # their _HeldViews, while the same views are held
+        self._settings_key = None  # (read by before_step)
 
     @classmethod
     def step_values(cls, group):
@@ -509,7 +523,7 @@ class AdamRule(OptimizerRule):
         # each used group read once, before the step (what the step uses): its
         # options, form settings and decoupled decay, and for after_step its
         # learning rate, betas, eps and second moment's name
-        settings, by_group, step_settings = [], {}, {}
+        settings, by_group, step_settings, key = [], {}, {}, []
         for k in self._used:
             group = groups[k]
             if group.get("maximize", False):
@@ -528,7 +542,8 @@ class AdamRule(OptimizerRule):
                 _number(group["eps"]),
                 "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
             )
-        self._step_settings = step_settings
+            key.append((*step_settings[k][1:], decoupled, decay))
+        self._step_settings, self._settings_key = step_settings, key
         form = self.form(step, settings)
         self.check_skips(step, active, form, removed)
         if len(by_group) == 1 and all(active):  # (blockwise's outcome, sooner)
@@ -538,6 +553,10 @@ class AdamRule(OptimizerRule):
                 by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)
             ]
             self._decoupled_decay = blockwise(decays, self.numels)
+
+    def settings_key(self):
+        # (step_values reads betas, eps, weight decay, amsgrad and the decoupled flag)
+        return self._settings_key
 
     def after_step(self, step, active):
         settings = self._step_settings  # (read before the step)
