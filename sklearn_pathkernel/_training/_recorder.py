@@ -246,7 +246,7 @@ class PathRecorder:
             and indices.ndim == 1
             and indices.is_cpu
             and not indices.requires_grad
-            and 0 < len(indices) <= _LIST_RANGE_ROWS
+            and 0 < indices.shape[0] <= _LIST_RANGE_ROWS
         ):
             # the usual case written out (a loader's host tensor of indices): one
             # numpy view, its copy, and the range by Python's min and max of a list
