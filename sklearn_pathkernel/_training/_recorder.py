@@ -453,9 +453,6 @@ class PathRecorder:
             batch.output_nr = output.output_nr
             node.register_prehook(batch.take_gradient)
 
-    def _versions(self):
-        return [p._version for p in self._params]
-
     def _fingerprints(self):
         """Per parameter: what identifies its gradient now (None without one; see
         :func:`_fingerprint`, written out here for the usual case: every step)."""
