@@ -87,7 +87,7 @@ class TrainingRecorder(PathRecorder):
     used) and of the output gradients (``|B_s| K``) to the host, the step's row indices, one
     bitwise comparison of the weights with the previous step's result and one of
     the batch's inputs with ``X[rows]``; the inputs are not copied. For small
-    networks the time is that of the hooks' Python (about 0.2 ms per step on a
+    networks the time is that of the hooks' Python (about 0.15 ms per step on a
     shared 2-core machine, for an MLP 64-64-10 at batch 64, plus a few
     milliseconds for creating the recorder and ``finish``): see the user guide's
     "Cost" for where it goes (``benchmarks/bench_recorder_hooks.py``). Keeping

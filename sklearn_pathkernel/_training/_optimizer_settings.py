@@ -127,7 +127,10 @@ class SettingsLog:
     Register :meth:`before_step` and :meth:`after_step` as the optimiser's step
     hooks after the recorder's (so a step the recorder refuses is not kept). Cost
     per step: one learning rate per recorded group; the other settings are compared
-    with the first step's through the rule's ``step_values``.
+    with the first step's through the rule's ``step_values``, read again only when
+    the rule's :meth:`~._optimizers.OptimizerRule.settings_key` (what
+    ``step_values`` reads, as the rule read it for the step) differs from the last
+    step's.
 
     Parameters
     ----------
@@ -140,6 +143,7 @@ class SettingsLog:
         self._used, self._group_of = rule.used_groups()
         self._groups, self._values, self._rates = None, None, []
         self._refusal = None
+        self._key = None  # the rule's settings_key of the last step read
 
     def before_step(self, optimizer, args, kwargs):
         if self._rates or self._refusal is not None:
@@ -160,6 +164,9 @@ class SettingsLog:
         self._rates.append([float(group["lr"]) for group in groups])
         if self._refusal is not None:
             return
+        key = self.rule.settings_key()
+        if key is not None and self._groups is not None and key == self._key:
+            return  # (the settings step_values reads are the last step's: the same values)
         try:
             values = [self.rule.step_values(group) for group in groups]
         except RecordingRefused as refusal:
@@ -167,11 +174,14 @@ class SettingsLog:
             return
         if self._groups is None:
             self._groups = tuple(
-                {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+                {name: copy.deepcopy(value) for name, value in group.items() if name != "params"}
                 for group in groups
             )
             self._values = values
-        elif values != self._values:
+            self._key = key
+        elif values == self._values:
+            self._key = key
+        else:
             changed = _changed(self._values, values)
             self._refusal = (
                 f"Step {step}: the optimiser's {changed} changed during the run; only the "

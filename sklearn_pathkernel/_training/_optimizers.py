@@ -114,6 +114,12 @@ class StepScales:
     flat : bool, default=False
         Whether ``scales`` are 1-d host tensors, one per parameter, in the
         parameters' dtypes (the step log then writes them with one ``torch.cat``).
+    arrays : list of ndarray or None, default=None
+        With ``flat``: numpy views of ``scales``, when every one has such a view
+        (the step log then writes them with one ``numpy.concatenate``).
+    learning_rate : float or None, default=None
+        The largest learning rate of the used groups, when the rule read it (the
+        step log's display rate; read from the groups otherwise).
     """
 
     scales: list
@@ -121,6 +127,8 @@ class StepScales:
     adam_terms: list = None
     rate: float = 1.0
     flat: bool = False
+    arrays: list = None
+    learning_rate: float = None
 
 
 def _relative(values, active):
@@ -313,6 +321,14 @@ class OptimizerRule(ABC):
                     )
                 self._had_state[index] = True
 
+    def settings_key(self):
+        """Everything :meth:`step_values` reads from the used groups, as read for the
+        current step by :meth:`before_step` (numbers, flags and names, in the used
+        groups' order; learning rates left out), so that equal keys mean equal
+        ``step_values``; None when the rule does not know it (then ``step_values``
+        is read at every step)."""
+        return None
+
     def recorded_form(self):
         """The linear form of the recorded steps (the current settings' before any)."""
         return self._form if self._form is not None else self.linear_form(0)
@@ -425,9 +441,15 @@ class SGDRule(OptimizerRule):
         groups = self.optimizer.param_groups
         self._rates = [_number(groups[k]["lr"]) for k in self.group_of]
 
+    def settings_key(self):
+        # (step_values reads momentum, nesterov and weight decay: the form's settings,
+        # which form() leaves equal to the step's)
+        return self._form_settings
+
     def after_step(self, step, active):
         rate, scales = _relative(self._rates, active)
-        return StepScales(scales, 0.0, rate=rate)
+        # (the largest learning rate of the used groups: each has a parameter here)
+        return StepScales(scales, 0.0, rate=rate, learning_rate=max(self._rates))
 
 
 @register_optimizer("adam")
@@ -453,6 +475,8 @@ class AdamRule(OptimizerRule):
     def __init__(self, optimizer, params, names):
         super().__init__(optimizer, params, names)
         self._held = [None] * len(params)  # per parameter: its _StateViews
+        self._views_of_held = None  # their _HeldViews, while the same views are held
+        self._settings_key = None  # (read by before_step)
 
     @classmethod
     def step_values(cls, group):
@@ -496,17 +520,30 @@ class AdamRule(OptimizerRule):
 
     def before_step(self, step, active, removed):
         groups = self.optimizer.param_groups
-        # each used group read once: its options, form settings and decoupled decay
-        settings, by_group = [], {}
+        # each used group read once, before the step (what the step uses): its
+        # options, form settings and decoupled decay, and for after_step its
+        # learning rate, betas, eps and second moment's name
+        settings, by_group, step_settings, key = [], {}, {}, []
         for k in self._used:
             group = groups[k]
             if group.get("maximize", False):
                 self.check_options(step)  # (refuses, naming the option)
             decoupled = self._decoupled(group)
             decay = _number(group["weight_decay"])
-            settings.append((_number(group["betas"][0]), decoupled, decay))
+            betas = group["betas"]
+            beta_1, lr = _number(betas[0]), _number(group["lr"])
+            settings.append((beta_1, decoupled, decay))
             # torch.optim skips a parameter without a gradient: no decay there
-            by_group[k] = -(_number(group["lr"]) * decay) if decoupled else 0.0
+            by_group[k] = -(lr * decay) if decoupled else 0.0
+            step_settings[k] = (
+                lr,
+                beta_1,
+                _number(betas[1]),
+                _number(group["eps"]),
+                "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
+            )
+            key.append((*step_settings[k][1:], decoupled, decay))
+        self._step_settings, self._settings_key = step_settings, key
         form = self.form(step, settings)
         self.check_skips(step, active, form, removed)
         if len(by_group) == 1 and all(active):  # (blockwise's outcome, sooner)
@@ -516,25 +553,43 @@ class AdamRule(OptimizerRule):
                 by_group[k] if on else 0.0 for k, on in zip(self.group_of, active, strict=True)
             ]
             self._decoupled_decay = blockwise(decays, self.numels)
-        self._groups = groups
+
+    def settings_key(self):
+        # (step_values reads betas, eps, weight decay, amsgrad and the decoupled flag)
+        return self._settings_key
 
     def after_step(self, step, active):
-        groups = self._groups
-        settings = {}  # per used group: read once
-        for k in self._used:
-            group = groups[k]
-            betas = group["betas"]
-            settings[k] = (
-                _number(group["lr"]),
-                _number(betas[0]),
-                _number(betas[1]),
-                _number(group["eps"]),
-                "max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq",
-            )
-        seconds, sizes, corrections, eps = [], [], [], []
-        terms = {}  # per (group, step count): computed once
+        settings = self._step_settings  # (read before the step)
+        learning_rate = max([value[0] for value in settings.values()])
         states = self.optimizer.state
         held = self._held
+        if self._all_active(active):
+            # the usual step (every parameter updated): per parameter its state's
+            # views (kept while the optimiser holds the same tensors) and step count
+            counts = []
+            for index, param in enumerate(self.params):
+                lr, beta_1, beta_2, group_eps, second = settings[self.group_of[index]]
+                state = states[param]
+                count, moment = state["step"], state[second]
+                kept = held[index]
+                if (
+                    kept is None
+                    or kept.count_tensor is not count
+                    or kept.moment_tensor is not moment
+                ):
+                    kept = held[index] = _StateViews(count, moment)
+                    self._views_of_held = None
+                counts.append(
+                    float(kept.count_view) if kept.count_view is not None else kept.count()
+                )
+            views = self._views_of_held
+            if views is None:
+                views = self._views_of_held = _HeldViews(held)
+            if views.seconds is not None and counts.count(counts[0]) == len(counts):
+                # one step count (and, with one group, one set of terms) for all
+                return self._uniform_scales(settings, counts[0], views, learning_rate)
+        seconds, sizes, corrections, eps = [], [], [], []
+        terms = {}  # per (group, step count): computed once
         flat = True
         parameters = zip(self.params, self.group_of, active, strict=True)
         for index, (param, k, on) in enumerate(parameters):
@@ -551,6 +606,7 @@ class AdamRule(OptimizerRule):
             kept = held[index]
             if kept is None or kept.count_tensor is not count or kept.moment_tensor is not moment:
                 kept = held[index] = _StateViews(count, moment)
+                self._views_of_held = None
             # (the views' fields read here rather than through their methods: a
             # call less per parameter and step)
             count = float(kept.count_view) if kept.count_view is not None else kept.count()
@@ -570,7 +626,74 @@ class AdamRule(OptimizerRule):
                 flat = False
         rate, relative = _relative(sizes, active)
         terms = list(zip(relative, corrections, eps, strict=True))
-        return StepScales(seconds, self._decoupled_decay, terms, rate, flat)
+        return StepScales(
+            seconds, self._decoupled_decay, terms, rate, flat, learning_rate=learning_rate
+        )
+
+    def _all_active(self, active):
+        return active.count(True) == len(active)
+
+    def _uniform_scales(self, settings, count, views, learning_rate):
+        """The :class:`StepScales` of a step that updated every parameter, all at the
+        same step ``count``: the same numbers as the general case's loop, with the
+        terms computed once per group (flat host views of the second moments)."""
+        if len(self._used) == 1:
+            # one group: one step size, its own rate, so each relative size is 1.0
+            # (x / x), unless it is 0 or not finite (then as _relative makes it)
+            lr, beta_1, beta_2, group_eps, _ = settings[self._used[0]]
+            size = lr / (1 - beta_1**count)
+            if 0 < size < float("inf"):
+                term = (1.0, (1 - beta_2**count) ** 0.5, group_eps)
+                return StepScales(
+                    views.seconds,
+                    self._decoupled_decay,
+                    [term] * len(self.params),
+                    size,
+                    views.on_host,
+                    views.arrays,
+                    learning_rate,
+                )
+        terms = {}
+        sizes, corrections, eps = [], [], []
+        for k in self.group_of:
+            term = terms.get(k)
+            if term is None:
+                lr, beta_1, beta_2, group_eps, _ = settings[k]
+                # torch.optim.Adam, step by step (_single_tensor_adam).
+                term = terms[k] = (lr / (1 - beta_1**count), (1 - beta_2**count) ** 0.5, group_eps)
+            sizes.append(term[0])
+            corrections.append(term[1])
+            eps.append(term[2])
+        rate, relative = _relative(sizes, [True] * len(sizes))
+        terms = list(zip(relative, corrections, eps, strict=True))
+        return StepScales(
+            views.seconds,
+            self._decoupled_decay,
+            terms,
+            rate,
+            views.on_host,
+            views.arrays,
+            learning_rate,
+        )
+
+
+class _HeldViews:
+    """The flat second moments of all parameters (their :class:`_StateViews`), as the
+    lists a step's :class:`StepScales` takes, made once while the views are kept.
+
+    Parameters
+    ----------
+    held : list of _StateViews
+    """
+
+    def __init__(self, held):
+        flats = [kept.flat for kept in held]
+        #: The flat views, one per parameter (None when one is not contiguous).
+        self.seconds = None if any(f is None for f in flats) else flats
+        self.on_host = self.seconds is not None and all(kept.on_host for kept in held)
+        arrays = [kept.array for kept in held]
+        #: Numpy views of them (None unless every one has one).
+        self.arrays = None if not self.on_host or any(a is None for a in arrays) else arrays
 
 
 class _StateViews:
@@ -593,6 +716,13 @@ class _StateViews:
         #: The second moment, flat (a view; None when it is not contiguous).
         self.flat = moment.detach().view(-1) if moment.is_contiguous() else None
         self.on_host = self.flat is not None and moment.is_cpu
+        #: A numpy view of the flat second moment (None unless a host tensor of a
+        #: numpy dtype).
+        self.array = (
+            self.flat.numpy()
+            if self.on_host and moment.dtype in (torch.float64, torch.float32, torch.float16)
+            else None
+        )
 
     def holds(self, count, moment):
         """Whether these are views of ``count`` and ``moment``."""

@@ -16,11 +16,15 @@ batch)::
 What each hook records (no extra forward or backward pass):
 
 - a forward hook on the module: the batch's inputs (a reference, checked against
-  the training rows at the step) and, through a tensor hook on the output, the
-  output gradient ``e_{s,i} = -dL/dout_i`` exactly as the user's own loss and
-  reduction produced it (class weights, mean or sum included);
-- at the start and at the end of each backward pass through the output (the
-  output's gradient hook, and a callback queued from it to the end of the pass:
+  the training rows at the step) and, through a pre-hook of the autograd node that
+  made the output (``output.grad_fn.register_prehook``: a fifth of the cost of
+  ``Tensor.register_hook``, at the same point of the pass; a tensor hook only for
+  an output without a node), the output gradient ``e_{s,i} = -dL/dout_i`` exactly
+  as the user's own loss and reduction produced it (class weights, mean or sum
+  included; after the output's own tensor hooks, so the gradient that flows into
+  the module);
+- at the start and at the end of each backward pass through the output (that
+  gradient hook, and a callback queued from it to the end of the pass:
   two calls per pass, whatever the number of parameters): which gradients the
   pass produced, so that a gradient changed afterwards (clipping,
   ``GradScaler.unscale_``, a manual edit) is refused, gradients reset without a
@@ -40,10 +44,14 @@ Per step the hooks do a fixed number of operations whatever the batch (a few per
 parameter): a batch's inputs are compared with ``X[rows]`` by one numpy gather and
 one ``memcmp``, the weights with the previous step's result by one concatenation
 and one ``memcmp``, the optimiser's groups are read once, and Adam's state through
-views kept while the optimiser holds the same tensors; the host copies are one
-``torch.cat`` per row. In the loop each such operation costs several times what
-it costs alone (numpy reductions most: a batch's row range is checked with
-Python's ``min``/``max`` of a list); the user guide's "Cost" gives the figures.
+views kept while the optimiser holds the same tensors (with one group and one step
+count, Adam's terms are computed once per step, not per parameter); the host copies
+(and the weight check's concatenation) are one ``numpy.concatenate`` of kept numpy
+views per row (``torch.cat`` where the tensors have no numpy view); the gradients'
+fingerprints of the step are one list, compared with the step's in one comparison.
+In the loop each such operation costs several times what it costs alone (numpy
+reductions most: a batch's row range is checked with Python's ``min``/``max`` of a
+list); the user guide's "Cost" gives the figures.
 
 The network's output ``f`` is the module's own output (logits for a classifier):
 the kernel decomposes it. Since ``G_s = sum_i J_i^T dL/dout_i`` by the chain rule,
@@ -77,6 +85,8 @@ from ._weight_watch import (
 )
 
 CHECKS = ("first", "every", "none")
+#: A forward pass's dropout masks and statistics without such layers (never written).
+_NO_MASKS = {}
 MISMATCH = ("refuse", "record")
 
 
@@ -167,7 +177,11 @@ class PathRecorder:
             if isinstance(layer, _BatchNorm | _DropoutNd | nn.RReLU)
         ]
         self._open, self._done, self._rows = [], [], None
-        self._saved, self._stale, self._own_forward = {}, False, False
+        # per parameter: the fingerprint of the gradient the step's backward passes
+        # left (None where they left none)
+        self._saved, self._stale, self._own_forward = [None] * len(self._params), False, False
+        self._none = [None] * len(self._params)  # (no gradient produced: compared with)
+        self._no_removal = [False] * len(self._params)
         self._dropout = MaskDraws(module, generator)
         self._stats = StatisticsWatch(module)
         # (read at every forward pass: kept rather than looked up)
@@ -189,13 +203,14 @@ class PathRecorder:
         #: Objects whose ``before_step(optimizer, args, kwargs)`` and ``after_step``
         #: run at the end of the recorder's own step hooks (:meth:`watch_steps`).
         self._step_watchers = []
-        self._in_backward, self._before, self._leftover = False, None, {}
+        self._in_backward, self._before, self._leftover = False, None, self._none
         self._last_rows = (None, None)  # (the last rows' copy, and what it was made from)
         self._structure = StructureWatch(module, optimizer)
         self._weights = WeightWatch(self._params)
         self._weights.after_step()
         # (the running statistics of BatchNorm layers move; the StatisticsWatch follows them)
         self._constants = ConstantWatch(module, {*self._names, *self._stats.buffer_names()})
+        self._has_constants = self._constants.watched()
         self._finished = False
 
     def watch_steps(self, watcher):
@@ -224,11 +239,31 @@ class PathRecorder:
             ``link(module(x))`` of this batch, when the recorder has a ``link``:
             its gradient is recorded instead of the module output's.
         """
-        rows = self._copied_rows(indices)
-        if rows.size and not _in_range(rows, self._n_rows):
-            raise IndexError(
-                f"Row indices must lie in [0, {self.X.shape[0]}); got {rows.min()}..{rows.max()}."
-            )
+        if (
+            type(indices) is torch.Tensor
+            and indices is not self._last_rows[1]
+            and indices.dtype is torch.int64
+            and indices.ndim == 1
+            and indices.is_cpu
+            and not indices.requires_grad
+            and 0 < indices.shape[0] <= _LIST_RANGE_ROWS
+        ):
+            # the usual case written out (a loader's host tensor of indices): one
+            # numpy view, its copy, and the range by Python's min and max of a list
+            rows = indices.numpy().copy()
+            listed = rows.tolist()
+            if min(listed) < 0 or max(listed) >= self._n_rows:
+                raise IndexError(
+                    f"Row indices must lie in [0, {self._n_rows}); got "
+                    f"{min(listed)}..{max(listed)}."
+                )
+            self._last_rows = rows, indices
+        else:
+            rows = self._copied_rows(indices)
+            if rows.size and not _in_range(rows, self._n_rows):
+                raise IndexError(
+                    f"Row indices must lie in [0, {self._n_rows}); got {rows.min()}..{rows.max()}."
+                )
         if self._open and self._open[-1].rows is None:
             self._open[-1].rows = rows
             if output is not None:
@@ -397,16 +432,26 @@ class PathRecorder:
                     "and nn.BatchNorm2d with their batch statistics)."
                 )
         self._in_backward = False  # (a pass that raised never reached its end)
-        versions = [p._version for p in self._params]
-        batch = MicroBatch(args[0], self._rows, versions, started=self._started)
-        batch.masks = self._dropout.take() if self._has_dropout else {}
-        batch.stats = self._stats.take() if self._has_statistics else {}
+        batch = MicroBatch(
+            args[0],
+            self._rows,
+            [p._version for p in self._params],
+            None,
+            False,
+            self._dropout.take() if self._has_dropout else _NO_MASKS,
+            self._stats.take() if self._has_statistics else _NO_MASKS,
+            self._started,
+        )
         self._rows = None
         self._open.append(batch)
-        output.register_hook(batch.take_gradient)
-
-    def _versions(self):
-        return [p._version for p in self._params]
+        node = output.grad_fn
+        if node is None:  # (a leaf: the module returned a tensor it did not compute)
+            output.register_hook(batch.take_tensor_gradient)
+        else:
+            # a pre-hook of the output's node: the gradient as it enters the module,
+            # at a fifth of Tensor.register_hook's cost
+            batch.output_nr = output.output_nr
+            node.register_prehook(batch.take_gradient)
 
     def _fingerprints(self):
         """Per parameter: what identifies its gradient now (None without one; see
@@ -429,13 +474,15 @@ class PathRecorder:
         else:  # (the usual case written out: a call less per backward pass)
             before = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         saved, leftover = self._saved, self._leftover
-        for index, now in enumerate(before):
-            if index in saved:
-                if now != saved[index]:  # reset (zero_grad) without a step
-                    self._done, self._saved = [], {}
-                    break
-            elif now is not None and now == leftover.get(index):
-                self._stale = True  # a gradient left over from before the last step
+        if before != self._none or saved != self._none:
+            # (else, the usual case: no gradient yet, none saved; nothing to notice)
+            for index, now in enumerate(before):
+                if saved[index] is not None:
+                    if now != saved[index]:  # reset (zero_grad) without a step
+                        self._done, self._saved = [], list(self._none)
+                        break
+                elif now is not None and now == leftover[index]:
+                    self._stale = True  # a gradient left over from before the last step
         self._before = before
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
@@ -443,9 +490,14 @@ class PathRecorder:
         """The end of a backward pass: the gradients it produced (those whose
         identity or version changed) are the step's, and its batches are done."""
         self._in_backward = False
-        for index, (before, now) in enumerate(zip(self._before, self._fingerprints(), strict=True)):
+        saved = self._saved
+        if self.check == "every":
+            after = self._fingerprints()
+        else:  # (the usual case written out: a call less per backward pass)
+            after = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
+        for index, (before, now) in enumerate(zip(self._before, after, strict=True)):
             if now is not None and now != before:
-                self._saved[index] = now
+                saved[index] = now
         open_batches = self._open
         if len(open_batches) == 1 and open_batches[0].output_gradient is not None:
             self._done.append(open_batches[0])  # (the usual case, sooner)
@@ -455,27 +507,32 @@ class PathRecorder:
         self._open = [b for b in open_batches if b.output_gradient is None]
 
     def _before_step(self, optimizer, args, kwargs):
-        step = self.n_steps
+        step = self._log.n_steps
         if self._structure.changed():
             raise RecordingRefused(
                 f"Step {step}: the module's trainable parameters or the optimiser's parameters "
                 "changed since the recorder was created (a parameter added, replaced, frozen "
                 "or unfrozen); create a new recorder for a new set of parameters."
             )
-        active = [p.grad is not None for p in self._params]
-        self._check_gradients(step, active)
+        if self.check == "every":
+            now = self._fingerprints()
+        else:  # (the usual case written out: a call less per step)
+            now = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
+        active = [fingerprint is not None for fingerprint in now]
+        if self._stale or now != self._saved:  # (else, the usual case: nothing changed)
+            self._check_gradients(step, active)
         batches = self._done
         if not batches:
             raise RecordingRefused(
                 f"Step {step}: no backward pass through the module's output was recorded since "
                 "the last step (gradients set by hand?)."
             )
-        versions = self._versions()
+        versions = [p._version for p in self._params]
         for batch in batches:
             batch.check(step, self.X, versions, self._X_numpy)
         if not self._weights.unchanged(self._log):
             self._refuse_changed_weights(step)
-        if self._constants.touched():
+        if self._has_constants and self._constants.touched():
             changed = self._constants.difference(self.module)
             if changed is not None:
                 name, difference = changed
@@ -486,7 +543,12 @@ class PathRecorder:
                     "holds it constant."
                 )
         # a parameter the backward pass reached whose gradient was removed by hand
-        removed = [not on and index in self._saved for index, on in enumerate(active)]
+        saved = self._saved
+        removed = (
+            self._no_removal
+            if saved == now
+            else [not on and saved[index] is not None for index, on in enumerate(active)]
+        )
         self._rule.before_step(step, active, removed)
         if len(batches) == 1:  # the user's own index array, kept (shared between steps)
             rows, gradient = batches[0].rows, batches[0].output_gradient
@@ -510,7 +572,7 @@ class PathRecorder:
         for index, param in enumerate(self._params):
             if not active[index]:
                 continue
-            saved = self._saved.get(index)
+            saved = self._saved[index]
             if saved is None and not bool(param.grad.any()):
                 continue  # a zero gradient set by hand: a parameter the loss does not reach
             if saved != _fingerprint(self.check, param.grad):
@@ -548,15 +610,20 @@ class PathRecorder:
                 )
 
     def _after_step(self, optimizer, args, kwargs):
-        step = self.n_steps
+        step = self._log.n_steps
         rows, gradient, active, masks = self._pending
-        weights = self._weights.flat_views()
+        watch = self._weights
+        weights = watch.flat_views()
         scales = self._rule.after_step(step, active)
-        lr = max([float(g["lr"]) for g in self._rule.groups()])
-        self._log.append(weights, rows, gradient, scales, lr, masks, self._weights.on_host_views)
-        self._weights.after_step()
+        lr = scales.learning_rate
+        if lr is None:  # (a rule that did not read it)
+            lr = max([float(g["lr"]) for g in self._rule.groups()])
+        self._log.append(
+            weights, rows, gradient, scales, lr, masks, watch.on_host_views, watch.arrays
+        )
+        watch.after_step()
         self._leftover = self._saved
-        self._open, self._done, self._saved, self._rows = [], [], {}, None
+        self._open, self._done, self._saved, self._rows = [], [], list(self._none), None
         for watcher in self._step_watchers:
             watcher.after_step(optimizer, args, kwargs)
 

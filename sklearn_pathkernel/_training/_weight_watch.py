@@ -13,6 +13,7 @@ optimiser's result is stored, not recomputed, so an honest run matches it
 exactly, in float32 as in float64.
 """
 
+import numpy as np
 import torch
 
 #: The integer dtype of each float dtype's width: a bitwise comparison.
@@ -103,6 +104,9 @@ class WeightWatch:
         self.on_host_views = False
         # (on the host, the scratch's bytes are compared with the row's by memcmp)
         self._bytes = self._scratch.numpy() if self._on_host and first.dtype in _NUMPY else None
+        #: Numpy views of the flat views, when every parameter is a contiguous host
+        #: tensor of the scratch's (numpy) dtype; else None.
+        self.arrays = None
 
     def flat_views(self):
         """One flat view per parameter, without autograd (kept between steps while
@@ -110,14 +114,25 @@ class WeightWatch:
         pointers = [p.data_ptr() for p in self.params]
         if pointers != self._pointers:
             self.on_host_views = all(p.is_cpu for p in self.params)
+            self.arrays = None
             if not all(p.is_contiguous() for p in self.params):  # (copies: not kept)
+                self._pointers = None
                 return [p.detach().reshape(-1) for p in self.params]
             self._views = [p.detach().view(-1) for p in self.params]
             self._pointers = pointers
+            dtype = self._scratch.dtype
+            if self._bytes is not None and all(v.is_cpu and v.dtype == dtype for v in self._views):
+                self.arrays = [v.numpy() for v in self._views]
         return self._views
 
     def _flat(self):
-        torch.cat(self.flat_views(), out=self._scratch)
+        views = self.flat_views()
+        arrays = self.arrays
+        if arrays is not None:
+            # (numpy's concatenation: the same bytes as torch.cat, at half its cost)
+            np.concatenate(arrays, out=self._bytes, casting="no")
+        else:
+            torch.cat(views, out=self._scratch)
         return self._scratch
 
     def after_step(self):
@@ -130,10 +145,11 @@ class WeightWatch:
         """Whether the weights now are bitwise the reference: the last recorded weights
         of ``log`` (a :class:`~._step_log.StepLog`, on the host) or the device copy."""
         flat = self._flat()
-        if self._bytes is not None:
+        scratch = self._bytes
+        if scratch is not None:
             recorded = log.last_weight_bytes()  # (None unless a host array of a numpy dtype)
             if recorded is not None and log.dtype == self._scratch.dtype:
-                return self._bytes.tobytes() == recorded
+                return scratch.tobytes() == recorded
         reference = log.last_weights() if self._on_host else self._reference
         return same_bits(flat, reference)
 
@@ -159,6 +175,10 @@ class ConstantWatch:
         self._trained = trained
         self._tensors = list(current.values())
         self._versions = [t._version for t in self._tensors]
+
+    def watched(self):
+        """Whether there is any constant to watch (else :meth:`touched` is always False)."""
+        return bool(self._tensors)
 
     def touched(self):
         """Whether a constant was changed in place since the last call (its version

@@ -452,3 +452,62 @@ def test_batch_equal_in_value_but_not_in_bytes_is_accepted():
         optimizer.step()
     worst, largest = replay(recorder.finish())
     assert largest > 1e-3 and worst <= 1e-14
+
+
+def test_output_gradient_after_the_outputs_own_hooks():
+    """The output gradient is taken where it enters the module (a pre-hook of the
+    output's autograd node), after the output's own tensor hooks: a hook that scales
+    the gradient is recorded as the gradient the parameters received, and the
+    recomputed gradient of every step agrees (check="every")."""
+    X, y = data()
+    model = mlp()
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    recorder = TrainingRecorder(model, optimizer, X, check="every")
+    first = None
+    for start in range(0, 24, 8):
+        rows = torch.arange(start, start + 8)
+        first = rows if first is None else first
+        optimizer.zero_grad()
+        out = model(X[rows])
+        recorder.rows(rows)
+        out.register_hook(lambda grad: 2.0 * grad)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    out = initial(X[first])
+    (expected,) = torch.autograd.grad(F.cross_entropy(out, y[first]), out)
+    assert torch.equal(recording.path_.output_gradients[0], -2.0 * expected)
+    assert recording.decompose(X[:4]).residual.max() <= 1e-11
+
+
+class _SecondHalf(nn.Module):
+    """A module whose output is the second output of its last autograd node."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.body(x)).split(3, dim=1)[1]
+
+
+def test_output_of_a_node_with_several_outputs():
+    """The module's output is one of several outputs of its autograd node (a split):
+    its own gradient is recorded (the node's gradient at the output's position),
+    and the recorded loop is exact."""
+    X, y = data()
+    torch.manual_seed(0)
+    model = _SecondHalf().double()
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    recording = run(model, optimizer, X, y, epochs=2)
+    assert model(X[:2]).output_nr == 1
+    parts = recording.decompose(X[:5])
+    assert parts.residual.max() <= 1e-11
+    assert parts.model_gap.max() == 0.0
+    # the first step's recorded gradient is -dL/dout of its batch at w_0
+    first = torch.as_tensor(recording.path_.batches[0])
+    out = initial(X[first])
+    (expected,) = torch.autograd.grad(F.cross_entropy(out, y[first]), out)
+    assert torch.equal(recording.path_.output_gradients[0], -expected)

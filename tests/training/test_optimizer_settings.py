@@ -199,3 +199,19 @@ def test_early_stopping_keeps_the_first_steps_settings():
     result = recording.counterfactual(X[:1], output=0)
     assert result.adjoint_norms.shape == (3, 1)
     assert recording_all.optimizer_settings_.n_steps == 6
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_set("betas", (0.9, 0.99), 4), r"Step 4: the optimiser's beta_2 of parameter group 0"),
+        (_set("weight_decay", 0.5, 5), r"Step 5: the optimiser's weight_decay of parameter"),
+    ],
+    ids=["beta_2", "weight_decay-last-step"],
+)
+def test_a_setting_changed_after_equal_steps_is_refused(edit, match):
+    """Steps whose settings equal the last step's are not read again (the rule's
+    settings key): a change at a later step, or at the last one, is still seen."""
+    recording, _ = recorded_loop(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), edit=edit)
+    with pytest.raises(RecordingRefused, match=match):
+        recording.optimizer_settings_.update_map()
