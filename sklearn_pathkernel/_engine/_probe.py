@@ -47,6 +47,7 @@ from .._path import (
     output_cotangent,
     take_rows,
 )
+from ._folded_backward import folded_grad
 from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._gradients import Gradients
@@ -113,9 +114,16 @@ class NetworkProbe:
         first layer's output from its two per-step products (see
         :class:`StepQueries`; True). False evaluates that layer at every point
         (the same values up to rounding; for comparisons).
+    folded_backward : bool
+        Whether the backward pass over every output of a row (``K`` cotangents)
+        runs with the cotangents folded into the rows (:func:`~._folded_backward.folded_grad`,
+        True) where the graph allows; False, or a graph it cannot fold, takes
+        ``torch.autograd.grad(..., is_grads_batched=True)`` (the same values up to
+        rounding; for comparisons).
     """
 
     affine_first_layer = True
+    folded_backward = True
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         self._user = (None, 0)  # (the thread evaluating, its nested calls): _claimed
@@ -619,9 +627,11 @@ class NetworkProbe:
         else:
             roots, cotangent = _backward_roots(logits, output, outputs, cotangents)
         batched = outputs is None and not single
-        grads = torch.autograd.grad(
-            roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
-        )
+        grads = folded_grad(roots, outs, cotangent) if batched and self.folded_backward else None
+        if grads is None:
+            grads = torch.autograd.grad(
+                roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
+            )
         point = RowWeights(self.params(start))
         row_weights = None
         if split is None:
