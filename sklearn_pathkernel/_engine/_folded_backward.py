@@ -21,9 +21,17 @@ class name (``type(tensor.grad_fn).__name__``); a graph with any other node on
 the way to the wanted tensors, or a node whose wanted edge its rule does not
 give (a weight's gradient), is not folded: :func:`folded_grad` returns None and
 the caller takes torch's ``is_grads_batched`` route, which handles any graph.
+
+A layer evaluated with each row at its own weights ``w + t_i dw`` (the probe adds
+``t_i`` times its moved output) can be passed through whole
+(:class:`LayerShortcut`): its rule maps the cotangents of its output to those of
+its input at the rows' own weights (``LayerRule.input_vjp``), one operation in
+place of the backward of its output at ``w`` and of its moved output (for a
+convolution, one grouped convolution with a kernel per row instead of two).
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -253,7 +261,26 @@ FOLDED_VJPS = {
 }
 
 
-def folded_grad(roots, inputs, grad_roots):
+@dataclass(frozen=True)
+class LayerShortcut:
+    """A layer the walk passes through whole.
+
+    Parameters
+    ----------
+    output : torch.Tensor
+        The layer's output (as the probe captured it: its gradient is wanted too).
+    input_edge : torch.autograd.graph.GradientEdge or None
+        Where the layer's input joins the graph (None: the input needs no gradient).
+    vjp : callable
+        ``(K, *output.shape) -> (K, *input.shape)``: the input's cotangents.
+    """
+
+    output: torch.Tensor
+    input_edge: object
+    vjp: object
+
+
+def folded_grad(roots, inputs, grad_roots, shortcuts=()):
     """``torch.autograd.grad(roots, inputs, grad_roots, allow_unused=True,
     is_grads_batched=True)`` by the rules of :data:`FOLDED_VJPS`, or None where the
     graph needs a node (or a node's edge) they do not give.
@@ -265,6 +292,9 @@ def folded_grad(roots, inputs, grad_roots):
         The tensors whose gradients are wanted (leaves or not).
     grad_roots : list of torch.Tensor
         Per root, its ``K`` cotangents, of shape ``(K, *root.shape)``.
+    shortcuts : sequence of LayerShortcut
+        Layers passed through by their own ``vjp`` (their operations are not
+        walked).
 
     Returns
     -------
@@ -273,10 +303,24 @@ def folded_grad(roots, inputs, grad_roots):
         it); None when the graph cannot be folded.
     """
     with torch.no_grad():  # (as the engine's backward without create_graph)
-        return _walk(roots, inputs, grad_roots)
+        return _walk(roots, inputs, grad_roots, shortcuts)
 
 
-def _walk(roots, inputs, grad_roots):
+def _walk(roots, inputs, grad_roots, shortcuts):
+    through = {}
+    for shortcut in shortcuts:
+        edge = get_gradient_edge(shortcut.output)
+        if edge.output_nr != 0 or len(edge.node._input_metadata) != 1:
+            return None  # (a layer output is a node's only output)
+        through[edge.node] = shortcut
+
+    def _next(node):
+        """A node's children: the layer's input for a shortcut, none for a leaf."""
+        if node in through:
+            edge = through[node].input_edge
+            return () if edge is None else ((edge.node, edge.output_nr),)
+        return () if type(node).__name__ == "AccumulateGrad" else node.next_functions
+
     targets = {}
     for position, tensor in enumerate(inputs):
         edge = get_gradient_edge(tensor)
@@ -286,7 +330,9 @@ def _walk(roots, inputs, grad_roots):
         for root, grad in zip(roots, grad_roots, strict=True)
         if root.requires_grad
     ]
-    needed = _needed([edge.node for edge, _ in starts], {node for node, _ in targets})
+    needed = _needed(
+        [edge.node for edge, _ in starts], {node for node, _ in targets}, _next, through
+    )
     if needed is None:
         return None
     waiting = dict.fromkeys(needed, 0)  # per needed node, its needed parents not yet run
@@ -325,7 +371,10 @@ def _walk(roots, inputs, grad_roots):
                 results[position], writable = grad, False
         children = _next(node)
         wanted = [child in needed for child, _ in children]
-        if grads[0] is not None and any(wanted):
+        if grads[0] is not None and any(wanted) and node in through:
+            (child, slot), grad = children[0], through[node].vjp(grads[0])
+            add(child, slot, grad, True)
+        elif grads[0] is not None and any(wanted):
             # (the registered nodes' other outputs, max-pool's indices, carry none)
             rule = FOLDED_VJPS[type(node).__name__]
             for (child, slot), keep, grad in zip(
@@ -341,12 +390,7 @@ def _walk(roots, inputs, grad_roots):
     return results
 
 
-def _next(node):
-    """A node's ``next_functions``; none for a leaf's ``AccumulateGrad``."""
-    return () if type(node).__name__ == "AccumulateGrad" else node.next_functions
-
-
-def _needed(starts, target_nodes):
+def _needed(starts, target_nodes, _next, through):
     """The nodes on a way from ``starts`` to ``target_nodes``, or None when one of
     them has no rule, or needs an edge its rule does not give."""
     reaches, order, seen = {}, [], set()
@@ -367,7 +411,7 @@ def _needed(starts, target_nodes):
         )
     needed = {node for node, on_way in reaches.items() if on_way}
     for node in needed:
-        if type(node).__name__ == "AccumulateGrad":
+        if node in through or type(node).__name__ == "AccumulateGrad":
             continue
         rule = FOLDED_VJPS.get(type(node).__name__)
         if rule is None:
