@@ -677,7 +677,11 @@ class NetworkProbe:
         weights = RowWeights(self.params(start), self.params(direction), t)
         shortcuts = []
         for index, (rule, (inputs, out)) in enumerate(zip(self.rules, captured, strict=True)):
-            if index == first or rule.row_evaluation is not RowEvaluation.MOVED_OUTPUT:
+            if (
+                index == first
+                or input_edges[index] is None  # (no gradient goes past it)
+                or rule.row_evaluation is not RowEvaluation.MOVED_OUTPUT
+            ):
                 continue
             vjp = rule.input_vjp(inputs, weights)
             if vjp is not None:

@@ -174,14 +174,22 @@ def _cnn_engine(engine_cases, solver="adam"):
     return engine_cases.engine_for(module, path, X, y), path, X
 
 
+class _Calls(list):
+    """Per folded call, whether it folded (the list) and its layer shortcuts."""
+
+
 def _counting(monkeypatch):
     """Counts the probe's folded passes (those ``folded_grad`` did not decline)."""
-    folded = []
+    folded = _Calls()
 
     def counted(*args):
         result = folded_grad(*args)
         folded.append(result is not None)
+        shortcuts.append(len(args[3]) if len(args) > 3 else 0)
         return result
+
+    shortcuts = []
+    folded.shortcuts = shortcuts
 
     monkeypatch.setattr(_probe, "folded_grad", counted)
     return folded
@@ -213,6 +221,7 @@ def test_probe_factors_equal_the_batched_route(engine_cases, monkeypatch, with_c
             start, X[:6], direction=direction, t=t, cotangents=cotangents
         )
     assert folded == [True]  # (the batched route's call did not ask)
+    assert folded.shortcuts == [1]  # the second convolution (the first one's output is a leaf)
     torch.testing.assert_close(found[True][0], found[False][0], rtol=0, atol=0)
     compared = 0
     for folded, batched in zip(found[True][1], found[False][1], strict=True):
