@@ -37,6 +37,7 @@ import logging
 import threading
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 
 from .._path import (
@@ -47,6 +48,7 @@ from .._path import (
     output_cotangent,
     take_rows,
 )
+from ._folded_backward import LayerShortcut, folded_grad
 from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._gradients import Gradients
@@ -113,9 +115,16 @@ class NetworkProbe:
         first layer's output from its two per-step products (see
         :class:`StepQueries`; True). False evaluates that layer at every point
         (the same values up to rounding; for comparisons).
+    folded_backward : bool
+        Whether the backward pass over every output of a row (``K`` cotangents)
+        runs with the cotangents folded into the rows (:func:`~._folded_backward.folded_grad`,
+        True) where the graph allows; False, or a graph it cannot fold, takes
+        ``torch.autograd.grad(..., is_grads_batched=True)`` (the same values up to
+        rounding; for comparisons).
     """
 
     affine_first_layer = True
+    folded_backward = True
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         self._user = (None, 0)  # (the thread evaluating, its nested calls): _claimed
@@ -588,6 +597,7 @@ class NetworkProbe:
         if t is not None and not torch.is_tensor(t):
             start, t = start + t * direction, None  # one point for all rows
         captured = [None] * len(self.layers)
+        input_edges = [None] * len(self.layers)  # where each layer's input joins the graph
 
         def capture(index, inputs, output):
             if captured[index] is not None:
@@ -601,6 +611,8 @@ class NetworkProbe:
                 # graph of everything downstream (no graph through the weights).
                 output = output.detach().requires_grad_(True)
             captured[index] = (tuple(x.detach() for x in inputs if torch.is_tensor(x)), output)
+            if inputs and torch.is_tensor(inputs[0]) and inputs[0].requires_grad:
+                input_edges[index] = get_gradient_edge(inputs[0])
             # Hand a copy downstream, so that an in-place activation cannot
             # overwrite the tensor whose gradient we take.
             return output.clone()
@@ -619,9 +631,14 @@ class NetworkProbe:
         else:
             roots, cotangent = _backward_roots(logits, output, outputs, cotangents)
         batched = outputs is None and not single
-        grads = torch.autograd.grad(
-            roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
-        )
+        grads = None
+        if batched and self.folded_backward:
+            shortcuts = self._shortcuts(captured, input_edges, start, direction, t, along)
+            grads = folded_grad(roots, outs, cotangent, shortcuts)
+        if grads is None:
+            grads = torch.autograd.grad(
+                roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
+            )
         point = RowWeights(self.params(start))
         row_weights = None
         if split is None:
@@ -648,6 +665,28 @@ class NetworkProbe:
         if split is None:
             return output.detach(), factors[0]
         return output[: split[0]].detach(), factors
+
+    def _shortcuts(self, captured, input_edges, start, direction, t, along):
+        """The layers the folded backward pass takes through their rule's
+        ``input_vjp`` (rows at per-row weights, ``t`` a tensor): those linear in
+        their weights that added a moved output in this pass (not the first
+        layer of query rows along their step) and whose rule gives one."""
+        if t is None or not torch.is_tensor(t) or direction is None:
+            return ()
+        first = None if along is None else along.queries.index
+        weights = RowWeights(self.params(start), self.params(direction), t)
+        shortcuts = []
+        for index, (rule, (inputs, out)) in enumerate(zip(self.rules, captured, strict=True)):
+            if (
+                index == first
+                or input_edges[index] is None  # (no gradient goes past it)
+                or rule.row_evaluation is not RowEvaluation.MOVED_OUTPUT
+            ):
+                continue
+            vjp = rule.input_vjp(inputs, weights)
+            if vjp is not None:
+                shortcuts.append(LayerShortcut(out, input_edges[index], vjp))
+        return shortcuts
 
 
 def _backward_roots(logits, output, outputs, cotangents):

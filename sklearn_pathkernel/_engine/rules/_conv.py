@@ -70,6 +70,44 @@ class Conv2dRule(WeightAndBiasRule):
         bias = steps[self.bias_name] if self.bias_name else None
         return F.conv2d(inputs[0], weight, bias, conv.stride, conv.padding, conv.dilation)
 
+    def input_vjp(self, inputs, weights):
+        """The input's cotangents through the convolution at each row's own kernel
+        ``W + t_i dW``: one grouped convolution's input gradient over the ``K``
+        cotangents, a group per row, where the output at ``W`` plus ``t_i`` times
+        the moved output would take two (the same sum, rounded once less)."""
+        if not weights.moving or inputs[0].ndim != 4:
+            return None
+        conv, x = self.module, inputs[0]
+        if self.weight_name is None:
+            kernel = conv.weight.expand(x.shape[0], *conv.weight.shape)
+        else:
+            kernel = weights.params[self.weight_name] + weights.t.to(x.dtype).view(
+                -1, 1, 1, 1, 1
+            ) * weights.steps[self.weight_name].unsqueeze(0)
+        n, d_out = kernel.shape[0], kernel.shape[1]
+        kernel = kernel.reshape(n * d_out, *kernel.shape[2:])
+        shape = x.shape
+
+        def vjp(cotangents):  # (K, n, d_out, h, w) -> (K, n, d_in, H, W)
+            k = cotangents.shape[0]
+            stacked = cotangents.reshape(k, n * d_out, *cotangents.shape[3:])
+            gradient = torch.ops.aten.convolution_backward(
+                stacked,
+                stacked.new_empty((k, n * shape[1], *shape[2:])),  # (its shape only)
+                kernel,
+                None,
+                conv.stride,
+                conv.padding,
+                conv.dilation,
+                False,
+                [0, 0],
+                n,
+                [True, False, False],
+            )[0]
+            return gradient.view(k, *shape)
+
+        return vjp
+
     def _columns(self, x, n_positions):
         """(n, d_in', P): unfolded input, with a row of ones when the bias is in the path."""
         conv, parts = self.module, []

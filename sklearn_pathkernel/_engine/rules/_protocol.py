@@ -229,6 +229,17 @@ class LayerRule(ABC):
         :meth:`inner` without forming the gradients."""
         return None
 
+    def input_vjp(self, inputs, weights):
+        """For rows at their own points of a step (``weights.moving``): a function
+        from ``K`` cotangents of the layer's output at once, ``(K, n, *output)``, to
+        those of its first input, ``(K, n, *input)``, row ``i`` at ``params + t_i
+        steps``; or None (the default): the probe's backward pass then
+        differentiates the layer's own operations (for a layer linear in its
+        weights, its output at ``params`` and ``t_i`` times its moved output: two
+        backward operations where one at the row's own weights would do). Used by
+        the folded backward pass (``_folded_backward.LayerShortcut``)."""
+        return None
+
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Factors of each row's weighted sum over its quadrature nodes, or None
         (keep one inner product per node). See ``StepFeatures``."""

@@ -280,3 +280,37 @@ def test_conv_integrate_chunks_in_float32(moving):
     expected = sum(row_sums(c.rows, c.weights, c.factors.grads, 3) for c in chunks)
     assert summed.grads.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(summed.grads, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "weight, bias, conv_kwargs",
+    [
+        (True, True, {}),
+        (True, False, {"stride": 2, "padding": 1}),
+        (False, True, {"dilation": 2, "padding": 2}),
+    ],
+)
+def test_input_vjp_at_per_row_weights_matches_autograd_per_cotangent(weight, bias, conv_kwargs):
+    """``input_vjp``: the input's cotangents through the convolution at each row's
+    own kernel ``W + t_i dW``, all K at once, against autograd through the
+    probe's form (output at ``W`` plus ``t_i`` times the moved output), one
+    backward pass per cotangent."""
+    rule, (x,), _, _, _ = conv_case(weight=weight, bias=bias, **conv_kwargs)
+    conv = rule.module
+    g = torch.Generator().manual_seed(5)
+    params = {"weight": conv.weight.detach(), "bias": conv.bias.detach()}
+    steps = {name: torch.randn(p.shape, generator=g, dtype=DTYPE) for name, p in params.items()}
+    t = torch.tensor([0.0, 0.3, 0.7, 1.0], dtype=DTYPE)
+    weights = RowWeights(params, steps, t)
+    x = x.clone().requires_grad_(True)
+    moved = rule.moved_output((x,), steps)
+    output = conv(x) + t.view(-1, 1, 1, 1) * moved
+    cotangents = torch.randn(3, *output.shape, generator=g, dtype=DTYPE)
+    expected = torch.stack(
+        [torch.autograd.grad(output, x, c, retain_graph=True)[0] for c in cotangents]
+    )
+    found = rule.input_vjp((x.detach(),), weights)(cotangents)
+    assert found.shape == expected.shape
+    assert (found - expected).abs().max() <= 1e-14 * expected.abs().max()
+    # rows at one point: no per-row form (the layer's own backward does)
+    assert rule.input_vjp((x.detach(),), RowWeights(params)) is None
