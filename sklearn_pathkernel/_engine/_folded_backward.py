@@ -303,7 +303,13 @@ def folded_grad(roots, inputs, grad_roots, shortcuts=()):
         it); None when the graph cannot be folded.
     """
     with torch.no_grad():  # (as the engine's backward without create_graph)
-        return _walk(roots, inputs, grad_roots, shortcuts)
+        try:
+            return _walk(roots, inputs, grad_roots, shortcuts)
+        except AttributeError:
+            # The rules read the nodes' saved tensors by the names this torch gives
+            # them (``_saved_indices``...); a torch that names them otherwise takes
+            # torch's own route: the walk has written none of the caller's tensors.
+            return None
 
 
 def _walk(roots, inputs, grad_roots, shortcuts):

@@ -147,6 +147,22 @@ def test_unregistered_nodes_and_weight_gradients_are_not_folded():
     _assert_close(found, _loop_reference([out], [x], grad_roots))
 
 
+def test_a_node_without_the_saved_tensors_a_rule_reads_is_not_folded(monkeypatch):
+    """A torch whose nodes name their saved tensors otherwise: torch's own route
+    (None), not an error, and the caller's cotangents untouched."""
+    roots, inputs, grad_roots = _two_conv_graph()
+    before = [g.clone() for g in grad_roots]
+    rule = FOLDED_VJPS["MaxPool2DWithIndicesBackward0"]
+
+    def renamed(node, grads, wanted, writable):
+        return node._saved_indices_under_another_name
+
+    monkeypatch.setattr(rule, "backward", renamed)
+    assert folded_grad(roots, inputs, grad_roots) is None
+    for g, b in zip(grad_roots, before, strict=True):
+        assert torch.equal(g, b)
+
+
 class _TwoConvCNN(nn.Module):
     """The 28x28 CNN's layers on 10x10 images: conv, ReLU, max-pool, conv, ReLU,
     max-pool, linear (functional ReLU and max-pool, as a user writes them)."""
