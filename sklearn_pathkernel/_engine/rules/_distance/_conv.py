@@ -216,8 +216,10 @@ class DistanceConv2dRule(MaterialisedRule, PerRowWeights):
             params = self._parameters(weights)
             columns = layer.unfold(x)  # (n, D, P)
             patches = columns.transpose(1, 2).reshape(-1, layer.in_features)
-            values = patch_values(params, patches, n).view(n, n_positions, n_memories)
-            values = values.transpose(1, 2)  # (n, J, P)
+            values = None  # (sqeuclidean's gradients do not read them)
+            if layer.kernel != "sqeuclidean":
+                values = patch_values(params, patches, n).view(n, n_positions, n_memories)
+                values = values.transpose(1, 2)  # (n, J, P)
             parts = []
             if "memories" in self.names:
                 grads = _MEMORY_GRADIENTS[layer.kernel](params, columns, values, delta)
@@ -319,9 +321,10 @@ def _affine(coefficients, columns, offsets, memories):
 def _squared_family(params, columns, values, delta):
     """``sum_p a_p (u_p - mu_j)`` with ``a = delta s`` (see the module docstring)."""
     width = params.in_features
-    if params.kernel == "sqeuclidean":
-        coefficients = delta * (-2.0 / width)
-    elif params.kernel == "euclidean":
+    if params.kernel == "sqeuclidean":  # a constant slope: scaled after the sums
+        grads = _affine(delta, columns, delta.sum(-1), params.memories)
+        return grads.mul_(-2.0 / width)
+    if params.kernel == "euclidean":
         # values = |e| / sqrt(D); s = -1 / (sqrt(D) |e|) = -1 / (D values), 0 at e = 0.
         inverse = torch.where(values > 0, 1.0 / (width * values), torch.zeros_like(values))
         coefficients = -delta * inverse[:, None]
