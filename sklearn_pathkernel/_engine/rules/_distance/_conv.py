@@ -311,11 +311,18 @@ def _moving_msd(params, patches, t):
 
 def _affine(coefficients, columns, offsets, memories):
     """``sum_p c_kjp u_p - o_kj mu_j`` per row: (n, K, J, D) from coefficients
-    (n, K, J, P), columns (n, D, P), offsets (n, K, J) and memories (r, J, D)."""
-    return (
-        torch.einsum("nkjp,ndp->nkjd", coefficients, columns)
-        - offsets[..., None] * memories[:, None]
-    )
+    (n, K, J, P), columns (n, D, P), offsets (n, K, J) and memories (r, J, D).
+
+    One batched product over the rows per output ``k``: the probe's cotangents
+    are laid out output first, (K, n, J, P) in memory, so ``coefficients[:, k]``
+    is read in place (a product over (n, K J, P) copied all of them first, the
+    largest pass of the every-output factors of a training batch)."""
+    n, n_outputs, n_memories = coefficients.shape[:3]
+    patches = columns.transpose(1, 2)  # (n, P, D)
+    out = columns.new_empty((n_outputs, n, n_memories, columns.shape[1]))
+    for k in range(n_outputs):
+        torch.bmm(coefficients[:, k], patches, out=out[k])
+    return out.transpose(0, 1).sub_(offsets[..., None] * memories[:, None])
 
 
 def _squared_family(params, columns, values, delta):
