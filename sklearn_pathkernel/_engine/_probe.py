@@ -791,7 +791,9 @@ def _layers_patched(rules, layers, weights, hook, along=None):
     """The probe's own layers set up for one forward pass, and restored after it
     whatever happens: with rows at per-row ``weights`` (a ``RowWeights``, or None),
     layers linear in their weights add ``t_i`` times their moved output (a forward
-    hook), the others' forward is their rule's ``output_at``, and with ``along``
+    hook), the others' forward is their rule's ``output_at``; with every row at the
+    same weights, the layers whose rule ``replaces_own_forward`` run its
+    ``own_output`` (their values, its backward pass); with ``along``
     (an :class:`AlongStep`) the first layer's forward is its step's products;
     ``hook(index, inputs, output) -> output`` sees each parameterised layer."""
     handles, replaced = [], []
@@ -821,6 +823,11 @@ def _layers_patched(rules, layers, weights, hook, along=None):
                 if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
                     replaced.append(layer)
                     layer.forward = _forward_at(rule, weights)
+        else:  # every row at the same weights: the rules that replace the forward
+            for index, layer in enumerate(layers):
+                if rules[index].replaces_own_forward:
+                    replaced.append(layer)
+                    layer.forward = _own_forward(rules[index])
         if along is not None:
             layer = layers[first]
             replaced.append(layer)
@@ -838,6 +845,15 @@ def _forward_at(rule, weights):
 
     def forward(*inputs):
         return rule.output_at(inputs, weights)
+
+    return forward
+
+
+def _own_forward(rule):
+    """A layer's forward at its own weights by its rule (``rule.own_output``)."""
+
+    def forward(*inputs):
+        return rule.own_output(inputs)
 
     return forward
 

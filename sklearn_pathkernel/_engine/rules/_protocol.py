@@ -103,6 +103,11 @@ class LayerRule(ABC):
     #: over a copy of every node's factors joined first. False (the default):
     #: the nodes are joined and :meth:`integrate` decides.
     integrates_gradients: bool = False
+    #: Whether the probe evaluates the layer with every row at the same weights
+    #: by :meth:`own_output` in place of its forward: the layer's own values, with
+    #: a backward pass of the rule's (cheaper where the layer's is not batched
+    #: over cotangents). False (the default): the layer's forward.
+    replaces_own_forward: bool = False
 
     @classmethod
     def for_module(cls, module, names):
@@ -239,6 +244,12 @@ class LayerRule(ABC):
         backward operations where one at the row's own weights would do). Used by
         the folded backward pass (``_folded_backward.LayerShortcut``)."""
         return None
+
+    def own_output(self, inputs):
+        """The layer's output with every row at the layer's own weights, its values
+        bit for bit, differentiable with respect to ``inputs`` (not the weights),
+        for rules with :attr:`replaces_own_forward`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps the layer's own forward.")
 
     def integrate(self, rows, weights, factors, n_rows, outputs_per_pair=1):
         """Factors of each row's weighted sum over its quadrature nodes, or None

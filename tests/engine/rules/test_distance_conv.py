@@ -97,6 +97,22 @@ def test_gradients_equal_per_sample_jacobians(kernel, geometry, bias):
     assert_close(grads, jacobian_grads(layer, local, x, delta))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gradients_of_cotangents_laid_out_output_first(kernel):
+    """The probe's batched backward pass hands cotangents (n, K, ...) as a view of
+    (K, n, ...) memory, which the rule reads in place: the same gradients as the
+    per-sample Jacobians'."""
+    layer = make_layer(kernel)
+    local = [name for name, _ in layer.named_parameters()]
+    x, delta = rows_and_cotangents(layer, n_outputs=3)
+    output_first = delta.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not output_first.is_contiguous() and torch.equal(output_first, delta)
+    rule = make_rule(layer, "", set(local))
+    params = {name: getattr(layer, name).detach() for name in local}
+    grads = rule.factors((x,), output_first, RowWeights(params)).grads
+    assert_close(grads, jacobian_grads(layer, local, x, delta))
+
+
 @pytest.mark.parametrize("kernel", ["rbf", "cosine"])
 def test_parameters_outside_the_path_are_constants(kernel):
     layer = make_layer(kernel)

@@ -61,8 +61,10 @@ than materialising), and networks with it keep one pass per distinct ``t``.
 
 Modules: ``_geometry`` (distances accurate where the expansion cancels),
 ``_factors`` (typed factors per kernel family), ``_family`` (what a family
-implements), ``_squared`` and ``_cosine`` (the families), ``_rule`` (the rule);
-``_conv``, the rule of the convolutional layer ``DistanceConv2d``.
+implements), ``_squared`` and ``_cosine`` (the families), ``_rule`` (the rule),
+``_backward`` (the layer at its own weights with a closed-form backward pass to its
+input, which the probe uses for every output at once); ``_conv``, the rule of the
+convolutional layer ``DistanceConv2d``.
 """
 
 from ._conv import DistanceConv2dRule

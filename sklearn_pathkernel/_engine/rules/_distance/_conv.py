@@ -216,8 +216,10 @@ class DistanceConv2dRule(MaterialisedRule, PerRowWeights):
             params = self._parameters(weights)
             columns = layer.unfold(x)  # (n, D, P)
             patches = columns.transpose(1, 2).reshape(-1, layer.in_features)
-            values = patch_values(params, patches, n).view(n, n_positions, n_memories)
-            values = values.transpose(1, 2)  # (n, J, P)
+            values = None  # (sqeuclidean's gradients do not read them)
+            if layer.kernel != "sqeuclidean":
+                values = patch_values(params, patches, n).view(n, n_positions, n_memories)
+                values = values.transpose(1, 2)  # (n, J, P)
             parts = []
             if "memories" in self.names:
                 grads = _MEMORY_GRADIENTS[layer.kernel](params, columns, values, delta)
@@ -309,19 +311,27 @@ def _moving_msd(params, patches, t):
 
 def _affine(coefficients, columns, offsets, memories):
     """``sum_p c_kjp u_p - o_kj mu_j`` per row: (n, K, J, D) from coefficients
-    (n, K, J, P), columns (n, D, P), offsets (n, K, J) and memories (r, J, D)."""
-    return (
-        torch.einsum("nkjp,ndp->nkjd", coefficients, columns)
-        - offsets[..., None] * memories[:, None]
-    )
+    (n, K, J, P), columns (n, D, P), offsets (n, K, J) and memories (r, J, D).
+
+    One batched product over the rows per output ``k``: the probe's cotangents
+    are laid out output first, (K, n, J, P) in memory, so ``coefficients[:, k]``
+    is read in place (a product over (n, K J, P) copied all of them first, the
+    largest pass of the every-output factors of a training batch)."""
+    n, n_outputs, n_memories = coefficients.shape[:3]
+    patches = columns.transpose(1, 2)  # (n, P, D)
+    out = columns.new_empty((n_outputs, n, n_memories, columns.shape[1]))
+    for k in range(n_outputs):
+        torch.bmm(coefficients[:, k], patches, out=out[k])
+    return out.transpose(0, 1).sub_(offsets[..., None] * memories[:, None])
 
 
 def _squared_family(params, columns, values, delta):
     """``sum_p a_p (u_p - mu_j)`` with ``a = delta s`` (see the module docstring)."""
     width = params.in_features
-    if params.kernel == "sqeuclidean":
-        coefficients = delta * (-2.0 / width)
-    elif params.kernel == "euclidean":
+    if params.kernel == "sqeuclidean":  # a constant slope: scaled after the sums
+        grads = _affine(delta, columns, delta.sum(-1), params.memories)
+        return grads.mul_(-2.0 / width)
+    if params.kernel == "euclidean":
         # values = |e| / sqrt(D); s = -1 / (sqrt(D) |e|) = -1 / (D values), 0 at e = 0.
         inverse = torch.where(values > 0, 1.0 / (width * values), torch.zeros_like(values))
         coefficients = -delta * inverse[:, None]

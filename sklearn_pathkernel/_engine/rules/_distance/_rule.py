@@ -7,6 +7,7 @@ from ..._modes import OutputMode
 from .._contract import contract
 from .._protocol import PerRowWeights
 from .._registry import register_rule
+from ._backward import AFFINE_KERNELS, own_output
 from ._cosine import CosineFamily
 from ._factors import Memories
 from ._squared import SquaredDistanceFamily
@@ -46,6 +47,9 @@ class DistanceRule(PerRowWeights):
         self.names = dict(names)
         self.path_names = [self.names[name] for name in _LOCAL_NAMES if name in self.names]
         self.family = FAMILIES[module.kernel](self)
+        # The batched backward pass through ``torch.cdist`` runs once per output:
+        # the squared-distance kernels pull back in closed form (``_backward``).
+        self.replaces_own_forward = module.kernel in AFFINE_KERNELS
 
     @classmethod
     def for_module(cls, module, names):
@@ -94,6 +98,11 @@ class DistanceRule(PerRowWeights):
         if needs_grad and not out.requires_grad:
             out = out.detach().requires_grad_(True)
         return out
+
+    def own_output(self, inputs):
+        """The layer's own output, bit for bit, with the closed-form backward pass to
+        its input of ``_backward.own_output`` (the squared-distance kernels)."""
+        return own_output(self.module, inputs[0])
 
     # -- factors --------------------------------------------------------------------
 
