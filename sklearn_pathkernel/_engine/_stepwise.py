@@ -94,8 +94,9 @@ class StepwiseDecomposition:
         ``with_rows`` when given; with ``targets`` (a ``QueryTargets`` of ``X``'s
         rows), of the scalar targets: (n, 1, W_l)."""
         test_copy = self.test_copy if targets is None else self.test_copy.for_targets(targets)
+        # (materialised only: a step's nodes may be evaluated in groups)
         integrated = test_copy.integrate(
-            index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows
+            index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows, materialised=True
         )
         u = integrated.features.materialised()
         if self.update.preconditioners is not None:

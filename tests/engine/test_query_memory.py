@@ -278,6 +278,20 @@ def test_decompose_in_groups_of_nodes_is_the_decomposition(monkeypatch, cnn_reco
     assert np.abs(parts.residual).max() < 1e-12
 
 
+def test_self_influence_in_groups_of_nodes_is_the_same(monkeypatch, cnn_recording):
+    """The per-step terms (``self_influence``, ``StepwiseDecomposition``) take
+    grouped nodes too: the same scores as the same passes held at once."""
+    recording, _ = cnn_recording
+    monkeypatch.setattr(_memory, "PASS_BUDGET_BYTES", 2**16)
+    stepwise = recording._engine().stepwise()
+    expected = stepwise.self_influence(first_step=6)  # (the last two steps)
+    seen = _spy(monkeypatch, _test_copy.GroupedNodes, "evaluate")
+    monkeypatch.setattr(_test_copy, "NODE_GROUP_BYTES", 1)
+    found = stepwise.self_influence(first_step=6)
+    assert seen  # (grouped)
+    np.testing.assert_allclose(found, expected, rtol=0, atol=1e-13 * np.abs(expected).max())
+
+
 _MEASURE = textwrap.dedent(
     """
     import json, os, sys
