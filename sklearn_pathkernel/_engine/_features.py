@@ -193,7 +193,8 @@ class MaterialisedFeatures:
 
     @classmethod
     def total(cls, parts, rules, n_rows):
-        """The sum of ``parts`` (features of the same rows; none: every layer 0.0)."""
+        """The sum of ``parts`` (features of the same rows; none: every layer 0.0),
+        new tensors (the parts are left as they are)."""
         layers = [0.0] * len(rules)
         for part in parts:
             layers = [
@@ -201,6 +202,14 @@ class MaterialisedFeatures:
                 for a, b in zip(layers, part.layers, strict=True)
             ]
         return cls(rules, layers, n_rows)
+
+    def add_(self, other):
+        """``other``'s sums added into these, in place (tensors these own); returns self."""
+        self.layers = [
+            b if isinstance(a, float) else (a if isinstance(b, float) else a.add_(b))
+            for a, b in zip(self.layers, other.layers, strict=True)
+        ]
+        return self
 
     def without_rows(self, rows):
         """These features with the rows ``rows`` (a tensor of positions) zeroed."""

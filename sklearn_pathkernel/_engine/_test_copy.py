@@ -392,14 +392,15 @@ class GroupedNodes:
         return MaterialisedFeatures.of(features)
 
     def evaluate(self, step, X, nodes):
-        """The nodes' features, materialised and summed: a list of one
-        :class:`~._features.MaterialisedFeatures`."""
-        parts = []
+        """The nodes' features, materialised and summed group by group: a list of
+        one :class:`~._features.MaterialisedFeatures`."""
+        total = None
         for group in self._groups(nodes):
             chunks = self.test_copy.evaluate(step, X, group)
-            parts.append(self._summed(chunks, X.shape[0]))
+            part = self._summed(chunks, X.shape[0])
             del chunks  # (the group's factors, before the next group's)
-        return [self.features(parts, X.shape[0])]
+            total = part if total is None else total.add_(part)
+        return [self.features([], X.shape[0]) if total is None else total]
 
     def evaluate_with(self, step, X, nodes, X_start, outputs):
         """:meth:`evaluate`, and the factors of the rows ``X_start`` at the step's
@@ -412,11 +413,13 @@ class GroupedNodes:
         chunks, start_factors = self.test_copy.evaluate_with(step, X, groups[0], X_start, outputs)
         first = self._summed(chunks, X.shape[0])
         del chunks
-        rest = self.evaluate(step, X, Nodes.cat(groups[1:])) if len(groups) > 1 else []
-        return [self.features([first, *rest], X.shape[0])], start_factors
+        if len(groups) > 1:
+            first.add_(self.evaluate(step, X, Nodes.cat(groups[1:]))[0])
+        return [first], start_factors
 
     def features(self, chunks, n_rows, outputs_per_pair=None):
-        """The sum of evaluated ``chunks`` (:class:`~._features.MaterialisedFeatures`)."""
+        """The sum of evaluated ``chunks`` (:class:`~._features.MaterialisedFeatures`),
+        new tensors (the certificate keeps the chunks)."""
         return MaterialisedFeatures.total(chunks, self.test_copy.probes.current().rules, n_rows)
 
     def without_rows(self, chunks, rows):

@@ -154,9 +154,9 @@ class Certificate:
             if failed.size == 0:
                 break
             if grid is None:
-                row_kinks = [kinks[r] for r in failed]
+                failed_kinks = [kinks[r] for r in failed]
                 nodes = self.bisected_nodes(
-                    step, X, failed, row_kinks, n_nodes, evaluator.nodes_evaluator
+                    step, X, failed, failed_kinks, n_nodes, evaluator.nodes_evaluator
                 )
             else:
                 refined = rule.refined_nodes(self.probes.current(), step, X, failed, grid, n_nodes)
