@@ -369,6 +369,7 @@ class Decomposition(SharedByTasks):
                 if shared
                 else None,
                 measure_error=True,
+                materialised=True,
             )
             quadrature_error += integrated.quadrature_error
             features = integrated.features

@@ -157,6 +157,97 @@ class StepFeatures:
         return total
 
 
+class MaterialisedFeatures:
+    """``phi_s`` of ``n_rows`` rows held materialised: per rule, (n_rows, K, W_layer).
+
+    What a step's features are reduced to when its nodes are evaluated in groups
+    (``TestCopy.integrate(..., materialised=True)``): each group's
+    :class:`StepFeatures` is materialised and added here, and its node factors
+    dropped, so that a step holds one group's factors at a time instead of every
+    node's (a convolutional network with max-pooling: hundreds of nodes per row
+    at a step, 1.3 MiB of factors each on MNIST). The sums are those of
+    :meth:`StepFeatures.materialised` over all nodes, grouped differently
+    (rounding).
+
+    Offers what a caller of materialised features needs of :class:`StepFeatures`:
+    :meth:`materialised`, :meth:`directional` (the certificate), :meth:`add_inner`
+    (through ``rule.dense_inner``) and :meth:`row_factors` (None: no layer keeps
+    factors of its own).
+
+    Parameters
+    ----------
+    rules : list
+        The network probe's layer rules.
+    layers : list
+        Per rule, (n_rows, K, W_layer), or ``0.0`` for a layer of no nodes.
+    n_rows : int
+    """
+
+    def __init__(self, rules, layers, n_rows):
+        self.rules, self.layers, self.n_rows = rules, list(layers), n_rows
+
+    @classmethod
+    def of(cls, features):
+        """The materialised sums of a :class:`StepFeatures`."""
+        return cls(features.rules, features.materialised(), features.n_rows)
+
+    @classmethod
+    def total(cls, parts, rules, n_rows):
+        """The sum of ``parts`` (features of the same rows; none: every layer 0.0),
+        new tensors (the parts are left as they are)."""
+        layers = [0.0] * len(rules)
+        for part in parts:
+            layers = [
+                b if isinstance(a, float) else (a if isinstance(b, float) else a + b)
+                for a, b in zip(layers, part.layers, strict=True)
+            ]
+        return cls(rules, layers, n_rows)
+
+    def add_(self, other):
+        """``other``'s sums added into these, in place (tensors these own); returns self."""
+        self.layers = [
+            b if isinstance(a, float) else (a if isinstance(b, float) else a.add_(b))
+            for a, b in zip(self.layers, other.layers, strict=True)
+        ]
+        return self
+
+    def without_rows(self, rows):
+        """These features with the rows ``rows`` (a tensor of positions) zeroed."""
+        return MaterialisedFeatures(
+            self.rules,
+            [
+                layer if isinstance(layer, float) else layer.index_fill(0, rows, 0.0)
+                for layer in self.layers
+            ],
+            self.n_rows,
+        )
+
+    def materialised(self, keep=()):
+        """Per rule, (n_rows, K, W_layer) (None for the indices in ``keep``)."""
+        return [None if index in keep else layer for index, layer in enumerate(self.layers)]
+
+    def row_factors(self, index):
+        """None: the layers hold materialised sums, no factors (see
+        :meth:`StepFeatures.row_factors`)."""
+        return None
+
+    def directional(self, direction):
+        """``<phi_s(row), direction>`` per row and output: (n_rows, K)."""
+        total = 0.0
+        for rule, layer in zip(self.rules, self.layers, strict=True):
+            if not isinstance(layer, float):
+                total = total + layer @ rule.flatten(direction).to(layer.dtype)
+        return total
+
+    def add_inner(self, right, mode, out):
+        """Add ``<phi_s(row), g(right row)>`` per pair to ``out`` and return it
+        (``mode`` TRACE or PAIRS, shapes as in :meth:`StepFeatures.add_inner`)."""
+        for rule, layer, right_factors in zip(self.rules, self.layers, right, strict=True):
+            if not isinstance(layer, float):
+                out += rule.dense_inner(layer, right_factors, mode)
+        return out
+
+
 class ScaledFeatures:
     """``P_s phi_s``: the test copy of one step under an elementwise metric.
 

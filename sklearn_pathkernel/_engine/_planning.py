@@ -34,6 +34,13 @@ GPU_BLOCK_ROWS = 4096
 #: query row raised the peak memory of a decomposition by 400 MiB, 3.3 times its
 #: 178 nodes' factors (0.69 MiB each).
 NODE_FACTOR_COPIES = 4
+#: The node factors a step of ``decompose`` on an update that mixes steps (momentum,
+#: Adam) holds at once: its test features are needed materialised only, so nodes
+#: beyond this are evaluated in groups of this size, each group's features
+#: materialised and summed (``TestCopy.integrate(..., materialised=True)``). One
+#: MNIST row of a 12.8k-weight CNN with max-pooling held 406 nodes of 1.31 MiB at
+#: once at its worst step.
+NODE_GROUP_BYTES = 64 * 2**20
 #: What one step-major Gram task may hold on the host (its output block and one
 #: step's factors): at most this, and at most a quarter of the available memory.
 HOST_WORKING_BYTES = 2**30

@@ -114,8 +114,9 @@ class StepwiseDecomposition:
         preconditioner) stay factored: their ``FactoredGradients`` ``(a,
         delta)``, or :class:`_Unfactored` is raised where they are not."""
         test_copy = self.test_copy if targets is None else self.test_copy.for_targets(targets)
+        # (materialised only: a step's nodes may be evaluated in groups)
         integrated = test_copy.integrate(
-            index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows
+            index, X, outputs_per_pair=test_copy.n_outputs, with_rows=with_rows, materialised=True
         )
         u = integrated.features.materialised(keep=keep)
         rules = self._probe().rules

@@ -22,9 +22,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._features import NodeChunk, StepFeatures
-from .integration._certificate import StepIntegral
+from ._features import MaterialisedFeatures, NodeChunk, StepFeatures
+from ._planning import NODE_GROUP_BYTES
+from .integration._certificate import StepIntegral, without_rows
 from .integration._link_weights import GaussWeights
+from .integration._quadrature import Nodes
 
 #: Steps at which :meth:`TestCopy.nodes_per_row` counts a sample's nodes.
 SAMPLED_STEPS = 4
@@ -225,13 +227,35 @@ class TestCopy:
     def _parts(self, probe, step, X, nodes):
         """The nodes in passes of the planner's size, each with its
         :class:`~.integration._link_weights.NodeWeights`."""
-        per_piece = self.weighting.nodes_per_piece
-        # whole pieces; a scalar target's nodes hold one output
-        pass_rows = self.planner.pass_rows(one_output=self.targets is not None)
-        size = max(per_piece, pass_rows // per_piece * per_piece)
+        size = self._pass_nodes()
         starts = range(0, nodes.rows.size, size)
         parts = (nodes.take(slice(begin, begin + size)) for begin in starts)
         return [(part, self.weighting.weigh(probe, step, X, part)) for part in parts]
+
+    def _pass_nodes(self):
+        """Nodes per pass: the planner's rows, in whole pieces."""
+        per_piece = self.weighting.nodes_per_piece
+        # whole pieces; a scalar target's nodes hold one output
+        pass_rows = self.planner.pass_rows(one_output=self.targets is not None)
+        return max(per_piece, pass_rows // per_piece * per_piece)
+
+    def group_nodes(self):
+        """Nodes per group of :meth:`integrate` with ``materialised``: as many whole
+        passes as ``NODE_GROUP_BYTES`` of factors hold, at least one."""
+        per_pass = self._pass_nodes()
+        node_bytes = self.planner.factor_row_bytes(one_output=self.targets is not None)
+        return per_pass * max(1, NODE_GROUP_BYTES // (node_bytes * per_pass))
+
+    @property
+    def nodes_evaluator(self):
+        """What evaluates nodes into :class:`NodeChunk` s (itself; see
+        :class:`GroupedNodes`)."""
+        return self
+
+    def without_rows(self, chunks, rows):
+        """The evaluated node ``chunks`` without the nodes of ``rows`` (positions,
+        a tensor)."""
+        return without_rows(chunks, rows)
 
     def _share_pass(self, n_nodes, X_start, outputs):
         """Whether rows at the step's start join the nodes' passes.
@@ -256,6 +280,7 @@ class TestCopy:
         outputs_per_pair=1,
         with_rows=None,
         measure_error=False,
+        materialised=False,
     ):
         """The test-copy features ``phi_s`` of step ``index`` for every row of ``X``.
 
@@ -274,6 +299,13 @@ class TestCopy:
             :meth:`evaluate_with`).
         measure_error : bool, default=False
             Measure the certificate even for a rule that does not refine.
+        materialised : bool, default=False
+            The caller needs the features materialised only (``materialised()``,
+            ``directional``, ``add_inner``): when the step's nodes hold more than
+            ``NODE_GROUP_BYTES`` of factors they are evaluated in groups of that
+            size (:class:`GroupedNodes`), each group's features materialised and
+            summed and its factors dropped (the features are then a
+            :class:`~._features.MaterialisedFeatures`, the same sums to rounding).
 
         Returns
         -------
@@ -288,16 +320,20 @@ class TestCopy:
                 outputs_per_pair=outputs_per_pair,
                 with_rows=with_rows,
                 measure_error=measure_error,
+                materialised=materialised,
             )
         step = self.steps.step(index)
         n_nodes = self.n_nodes
         n_rows = X.shape[0]
         row_nodes = self._row_nodes(index, X, n_nodes)
+        evaluator = self
+        if materialised and row_nodes.nodes.rows.size > self.group_nodes():
+            evaluator = GroupedNodes(self, outputs_per_pair)
         if with_rows is None:
-            chunks, start_factors = self.evaluate(step, X, row_nodes.nodes), None
+            chunks, start_factors = evaluator.evaluate(step, X, row_nodes.nodes), None
         else:
-            chunks, start_factors = self.evaluate_with(step, X, row_nodes.nodes, *with_rows)
-        features = self.features(chunks, n_rows, outputs_per_pair)
+            chunks, start_factors = evaluator.evaluate_with(step, X, row_nodes.nodes, *with_rows)
+        features = evaluator.features(chunks, n_rows, outputs_per_pair)
         if not self.rule.adaptive:
             error = None
             if measure_error:
@@ -312,6 +348,80 @@ class TestCopy:
             StepIntegral(chunks, features, check),
             n_nodes,
             outputs_per_pair,
-            self,
+            evaluator,
         )
         return IntegratedStep(integral.features, integral.check.errors, start_factors)
+
+
+class GroupedNodes:
+    """A test copy's nodes evaluated group by group, each group's features
+    materialised and summed (``TestCopy.integrate(..., materialised=True)``).
+
+    A group is :meth:`TestCopy.group_nodes` consecutive nodes: whole passes, the
+    same passes as the nodes evaluated at once. Only one group's factors are held
+    at a time (``NODE_GROUP_BYTES``), and (n_rows, K, W) numbers of sums; the
+    evaluated "chunks" this gives the certificate are
+    :class:`~._features.MaterialisedFeatures` of the rows, one per call of
+    :meth:`evaluate`, which :meth:`without_rows` zeroes row by row.
+
+    Cost: each group's features materialised (``n_rows K W`` numbers per group)
+    on top of the nodes' own work.
+
+    Parameters
+    ----------
+    test_copy : TestCopy
+    outputs_per_pair : int
+        See :class:`~._features.StepFeatures`.
+    """
+
+    def __init__(self, test_copy, outputs_per_pair):
+        self.test_copy, self.outputs_per_pair = test_copy, outputs_per_pair
+        self.size = test_copy.group_nodes()
+
+    @property
+    def nodes_evaluator(self):
+        """The test copy (bisection sums its nodes per piece, not per row)."""
+        return self.test_copy
+
+    def _groups(self, nodes):
+        return [nodes.take(slice(b, b + self.size)) for b in range(0, nodes.rows.size, self.size)]
+
+    def _summed(self, chunks, n_rows):
+        """The materialised features of one group's node ``chunks``."""
+        features = self.test_copy.features(chunks, n_rows, self.outputs_per_pair)
+        return MaterialisedFeatures.of(features)
+
+    def evaluate(self, step, X, nodes):
+        """The nodes' features, materialised and summed group by group: a list of
+        one :class:`~._features.MaterialisedFeatures`."""
+        total = None
+        for group in self._groups(nodes):
+            chunks = self.test_copy.evaluate(step, X, group)
+            part = self._summed(chunks, X.shape[0])
+            del chunks  # (the group's factors, before the next group's)
+            total = part if total is None else total.add_(part)
+        return [self.features([], X.shape[0]) if total is None else total]
+
+    def evaluate_with(self, step, X, nodes, X_start, outputs):
+        """:meth:`evaluate`, and the factors of the rows ``X_start`` at the step's
+        start (from the first group's passes, as ``TestCopy.evaluate_with``)."""
+        groups = self._groups(nodes)
+        if not groups:
+            return self.evaluate(step, X, nodes), self.test_copy.probes.current().factors(
+                step.start, X_start, outputs
+            )
+        chunks, start_factors = self.test_copy.evaluate_with(step, X, groups[0], X_start, outputs)
+        first = self._summed(chunks, X.shape[0])
+        del chunks
+        if len(groups) > 1:
+            first.add_(self.evaluate(step, X, Nodes.cat(groups[1:]))[0])
+        return [first], start_factors
+
+    def features(self, chunks, n_rows, outputs_per_pair=None):
+        """The sum of evaluated ``chunks`` (:class:`~._features.MaterialisedFeatures`),
+        new tensors (the certificate keeps the chunks)."""
+        return MaterialisedFeatures.total(chunks, self.test_copy.probes.current().rules, n_rows)
+
+    def without_rows(self, chunks, rows):
+        """``chunks`` with the rows ``rows`` (positions, a tensor) zeroed."""
+        return [chunk.without_rows(rows) for chunk in chunks]

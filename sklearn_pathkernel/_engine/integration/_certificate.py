@@ -141,8 +141,11 @@ class Certificate:
         The failing rows are searched for kinks on each of ``REFINEMENT_GRIDS``
         in turn, then bisected (:meth:`bisected_nodes`); only they are evaluated
         again. ``row_nodes`` is the rule's first answer (its kinks and ends);
-        ``evaluator`` evaluates nodes and makes features (the engine's test copy:
-        ``evaluate(step, X, nodes)``, ``features(chunks, n_rows, outputs_per_pair)``).
+        ``evaluator`` evaluates nodes and makes features (the engine's test copy,
+        or its ``GroupedNodes``: ``evaluate(step, X, nodes)``, ``features(chunks,
+        n_rows, outputs_per_pair)``, ``without_rows(chunks, rows)``, and
+        ``nodes_evaluator``, the test copy, whose node chunks bisection sums per
+        piece).
         """
         chunks, features, check = integral
         kinks = list(row_nodes.kinks)
@@ -151,15 +154,16 @@ class Certificate:
             if failed.size == 0:
                 break
             if grid is None:
+                failed_kinks = [kinks[r] for r in failed]
                 nodes = self.bisected_nodes(
-                    step, X, failed, [kinks[r] for r in failed], n_nodes, evaluator
+                    step, X, failed, failed_kinks, n_nodes, evaluator.nodes_evaluator
                 )
             else:
                 refined = rule.refined_nodes(self.probes.current(), step, X, failed, grid, n_nodes)
                 nodes = refined.nodes
                 for row, row_kinks in zip(failed, refined.kinks, strict=True):
                     kinks[row] = row_kinks
-            kept = _without_rows(chunks, self.steps.on_device(failed))
+            kept = evaluator.without_rows(chunks, self.steps.on_device(failed))
             chunks = kept + evaluator.evaluate(step, X, nodes)
             features = evaluator.features(chunks, X.shape[0], outputs_per_pair)
             check = self.check(step, X, features, row_nodes.ends)
@@ -225,7 +229,7 @@ class Certificate:
         return Nodes.cat(done)
 
 
-def _without_rows(chunks, rows):
+def without_rows(chunks, rows):
     """The evaluated node chunks without the nodes of ``rows``."""
     kept = []
     for chunk in chunks:
