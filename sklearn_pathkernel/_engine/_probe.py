@@ -121,10 +121,18 @@ class NetworkProbe:
         True) where the graph allows; False, or a graph it cannot fold, takes
         ``torch.autograd.grad(..., is_grads_batched=True)`` (the same values up to
         rounding; for comparisons).
+    row_kernels : bool
+        Whether a layer linear in its weights, rows at their own points of a step,
+        is evaluated at each row's own weights in one operation where its rule
+        gives one (``LinearInWeights.row_output``: a convolution's grouped
+        convolution, True); False: its output at the step's start plus ``t_i``
+        times its moved output (two operations; the same values up to rounding;
+        for comparisons).
     """
 
     affine_first_layer = True
     folded_backward = True
+    row_kernels = True
 
     def __init__(self, module, path, example=None, *, force_jacobian=False, link=log_softmax):
         self._user = (None, 0)  # (the thread evaluating, its nested calls): _claimed
@@ -272,7 +280,7 @@ class NetworkProbe:
             raise ValueError("A per-row t needs every layer to take one (per_row_t); use per_row.")
         params = self.params(start)
         weights = None if t is None else RowWeights(params, self.params(direction), t)
-        with _layers_patched(self.rules, self.layers, weights, hook, along):
+        with _layers_patched(self.rules, self.layers, weights, hook, along, self.row_kernels):
             out = functional_call(self.module, params, (X,), tie_weights=self._tied)
         return out if logits else self.link(out)
 
@@ -787,7 +795,7 @@ def _no_grad(tensor):
 
 
 @contextlib.contextmanager
-def _layers_patched(rules, layers, weights, hook, along=None):
+def _layers_patched(rules, layers, weights, hook, along=None, row_kernels=True):
     """The probe's own layers set up for one forward pass, and restored after it
     whatever happens: with rows at per-row ``weights`` (a ``RowWeights``, or None),
     layers linear in their weights add ``t_i`` times their moved output (a forward
@@ -798,6 +806,8 @@ def _layers_patched(rules, layers, weights, hook, along=None):
     ``hook(index, inputs, output) -> output`` sees each parameterised layer."""
     handles, replaced = [], []
     first = None if along is None else along.queries.index
+    # per layer: whether its last call gave the rows' own outputs (``row_output``)
+    own_rows = [False] * len(layers)
 
     def layer_hook(index):
         rule = rules[index]
@@ -807,9 +817,11 @@ def _layers_patched(rules, layers, weights, hook, along=None):
                 weights is not None
                 and rule.row_evaluation is RowEvaluation.MOVED_OUTPUT
                 and index != first
+                and not own_rows[index]
             ):
                 moved = rule.moved_output(inputs, weights.steps)
                 output = output + weights.t.view(-1, *([1] * (output.ndim - 1))) * moved
+            own_rows[index] = False
             return output if hook is None else hook(index, inputs, output)
 
         return run
@@ -819,10 +831,17 @@ def _layers_patched(rules, layers, weights, hook, along=None):
             for index, layer in enumerate(layers):
                 handles.append(layer.register_forward_hook(layer_hook(index)))
         if weights is not None:
-            for rule, layer in zip(rules, layers, strict=True):
+            for index, (rule, layer) in enumerate(zip(rules, layers, strict=True)):
                 if rule.row_evaluation is RowEvaluation.OUTPUT_AT:
                     replaced.append(layer)
                     layer.forward = _forward_at(rule, weights)
+                elif (
+                    row_kernels
+                    and rule.row_evaluation is RowEvaluation.MOVED_OUTPUT
+                    and index != first
+                ):
+                    replaced.append(layer)
+                    layer.forward = _forward_at_rows(layer, rule, weights, own_rows, index)
         else:  # every row at the same weights: the rules that replace the forward
             for index, layer in enumerate(layers):
                 if rules[index].replaces_own_forward:
@@ -838,6 +857,23 @@ def _layers_patched(rules, layers, weights, hook, along=None):
             handle.remove()
         for layer in replaced:
             vars(layer).pop("forward", None)
+
+
+def _forward_at_rows(layer, rule, weights, own_rows, index):
+    """A layer linear in its weights with row ``i`` at its own weights by its rule's
+    ``row_output`` (noted in ``own_rows[index]``: the hook then adds no moved
+    output), or, where the rule gives none, by the layer's own forward (the hook
+    adds ``t_i`` times the moved output)."""
+    own = type(layer).forward.__get__(layer)
+
+    def forward(*inputs):
+        out = rule.row_output(inputs, weights)
+        if out is None:
+            return own(*inputs)
+        own_rows[index] = True
+        return out
+
+    return forward
 
 
 def _forward_at(rule, weights):

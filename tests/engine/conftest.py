@@ -55,6 +55,22 @@ class SmallCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
+class TwoConvCNN(nn.Module):
+    """The 28x28 CNN's layers on 10x10 images (100 features): conv, ReLU, max-pool,
+    conv, ReLU, max-pool, linear."""
+
+    def __init__(self, n_classes=3):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, 3)
+        self.conv2 = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, n_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.conv1(x.view(-1, 1, 10, 10))), 2)
+        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
 def trained(module, n=40, n_features=5, n_classes=3, seed=0, steps=12, lr=0.5, **kwargs):
     torch.manual_seed(seed)
     module = module.to(DTYPE)
@@ -134,13 +150,14 @@ def brute_force(module, path, X_train, y_train, A, rule=("gauss", 24)):
 
 @pytest.fixture(scope="session")
 def engine_cases():
-    """The builders above: ``blobs``, ``mlp``, ``SmallCNN``, ``trained``,
+    """The builders above: ``blobs``, ``mlp``, ``SmallCNN``, ``TwoConvCNN``, ``trained``,
     ``engine_for``, ``queries`` and the ``brute_force`` reference."""
     return SimpleNamespace(
         DTYPE=DTYPE,
         blobs=blobs,
         mlp=mlp,
         SmallCNN=SmallCNN,
+        TwoConvCNN=TwoConvCNN,
         trained=trained,
         engine_for=engine_for,
         queries=queries,

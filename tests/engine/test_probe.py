@@ -94,3 +94,93 @@ def test_a_float64_t_on_a_float32_path_is_taken_in_the_path_s_dtype(relu_case):
     assert output.dtype == torch.float32
     expected = probe.output(start, X[:5].float(), direction=direction, t=t.float())
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
+
+
+def _two_conv_engine(engine_cases):
+    from sklearn_pathkernel._training import SolverSettings
+
+    torch.manual_seed(0)
+    module, path, X, y = engine_cases.trained(
+        engine_cases.TwoConvCNN(), n=24, n_features=100, steps=4, lr=0.01, batch_size=8,
+        solver=SolverSettings(solver="adamw", weight_decay=0.01),
+    )  # fmt: skip
+    return engine_cases.engine_for(module, path, X, y), module, path, X
+
+
+def _tensors(factor):
+    """A factor object's tensors by name (dataclasses with slots, or plain objects)."""
+    if dataclasses.is_dataclass(factor):
+        items = {field.name: getattr(factor, field.name) for field in dataclasses.fields(factor)}
+    else:
+        items = vars(factor)
+    return {name: value for name, value in items.items() if torch.is_tensor(value)}
+
+
+def _row_output_calls(monkeypatch):
+    """Counts the convolutions' ``row_output`` calls that gave the rows' outputs."""
+    from sklearn_pathkernel._engine.rules._conv import Conv2dRule
+
+    calls, original = [], Conv2dRule.row_output
+
+    def counted(self, inputs, weights):
+        result = original(self, inputs, weights)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(Conv2dRule, "row_output", counted)
+    return calls
+
+
+def test_row_kernels_equal_the_moved_output_form(engine_cases, monkeypatch):
+    """Rows at their own points of a step: each convolution at the row's own
+    kernel (``row_kernels``, one grouped convolution) against its output at the
+    step's start plus ``t_i`` times its moved output: outputs and factors to
+    1e-14 of their scale; rows at ``t = 0`` bit for bit the network at the start."""
+    _, module, path, X = _two_conv_engine(engine_cases)
+    probe = NetworkProbe(module, path, X[:1])
+    start, direction = path.weights[1], path.step_direction(1)
+    t = torch.tensor([0.0, 0.2, 0.5, 0.0, 0.9, 1.0], dtype=torch.float64)
+    calls = _row_output_calls(monkeypatch)
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(NetworkProbe, "row_kernels", flag)
+        found[flag] = (
+            probe.output(start, X[:6], direction, t),
+            probe.output_and_factors(start, X[:6], direction=direction, t=t),
+        )
+    assert calls and all(calls)  # (both convolutions, in both passes of the first flag)
+    assert len(calls) == 4
+    (out, (_, factors)), (other, (_, other_factors)) = found[True], found[False]
+    assert (out - other).abs().max() <= 1e-14 * other.abs().max()
+    still = t == 0
+    assert torch.equal(out[still], probe.output(start, X[:6][still]))
+    compared = 0
+    for mine, theirs in zip(factors, other_factors, strict=True):
+        for name, value in _tensors(theirs).items():
+            if value.is_floating_point() and value.abs().max() > 0:
+                assert (_tensors(mine)[name] - value).abs().max() <= 1e-13 * value.abs().max()
+                compared += 1
+    assert compared >= 4
+
+
+def test_decomposition_with_row_kernels_equals_the_moved_output_form(engine_cases, monkeypatch):
+    """A whole decomposition (AdamW, mini-batches) with the convolutions at the
+    rows' own kernels and with their moved outputs: the contributions to 1e-13
+    of their scale, the sum identity to 1e-12 for both."""
+    engine, _, _, X = _two_conv_engine(engine_cases)
+    A = X[-3:] + 0.1
+    calls = _row_output_calls(monkeypatch)
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(NetworkProbe, "row_kernels", flag)
+        found[flag] = engine.decompose(A)
+        if flag:
+            assert any(calls)
+    mine, theirs = found[True], found[False]
+    scale = np.abs(theirs.contributions).max()
+    assert scale > 0
+    assert np.abs(mine.contributions - theirs.contributions).max() <= 1e-13 * scale
+    np.testing.assert_array_equal(mine.output, theirs.output)
+    for parts in (mine, theirs):
+        total = parts.bias + parts.contributions.sum(1) + parts.decay
+        assert np.abs(total - parts.output).max() <= 1e-12 * max(1.0, np.abs(parts.output).max())

@@ -285,3 +285,75 @@ def test_one_output_regressor_loss():
     full = reg.decompose(X[:3])
     np.testing.assert_allclose(reg.decompose(X[:3], target="output").contributions,
                                full.contributions, rtol=0, atol=1e-12)  # fmt: skip
+
+
+def _cotangents_per_node_pass(monkeypatch):
+    """Per node pass of the probe (rows at their own points of a step), its route
+    and the cotangents per row its backward pass carries: the folded route's
+    ``K'``, the batched autograd route's ``K'``, or 1 for a plain autograd pass."""
+    from sklearn_pathkernel._engine import _probe
+
+    passes, inside = [], []
+    factors, folded_grad = _probe.NetworkProbe._factors, _probe.folded_grad
+    grad = torch.autograd.grad
+
+    def in_pass(self, start, X, outputs, direction, t, *args, **kwargs):
+        inside.append(torch.is_tensor(t))
+        try:
+            return factors(self, start, X, outputs, direction, t, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    def folded(roots, inputs, grad_roots, shortcuts=()):
+        if inside and inside[-1]:
+            passes.append(("folded", {int(g.shape[0]) for g in grad_roots}))
+        return folded_grad(roots, inputs, grad_roots, shortcuts)
+
+    def autograd(outputs, inputs, grad_outputs=None, *args, is_grads_batched=False, **kwargs):
+        if inside and inside[-1]:
+            counts = {int(g.shape[0]) for g in grad_outputs} if is_grads_batched else {1}
+            passes.append(("batched" if is_grads_batched else "plain", counts))
+        return grad(outputs, inputs, grad_outputs, *args, is_grads_batched=is_grads_batched,
+                    **kwargs)  # fmt: skip
+
+    monkeypatch.setattr(_probe.NetworkProbe, "_factors", in_pass)
+    monkeypatch.setattr(_probe, "folded_grad", folded)
+    monkeypatch.setattr(torch.autograd, "grad", autograd)
+    return passes
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_two_conv_cnn_target_passes_carry_one_cotangent(engine_cases, monkeypatch, queries):
+    """The 28x28 CNN's layers (two convolutions, ReLU, max-pools), AdamW: every
+    node pass of a scalar target back-propagates one cotangent per row (the K
+    outputs' node passes carry K); the output target is the K-output
+    decomposition's column to 1e-13 of its scale and adds up to 1e-12, the margin
+    to 1e-9 (one query and three: the passes' routes differ with the rows that
+    join them)."""
+    from sklearn_pathkernel._engine import QueryTargets
+    from sklearn_pathkernel._training import SolverSettings
+
+    torch.manual_seed(0)
+    module, path, X, y = engine_cases.trained(
+        engine_cases.TwoConvCNN(), n=24, n_features=100, steps=4, lr=0.01, batch_size=8,
+        solver=SolverSettings(solver="adamw", weight_decay=0.01),
+    )  # fmt: skip
+    engine = engine_cases.engine_for(module, path, X, y)
+    Q = X[-queries:] + 0.1
+    passes = _cotangents_per_node_pass(monkeypatch)
+    full = engine.decompose(Q)
+    assert passes and all(counts == {3} for _, counts in passes)
+    passes.clear()
+    columns = torch.tensor([2, 0, 1])[:queries]
+    picked = engine.decompose(Q, targets=QueryTargets(OutputTarget(), columns))
+    assert passes and all(counts == {1} for _, counts in passes)
+    rows = np.arange(queries)
+    expected = full.contributions[rows, :, columns.numpy()]
+    scale = np.abs(expected).max()
+    assert scale > 0
+    assert np.abs(picked.contributions[..., 0] - expected).max() <= 1e-13 * scale
+    total = picked.bias + picked.contributions.sum(1) + picked.decay
+    assert np.abs(total - picked.output).max() <= 1e-12
+    margin = engine.decompose(Q, targets=QueryTargets(MarginTarget(), columns))
+    total = margin.bias + margin.contributions.sum(1) + margin.decay
+    assert np.abs(total - margin.output).max() <= 1e-9

@@ -54,14 +54,43 @@ def fit_samples(z0, z1, z2, z3, rtol, floor=0.0):
     -------
     SampledPolynomials
     """
-    ends = z0.abs() + z3.abs() + floor
-    linear = ((z1 - (2 * z0 + z3) / 3).abs() <= rtol * ends) & (
-        (z2 - (z0 + 2 * z3) / 3).abs() <= rtol * ends
-    )
-    scale = ends + 3 * (z1.abs() + z2.abs())
-    quadratic = ~linear & ((z3 - 3 * z2 + 3 * z1 - z0).abs() <= rtol * scale)
-    c = torch.where(linear, 0.0, 2.25 * (z3 - z2 - z1 + z0))
-    return SampledPolynomials(linear, quadratic, z0, z3 - z0 - c, c)
+    # (the same operations as the formulas above, in the same order, in place
+    # where a temporary would be new: a level of the kink search fits pieces x
+    # switching units entries, a few MB per tensor on a 28x28 CNN)
+    ends = z0.abs()
+    ends += z3.abs()
+    ends += floor
+    tol = ends * rtol
+    chord = torch.mul(z0, 2)
+    chord += z3
+    chord /= 3
+    torch.sub(z1, chord, out=chord).abs_()
+    linear = chord <= tol
+    torch.mul(z3, 2, out=chord)
+    chord += z0
+    chord /= 3
+    torch.sub(z2, chord, out=chord).abs_()
+    linear &= chord <= tol
+    scale = z1.abs()
+    scale += z2.abs()
+    scale *= 3
+    torch.add(ends, scale, out=scale)
+    scale *= rtol
+    third = chord  # z_3 - 3 z_2 + 3 z_1 - z_0
+    torch.mul(z2, 3, out=third)
+    torch.sub(z3, third, out=third)
+    third += torch.mul(z1, 3)
+    third -= z0
+    quadratic = third.abs_() <= scale
+    quadratic &= ~linear
+    c = z3 - z2
+    c -= z1
+    c += z0
+    c *= 2.25
+    c.masked_fill_(linear, 0.0)
+    b = z3 - z0
+    b -= c
+    return SampledPolynomials(linear, quadratic, z0, b, c)
 
 
 def quadratic_roots(a, b, c):

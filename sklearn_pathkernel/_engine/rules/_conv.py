@@ -70,6 +70,51 @@ class Conv2dRule(WeightAndBiasRule):
         bias = steps[self.bias_name] if self.bias_name else None
         return F.conv2d(inputs[0], weight, bias, conv.stride, conv.padding, conv.dilation)
 
+    def row_output(self, inputs, weights):
+        """The output with row ``i`` at its own kernel ``W + t_i dW`` (and bias
+        ``b + t_i db``): one grouped convolution, a group per row, where the output
+        at ``W`` plus ``t_i`` times the moved output takes two convolutions of the
+        same size. Rows at ``t_i = 0`` take the layer's own convolution (its
+        values bit for bit)."""
+        if not weights.moving or len(inputs) != 1 or inputs[0].ndim != 4:
+            return None
+        conv, x = self.module, inputs[0]
+        t = weights.t.to(x.dtype)
+        still = t == 0
+        if bool(still.all()):
+            return None
+        moving = ~still
+        some_still = bool(still.any())
+        rows, t = (x[moving], t[moving]) if some_still else (x, t)
+        n = rows.shape[0]
+        if self.weight_name is None:
+            kernel = conv.weight.expand(n, *conv.weight.shape)
+        else:
+            step = weights.steps[self.weight_name]
+            kernel = weights.params[self.weight_name] + t.view(-1, 1, 1, 1, 1) * step
+        bias = conv.bias
+        if self.bias_name is not None:
+            bias = weights.params[self.bias_name] + t.view(-1, 1) * weights.steps[self.bias_name]
+        elif bias is not None:
+            bias = bias.expand(n, *bias.shape)
+        out = F.conv2d(
+            rows.reshape(1, -1, *rows.shape[2:]),
+            kernel.reshape(-1, *kernel.shape[2:]),
+            None if bias is None else bias.reshape(-1),
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            n,
+        )
+        out = out.view(n, -1, *out.shape[2:])
+        if not some_still:
+            return out
+        own = conv._conv_forward(x[still], conv.weight, conv.bias)
+        result = out.new_empty((x.shape[0], *out.shape[1:]))
+        result[still] = own
+        result[moving] = out
+        return result
+
     def input_vjp(self, inputs, weights):
         """The input's cotangents through the convolution at each row's own kernel
         ``W + t_i dW``: one grouped convolution's input gradient over the ``K``

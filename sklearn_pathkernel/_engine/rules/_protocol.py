@@ -274,6 +274,17 @@ class LinearInWeights(LayerRule):
         """The layer applied with the weight change ``steps`` (``{path name: tensor}``):
         its output at ``w + t dw`` is its output at ``w`` plus ``t`` times this."""
 
+    def row_output(self, inputs, weights):
+        """The layer's output with row ``i`` at its own weights ``params + t_i
+        steps`` (``weights.moving``) in one operation, differentiable with respect
+        to ``inputs``, rows with ``t_i = 0`` at the layer's own values bit for bit;
+        or None (the default): the probe takes the layer's output at ``params``
+        plus ``t_i`` times its :meth:`moved_output` (two applications of the layer
+        where one at the rows' own weights would do). The values agree to
+        rounding; the rows at ``t = 0`` must be the layer's own, or a max-pool after
+        it could pick another winner than training did."""
+        return None
+
 
 class PerRowWeights(LayerRule):
     """A rule that evaluates its layer at per-row weights (``RowEvaluation.OUTPUT_AT``)."""

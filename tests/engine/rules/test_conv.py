@@ -314,3 +314,53 @@ def test_input_vjp_at_per_row_weights_matches_autograd_per_cotangent(weight, bia
     assert (found - expected).abs().max() <= 1e-14 * expected.abs().max()
     # rows at one point: no per-row form (the layer's own backward does)
     assert rule.input_vjp((x.detach(),), RowWeights(params)) is None
+
+
+@pytest.mark.parametrize(
+    "weight, bias, conv_kwargs",
+    [
+        (True, True, {}),
+        (True, False, {"stride": 2, "padding": 1}),
+        (False, True, {"dilation": 2, "padding": 2}),
+    ],
+)
+def test_row_output_matches_one_convolution_per_row(weight, bias, conv_kwargs):
+    """``row_output``: the output with each row at its own kernel ``W + t_i dW``
+    (bias ``b + t_i db``), one grouped convolution, against one ``F.conv2d`` per
+    row at its own weights; rows at ``t = 0`` are the layer's own values bit for
+    bit; the input's gradient equals autograd through the probe's other form
+    (output at ``W`` plus ``t_i`` times the moved output)."""
+    rule, (x,), _, _, _ = conv_case(weight=weight, bias=bias, **conv_kwargs)
+    conv = rule.module
+    g = torch.Generator().manual_seed(6)
+    params = {"weight": conv.weight.detach(), "bias": conv.bias.detach()}
+    steps = {name: torch.randn(p.shape, generator=g, dtype=DTYPE) for name, p in params.items()}
+    t = torch.tensor([0.0, 0.3, 0.7, 1.0], dtype=DTYPE)
+    weights = RowWeights(params, steps, t)
+    x = x.clone().requires_grad_(True)
+    found = rule.row_output((x,), weights)
+    expected = []
+    for i in range(x.shape[0]):
+        kernel = params["weight"] + (t[i] * steps["weight"] if weight else 0.0)
+        offset = params["bias"] + (t[i] * steps["bias"] if bias else 0.0)
+        expected.append(
+            F.conv2d(x[i : i + 1], kernel, offset, conv.stride, conv.padding, conv.dilation)
+        )
+    expected = torch.cat(expected)
+    assert found.shape == expected.shape
+    assert (found - expected).abs().max() <= 1e-14 * expected.abs().max()
+    assert torch.equal(found[0], conv(x[:1])[0])  # t = 0: the layer's own values
+    # the input's gradient: autograd through both forms
+    moved = rule.moved_output((x,), steps)
+    other = conv(x) + t.view(-1, 1, 1, 1) * moved
+    assert (found - other).abs().max() <= 1e-14 * other.abs().max()
+    cotangent = torch.randn(other.shape, generator=g, dtype=DTYPE)
+    (grad_found,) = torch.autograd.grad(found, x, cotangent)
+    (grad_other,) = torch.autograd.grad(other, x, cotangent)
+    assert (grad_found - grad_other).abs().max() <= 1e-14 * grad_other.abs().max()
+    # every row moving: no row kept apart
+    inner = RowWeights(params, steps, t[1:])
+    assert torch.equal(rule.row_output((x[1:].detach(),), inner), found[1:].detach())
+    # rows at one point, or all at the start: the layer's own forward does
+    assert rule.row_output((x.detach(),), RowWeights(params)) is None
+    assert rule.row_output((x.detach(),), RowWeights(params, steps, torch.zeros(4))) is None
