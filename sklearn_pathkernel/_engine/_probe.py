@@ -941,7 +941,13 @@ class StepQueries:
     def output(self, rows, t):
         """``z_s + t dz_s`` of the query rows ``rows``, row ``i`` at ``t[i]``."""
         t = t.to(self.start_output.dtype).view(-1, *([1] * (self.start_output.ndim - 1)))
-        return _take_rows(self.start_output, rows) + t * _take_rows(self.moved_output, rows)
+        out = _take_rows(self.moved_output, rows)
+        if out.data_ptr() == self.moved_output.data_ptr():  # (a view: not ours to write)
+            out = out.clone()
+        # ``z_s + t dz_s`` in the rows' own copy (the same sums, bit for bit): the
+        # first layer's outputs of a pass are its largest tensor (pieces x 16 x 26
+        # x 26 numbers for the 28x28 CNN), each temporary a few MB
+        return out.mul_(t).add_(_take_rows(self.start_output, rows))
 
 
 class AlongStep:

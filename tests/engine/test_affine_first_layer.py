@@ -190,3 +190,21 @@ def test_query_rows_nothing_reads_are_a_view_only_for_a_plain_sequential(engine_
         point = path.unflatten(start + t[i] * direction)
         expected = torch.func.functional_call(probe.module, point, (X[rows[i] : rows[i] + 1],))
         assert torch.allclose(got[i : i + 1], expected, rtol=0, atol=1e-13)
+
+
+def test_step_queries_output_is_the_affine_sum_bit_for_bit():
+    """``StepQueries.output`` (computed in the rows' own copy): ``z_s[rows] + t *
+    dz_s[rows]`` bit for bit, rows repeated and in any order, ``z_s`` and ``dz_s``
+    untouched; rows at ``t = 0`` are ``z_s`` itself."""
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(3, 4, 5, 5, generator=g, dtype=torch.float64)
+    moved = torch.randn(3, 4, 5, 5, generator=g, dtype=torch.float64)
+    kept = start.clone(), moved.clone()
+    queries = _probe.StepQueries(0, start, moved)
+    rows = torch.tensor([2, 0, 0, 1, 2])
+    t = torch.tensor([0.0, 0.25, 1.0, 1 / 3, 0.9], dtype=torch.float64)
+    found = queries.output(rows, t)
+    expected = start[rows] + t.view(-1, 1, 1, 1) * moved[rows]
+    assert torch.equal(found, expected)
+    assert torch.equal(found[0], start[2])
+    assert torch.equal(start, kept[0]) and torch.equal(moved, kept[1])
