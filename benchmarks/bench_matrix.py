@@ -15,6 +15,7 @@ Usage::
     python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
     python benchmarks/bench_matrix.py --cnn28 --base cb7acb9 --gram-queries 0 --repeats 2
     python benchmarks/bench_matrix.py --cnn28 --base none --gram-queries 0 --side 14
+    python benchmarks/bench_matrix.py --cnn28 --base 1b4b4cd --gram-queries 0 --target predicted
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
@@ -77,6 +78,8 @@ one epoch (5 steps), 2 queries, 1 cross-Gram query, one repeat, this commit only
 (``--sizes``, ``--steps``, ``--queries``, ``--base`` change that; ``--gram-queries
 0`` skips the cross Gram). Its line adds the process's peak resident memory, and
 the units that can switch along a step (ReLUs and max-pool windows per row).
+``--target NAME``: ``decompose`` of a scalar target per query (``target=NAME``, e.g.
+``predicted``: one output's work) instead of the K outputs.
 ``--side S``: the same network on the MNIST images resized to S x S (area
 averaging for 14, antialiased bilinear otherwise; the linear layer takes what the
 convolutions and pools leave), for how the cost grows with the image. Pieces are
@@ -405,6 +408,7 @@ def run_cell(packages, cell, size, config, args):
     n_steps = new.path_.n_steps
     cell_name = "/".join(cell[:3] if cell[3] == "clf" else cell)
     result = {"cell": cell_name, "M": size, "fit": fit_time, "steps": n_steps}
+    result["target"] = getattr(args, "target", None)
     if cell[0] in CNN28_NETWORKS:
         result["switching_units"] = TwoConvCNN28.switching_units(side)
         result["cell"] += f" {side}x{side}"
@@ -413,9 +417,11 @@ def run_cell(packages, cell, size, config, args):
         degree = "-" if counts.degree is None else counts.degree
         result["node_counts"] = f"{counts.per_piece}/{counts.test_test} (degree {degree})"
 
+    target = getattr(args, "target", None)
+
     def decompose(clf):
         fresh(clf)
-        return clf.decompose(queries)
+        return clf.decompose(queries) if target is None else clf.decompose(queries, target=target)
 
     timers = {name: PhaseTimer() for name in packages}
     with contextlib.ExitStack() as stack:
@@ -478,7 +484,8 @@ def run_cell(packages, cell, size, config, args):
 
 def report(result):
     fit = result["fit"]
-    print(f"== {result['cell']}  M={result['M']}  {result['steps']} steps  fit {fit:.3f} s")
+    target = f"  target={result['target']}" if result.get("target") else ""
+    print(f"== {result['cell']}  M={result['M']}  {result['steps']} steps  fit {fit:.3f} s{target}")
 
     def line(label, times, extra=""):
         new = times["new"]
@@ -550,6 +557,11 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="--cnn28, --images: steps")
     parser.add_argument(
         "--side", type=int, default=28, help="--cnn28: the images' side (resized MNIST), >= 14"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="decompose a scalar target per query (decompose's target=, e.g. predicted)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
