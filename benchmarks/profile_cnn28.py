@@ -8,11 +8,12 @@ query (``--queries``), timed by wall clock around the engine's functions, nested
   its closed forms (``closed_form_kinks``) and its regula falsi (``locate_kinks``);
 - the link weights (``TestCopy._parts``: the logits at 4 points per piece and the
   Jacobian integrals);
-- the node passes (``TestCopy.evaluate``): the probe's forward passes
-  (``NetworkProbe._forward``, every pass of the call: the kink search's and the
-  link weights' too) and the folded backward pass (``folded_grad``), split by
-  autograd node kind (the convolutions at the rows' own kernels: ``Conv2d input_vjp``);
-- the node sums (``GroupedNodes._summed``) and the products (``_batch_inner``).
+- the node passes (``TestCopy.evaluate``) and their folded backward pass
+  (``folded_grad``), split by autograd node kind (the convolutions at the rows' own
+  kernels: ``Conv2d input_vjp``);
+- the node sums (``GroupedNodes._summed``) and the products (``_batch_inner``);
+- the probe's forward passes of every phase (``NetworkProbe._forward``: the kink
+  search's, the link weights' and the node passes').
 
 ``--cprofile``: the call under ``cProfile`` instead (the 40 functions of largest own
 time); ``--torch``: under ``torch.profiler`` (the 25 operations of largest own CPU
@@ -104,8 +105,34 @@ class NestedTimer:
         conv.input_vjp = wrapped
 
     def report(self):
-        for label in self.seconds:
-            print(f"{label:34s} {self.seconds[label]:7.2f} s {self.calls[label]:6d} calls")
+        """The labels in the order of :data:`ORDER`, the node kinds (four spaces)
+        under the folded backward pass, dearest first."""
+        kinds = sorted(
+            (label for label in self.seconds if label.startswith("    ")),
+            key=self.seconds.get,
+            reverse=True,
+        )
+        for label in ORDER:
+            labels = kinds if label == "node kinds" else [label]
+            for name in labels:
+                if name in self.seconds:
+                    print(f"{name:34s} {self.seconds[name]:7.2f} s {self.calls[name]:6d} calls")
+
+
+#: The report's order (``node kinds``: the folded walk's, by time).
+ORDER = (
+    "kink search",
+    "  sampled forward passes",
+    "  closed forms",
+    "  regula falsi",
+    "link weights",
+    "node passes",
+    "  folded backward",
+    "node kinds",
+    "node sums",
+    "products",
+    "forward passes (all phases)",
+)
 
 
 def _module(name):
@@ -163,7 +190,7 @@ def main():
     timer.wrap(kinks, "locate_kinks", "  regula falsi")
     timer.wrap(test_copy.TestCopy, "_parts", "link weights")
     timer.wrap(test_copy.TestCopy, "evaluate", "node passes")
-    timer.wrap(_module("_probe").NetworkProbe, "_forward", "  forward passes (all)")
+    timer.wrap(_module("_probe").NetworkProbe, "_forward", "forward passes (all phases)")
     timer.wrap(_module("_probe"), "folded_grad", "  folded backward")
     timer.wrap_rules()
     timer.wrap(test_copy.GroupedNodes, "_summed", "node sums")
