@@ -171,18 +171,20 @@ def _moving_weights(rule, layer, t, generator):
     return RowWeights(params, steps, t)
 
 
+@pytest.mark.parametrize("at_start", ["one", "none", "all"])
 @pytest.mark.parametrize("kernel", AFFINE_KERNELS)
-def test_rows_at_their_own_weights_through_the_layer_shortcut(kernel):
-    """The dense layer evaluated by ``output_at`` (rows at ``w + t_i dw``, one of
-    them at ``t = 0`` on a memory), passed through whole by its rule's
-    ``input_vjp``: the same gradients as torch's through ``output_at``."""
+def test_rows_at_their_own_weights_through_the_layer_shortcut(kernel, at_start):
+    """The dense layer evaluated by ``output_at`` (rows at ``w + t_i dw``; one, none
+    or all of them at ``t = 0``, row 1 on a memory), passed through whole by its
+    rule's ``input_vjp``: the same gradients as torch's through ``output_at``."""
     g = torch.Generator().manual_seed(6)
     n, width, n_memories = 6, 5, 4
     layer = _memory_layer(kernel, width, n_memories, g)
     local = ["memories", "bias"] + (["log_gamma"] if layer.log_gamma is not None else [])
     rule = DistanceRule(layer, {name: f"dense.{name}" for name in local})
     t = torch.rand(n, generator=g, dtype=DTYPE)
-    t[1] = 0.0
+    t[1] = 0.0 if at_start == "one" else t[1]
+    t = torch.zeros_like(t) if at_start == "all" else t
     weights = _moving_weights(rule, layer, t, g)
     a = torch.rand(n, width, generator=g, dtype=DTYPE)
     a[1] = layer.memories[2] / 1.5  # (x = 1.5 a sits on memory 2 at t = 0)

@@ -122,13 +122,19 @@ def moving_input_vjp(x, m, dm, t, slope):
     """
     centre = m.mean(0)
     centred_x, centred_m = x - centre, m - centre
-    t_col = t[:, None]
+    # The step's term only for the rows off the step's start (the training rows
+    # that join a pass sit at t = 0, where it is zero).
+    moving = None if dm is None else torch.nonzero(t != 0).flatten()
+    if moving is not None and moving.numel() == t.shape[0]:
+        moving = slice(None)
+    t_col = t[moving, None] if moving is not None else None
 
     def vjp(cotangents):
         c = cotangents * slope
-        out = c.sum(-1, keepdim=True) * centred_x - c @ centred_m
-        if dm is not None:
-            out = out - t_col * (c @ dm)
+        out = c.sum(-1, keepdim=True) * centred_x
+        out.sub_(c @ centred_m)
+        if moving is not None:
+            out[..., moving, :] -= t_col * (c[..., moving, :] @ dm)
         return out
 
     return vjp
