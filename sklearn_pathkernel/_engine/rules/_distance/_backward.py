@@ -53,7 +53,8 @@ class AffineInputBackward(torch.autograd.Function):
     def backward(ctx, grad):
         slope, centred_x, centred_m = ctx.saved_tensors
         c = grad * slope
-        return c.sum(-1, keepdim=True) * centred_x - c @ centred_m, None, None, None, None
+        out = c.sum(-1, keepdim=True) * centred_x
+        return out.sub_(c @ centred_m), None, None, None, None
 
 
 def input_slopes(layer, values):
