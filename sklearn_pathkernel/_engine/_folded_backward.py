@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from .rules._distance._backward import AffineInputBackward
+
 
 class FoldedVJP(ABC):
     """The backward of one kind of autograd node over ``K`` cotangents at once.
@@ -237,6 +239,87 @@ class MaxPool(FoldedVJP):
         return (out.view(grad.shape[0], *shape),)
 
 
+class Neg(FoldedVJP):
+    """``-a`` (``MinPool2d`` is ``-max_pool2d(-z)``): the gradient negated, in place
+    when the walk owns it."""
+
+    def edges(self, node):
+        return (True,)
+
+    def backward(self, node, grads, wanted, writable):
+        (grad,) = grads
+        return (grad.neg_() if writable else torch.neg(grad),)
+
+
+class Clamp(FoldedVJP):
+    """``clamp(a, min, max)`` with number bounds (``ClampBackward1``, and with
+    ``has_max`` False ``clamp_min``'s ``ClampMinBackward0``): the gradient where
+    ``min <= a <= max`` (the engine's ``clamp_backward``: bounds included), zero
+    elsewhere."""
+
+    def __init__(self, has_max):
+        self.has_max = has_max
+
+    def edges(self, node):
+        return (True,)
+
+    def backward(self, node, grads, wanted, writable):
+        (grad,) = grads
+        value, low = node._saved_self, node._saved_min
+        high = node._saved_max if self.has_max else None
+        inside = None if low is None else value >= low
+        if high is not None:
+            below = value <= high
+            inside = below if inside is None else inside.logical_and_(below)
+        if inside is None:  # (no bound: the gradient passes)
+            return (grad if writable else grad.clone(),)
+        if writable:
+            return (grad.masked_fill_(inside.logical_not_(), 0.0),)
+        return (torch.where(inside, grad, 0.0),)
+
+
+class Log1p(FoldedVJP):
+    """``log1p(a)``: the gradient divided by ``1 + a`` (as the engine's
+    ``log1p_backward``)."""
+
+    def edges(self, node):
+        return (True,)
+
+    def backward(self, node, grads, wanted, writable):
+        (grad,) = grads
+        denominator = node._saved_self + 1
+        return (grad.div_(denominator) if writable else grad / denominator,)
+
+
+class Sqrt(FoldedVJP):
+    """``sqrt(a)``: the gradient divided by twice the result (``sqrt_backward``)."""
+
+    def edges(self, node):
+        return (True,)
+
+    def backward(self, node, grads, wanted, writable):
+        (grad,) = grads
+        denominator = 2 * node._saved_result
+        return (grad.div_(denominator) if writable else grad / denominator,)
+
+
+class AffineInput(FoldedVJP):
+    """A squared-distance layer at its own weights (``DistanceRule.own_output``): its
+    input's gradient by the layer's closed form, :class:`AffineInputBackward`'s own
+    backward, which broadcasts over the ``K`` cotangents (two matrix products for
+    all of them, where torch's batched backward runs it once per cotangent). The
+    node's other inputs (values, slopes, centred rows) carry no gradient."""
+
+    def edges(self, node):
+        return tuple(i == 0 for i in range(len(node.next_functions)))
+
+    def backward(self, node, grads, wanted, writable):
+        (grad,) = grads
+        out = [None] * len(wanted)
+        out[0] = AffineInputBackward.backward(node, grad)[0]
+        return tuple(out)
+
+
 def _prod(sizes):
     result = 1
     for size in sizes:
@@ -258,6 +341,13 @@ FOLDED_VJPS = {
     "ConvolutionBackward0": Convolution(),
     "MaxPool2DWithIndicesBackward0": MaxPool(2),
     "MaxPool3DWithIndicesBackward0": MaxPool(3),
+    # The image distance networks (issue 37): min-pools, transforms, distance layers.
+    "NegBackward0": Neg(),
+    "ClampBackward1": Clamp(has_max=True),
+    "ClampMinBackward0": Clamp(has_max=False),
+    "Log1PBackward0": Log1p(),
+    "SqrtBackward0": Sqrt(),
+    AffineInputBackward._backward_cls.__name__: AffineInput(),
 }
 
 

@@ -676,9 +676,10 @@ class NetworkProbe:
 
     def _shortcuts(self, captured, input_edges, start, direction, t, along):
         """The layers the folded backward pass takes through their rule's
-        ``input_vjp`` (rows at per-row weights, ``t`` a tensor): those linear in
-        their weights that added a moved output in this pass (not the first
-        layer of query rows along their step) and whose rule gives one."""
+        ``input_vjp`` (rows at per-row weights, ``t`` a tensor): those evaluated
+        at the rows' own weights in this pass (linear in their weights with a
+        moved output added, not the first layer of query rows along their step;
+        or by their rule's ``output_at``) whose rule gives one."""
         if t is None or not torch.is_tensor(t) or direction is None:
             return ()
         first = None if along is None else along.queries.index
@@ -688,7 +689,7 @@ class NetworkProbe:
             if (
                 index == first
                 or input_edges[index] is None  # (no gradient goes past it)
-                or rule.row_evaluation is not RowEvaluation.MOVED_OUTPUT
+                or rule.row_evaluation not in (RowEvaluation.MOVED_OUTPUT, RowEvaluation.OUTPUT_AT)
             ):
                 continue
             vjp = rule.input_vjp(inputs, weights)

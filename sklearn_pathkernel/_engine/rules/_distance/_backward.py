@@ -19,6 +19,12 @@ The layer's gradient with respect to its input is affine in the memories:
 two matrix products whatever the number of cotangents (expanded about the mean
 memory ``c``, like the rule's other expansions). The forward values are the
 layer's own, bit for bit.
+
+Rows at their own weights (``m_j + t_i dm_j``, the probe's quadrature nodes)
+pull back the same way, ``sum_j c_ij (x_i - m_j - t_i dm_j)``: one product more,
+with the step (:func:`moving_input_vjp`). Both backward passes broadcast over
+a leading dimension of cotangents, so the folded backward pass
+(``_engine/_folded_backward.py``) applies them to all ``K`` outputs at once.
 """
 
 import torch
@@ -27,8 +33,12 @@ import torch
 AFFINE_KERNELS = ("sqeuclidean", "euclidean", "rbf")
 
 
-class _AffineInputBackward(torch.autograd.Function):
-    """``values`` passed through, with the input's gradient ``sum_j c_ij (x_i - m_j)``."""
+class AffineInputBackward(torch.autograd.Function):
+    """``values`` passed through, with the input's gradient ``sum_j c_ij (x_i - m_j)``.
+
+    Its backward pass broadcasts over leading dimensions of the cotangent: a
+    ``(K, n, J)`` stack of cotangents pulls back to ``(K, n, D)`` in one call (the
+    folded backward pass's ``AffineInput`` rule calls it so)."""
 
     @staticmethod
     def forward(x, values, slope, centred_x, centred_m):
@@ -43,7 +53,8 @@ class _AffineInputBackward(torch.autograd.Function):
     def backward(ctx, grad):
         slope, centred_x, centred_m = ctx.saved_tensors
         c = grad * slope
-        return c.sum(-1, keepdim=True) * centred_x - c @ centred_m, None, None, None, None
+        out = c.sum(-1, keepdim=True) * centred_x
+        return out.sub_(c @ centred_m), None, None, None, None
 
 
 def input_slopes(layer, values):
@@ -83,4 +94,48 @@ def own_output(layer, x):
         memories = layer.memories.detach()
         centre = memories.mean(0)
         slope = input_slopes(layer, values)
-    return _AffineInputBackward.apply(x, out, slope, x_values - centre, memories - centre)
+    return AffineInputBackward.apply(x, out, slope, x_values - centre, memories - centre)
+
+
+def moving_input_vjp(x, m, dm, t, slope):
+    """The input's cotangents of a squared-distance layer with row ``i`` at its own
+    memories ``mu_ij = m_j + t_i dm_j``.
+
+    Parameters
+    ----------
+    x : torch.Tensor of shape (n, D)
+        The layer's input.
+    m : torch.Tensor of shape (J, D)
+        The memories at the step's start.
+    dm : torch.Tensor of shape (J, D) or None
+        Their step (None: the memories do not move).
+    t : torch.Tensor of shape (n,)
+        Each row's point along the step.
+    slope : torch.Tensor of shape (n, J)
+        ``s_ij`` of ``d k(x_i, mu_ij) / d x_i = s_ij (x_i - mu_ij)``.
+
+    Returns
+    -------
+    callable
+        ``(..., n, J) -> (..., n, D)``: cotangents ``g`` of the layer's output to
+        ``sum_j c_ij (x_i - mu_ij)`` with ``c = g s``, expanded about the mean
+        memory ``c0``: ``(sum_j c_ij) (x_i - c0) - c_i (M - c0) - t_i c_i dM``.
+    """
+    centre = m.mean(0)
+    centred_x, centred_m = x - centre, m - centre
+    # The step's term only for the rows off the step's start (the training rows
+    # that join a pass sit at t = 0, where it is zero).
+    moving = None if dm is None else torch.nonzero(t != 0).flatten()
+    if moving is not None and moving.numel() == t.shape[0]:
+        moving = slice(None)
+    t_col = t[moving, None] if moving is not None else None
+
+    def vjp(cotangents):
+        c = cotangents * slope
+        out = c.sum(-1, keepdim=True) * centred_x
+        out.sub_(c @ centred_m)
+        if moving is not None:
+            out[..., moving, :] -= t_col * (c[..., moving, :] @ dm)
+        return out
+
+    return vjp

@@ -58,6 +58,13 @@ class KernelFamily(ABC):
         """Factors of each row's weighted sum over its nodes, or None (keep the nodes)."""
         return None
 
+    def input_vjp(self, x, weights):
+        """For rows at their own weights (``weights.moving``): the map from ``K``
+        cotangents of the layer's output, (K, n, J), to those of its input ``x``,
+        (K, n, D), in closed form; or None (the default: the probe's backward pass
+        differentiates :meth:`output`'s operations). See ``LayerRule.input_vjp``."""
+        return None
+
     def materialise_sums(self, rows, weights, factors, n_rows):
         """Each row's weighted sum of its nodes' gradients (n_rows, K, W) without
         materialising the nodes, or None (the rule then materialises them)."""

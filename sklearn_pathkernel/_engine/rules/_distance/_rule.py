@@ -104,6 +104,16 @@ class DistanceRule(PerRowWeights):
         its input of ``_backward.own_output`` (the squared-distance kernels)."""
         return own_output(self.module, inputs[0])
 
+    def input_vjp(self, inputs, weights):
+        """For rows at their own weights: ``K`` cotangents of the output (K, n, J) to
+        those of the input (K, n, D) in closed form (the squared-distance kernels,
+        ``SquaredDistanceFamily.input_vjp``), or None (cosine: the backward pass
+        differentiates :meth:`output_at`)."""
+        x = inputs[0]
+        if not weights.moving or x.ndim != 2 or x.shape[1] != self.module.in_features:
+            return None
+        return self.family.input_vjp(x, weights)
+
     # -- factors --------------------------------------------------------------------
 
     def factors(self, inputs, delta, weights):

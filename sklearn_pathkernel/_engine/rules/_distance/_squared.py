@@ -20,6 +20,7 @@ from ..._modes import OutputMode
 from ..._planning import rows_per_tile
 from .._contract import contract, weighted
 from .._rows import first_of_rows, padded_row_sums, row_outer_sums, row_sums
+from ._backward import moving_input_vjp
 from ._factors import SquaredDistanceFactors
 from ._family import KernelFamily
 from ._geometry import memory_dots, pair_sq_distances, sq_distances, squared_norm
@@ -92,6 +93,22 @@ class SquaredDistanceFamily(KernelFamily):
         msd = sq_distances(x, m, dm, weights.t)[0] / self.rule.module.in_features
         gamma = self._gamma(weights, weights.t[:, None]) if self.profile.uses_width else None
         return self.profile.value(msd, gamma)
+
+    def input_vjp(self, x, weights):
+        """The input's cotangents at per-row memories ``mu_ij = m_j + t_i dm_j``:
+        ``d k(x_i, mu_ij) / d x_i = s_ij (x_i - mu_ij)`` with ``s`` minus the memory
+        gradient's slope (``k`` depends on ``x - mu``), pulled back in two or three
+        matrix products whatever the number of cotangents
+        (:func:`._backward.moving_input_vjp`)."""
+        with torch.no_grad():
+            x = x.detach()
+            m, dm = self.rule.param("memories", weights)
+            m = m.detach()
+            width = self.rule.module.in_features
+            squared = sq_distances(x, m, dm, weights.t)[0]
+            gamma = self._gamma(weights, weights.t[:, None]) if self.profile.uses_width else None
+            slope = -self.profile.slope(squared, squared / width, gamma, width)
+        return moving_input_vjp(x, m, dm, weights.t, slope)
 
     def factors(self, x, delta, weights, common):
         """``sigma``, ``h = |e|^2 / 2`` (about the step's start for moving rows:
