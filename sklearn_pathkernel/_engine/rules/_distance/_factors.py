@@ -90,8 +90,14 @@ class DistanceFactors:
     def extra_coefficients(self):
         """The (n, K, J) gradients of the per-memory parameters other than the
         memories (bias, then widths), in the layout order."""
-        values = (self.bias, getattr(self, "log_gamma", None))
+        values = (self.bias, self.widths)
         return [value for value in values if value is not None]
+
+    @property
+    def widths(self):
+        """The per-memory widths' gradients (n, K, J), for a family with widths in
+        the path; None here (no width parameter)."""
+        return None
 
     @staticmethod
     def cat(parts):
@@ -156,6 +162,11 @@ class SquaredDistanceFactors(DistanceFactors):
     log_gamma: torch.Tensor | None = None
 
     STEP_DOTS = (("q", "centred_dot"),)
+
+    @property
+    def widths(self):
+        """rbf's width gradients ``log_gamma`` (None for the other kernels)."""
+        return self.log_gamma
 
     def centred_dot(self, dm):
         """``(x_i - c) . dm_j`` with ``c`` the mean memory, (n, J)."""

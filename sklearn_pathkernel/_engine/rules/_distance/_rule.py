@@ -183,8 +183,7 @@ class DistanceRule(PerRowWeights):
         out = torch.zeros(x.shape[0], factors.memories.n_outputs, dtype=x.dtype, device=x.device)
         if "memories" in self.names:
             out = out + self.family.memory_directional(factors, direction[self.names["memories"]])
-        widths = getattr(factors, "log_gamma", None)
-        for local, values in (("bias", factors.bias), ("log_gamma", widths)):
+        for local, values in (("bias", factors.bias), ("log_gamma", factors.widths)):
             if values is not None:
                 out = out + values @ direction[self.names[local]]
         return out
