@@ -211,9 +211,9 @@ class Planner:
         rows = max(1, rows)
         return max(rows, self.block_size()) if self.device.type == "cuda" else rows
 
-    def passes(self, n_rows):
+    def passes(self, n_rows, one_output=False):
         """Consecutive slices of :meth:`pass_rows` rows."""
-        return _consecutive(n_rows, self.pass_rows())
+        return _consecutive(n_rows, self.pass_rows(one_output))
 
     def sub_blocks(self, n, row_bytes=0, pairs=1):
         """Consecutive slices of at most ``block_size(pairs)`` rows (fewer for large
