@@ -5,8 +5,9 @@ naming the sizes and the way out, instead of swapping) and give the budgets;
 :class:`Planner` turns them into the engine's tiles: tasks of query rows, tiles
 of a Gram's rows, passes of the probe and sides of a product.
 
-Cost: a one-row probe evaluation, once (the bytes of a row's factors); the rest
-is arithmetic on sizes.
+Cost: a one-row probe evaluation and a one-row forward pass, once (the bytes of
+a row's factors and of its backward pass's cotangents); the rest is arithmetic
+on sizes.
 """
 
 import math
@@ -23,6 +24,14 @@ BLOCK_BUDGET_BYTES = 256 * 2**20
 #: pass over many outputs slows down once its gradients leave the cache (for an
 #: MLP 64-128-128-10 with 10 outputs, 24 KiB of factors a row, this is 512 rows).
 PASS_BUDGET_BYTES = 12 * 2**20
+#: What a probe pass's backward holds at the layers' outputs (their activations'
+#: bytes times the cotangents each row carries: every output, or one for a scalar
+#: target). Measured on one thread (every output of the training rows, best of 3):
+#: 1000 digit rows of ``DistanceKernelClassifier(image_shape=(8, 8))`` (82 KB a
+#: row) took 0.10 s in passes of 100 to 250 rows, 0.116 s in passes of 377 and
+#: 0.16 s in one; 200 28x28 rows (1 MB a row) 0.28 s in passes of 10 to 50 rows,
+#: 0.34 s in passes of 100 and 0.38 s in one.
+PASS_COTANGENT_BYTES = 16 * 2**20
 #: On a GPU, rows per side of a product at most. A symmetric Gram computes the
 #: products on and above the diagonal only: products of a quarter of the rows or
 #: less leave about 60 % of the pairs, where 14 000-row products (an eighth of an
@@ -113,6 +122,7 @@ class Planner:
         self.path, self.scheduler = path, scheduler
         self.probes, self.steps, self.example = probes, steps, example
         self._row_bytes = {}  # {one output: bytes}
+        self._cotangent_bytes = {}  # {one output: bytes}
 
     def working_budget(self):
         """Bytes one task may hold (see :func:`working_budget`)."""
@@ -132,6 +142,16 @@ class Planner:
             factors = probe.factors(self.steps.weights(0), self.example, outputs)
             self._row_bytes[one_output] = max(8, sum(f.nbytes for f in factors))
         return self._row_bytes[one_output]
+
+    def cotangent_row_bytes(self, one_output=False):
+        """Bytes one row's backward pass holds at the layers' outputs (every
+        output; with ``one_output``, one cotangent), measured once on the example
+        row (:meth:`NetworkProbe.cotangent_row_bytes`)."""
+        if one_output not in self._cotangent_bytes:
+            probe = self.probes.current()
+            held = probe.cotangent_row_bytes(self.steps.weights(0), self.example, one_output)
+            self._cotangent_bytes[one_output] = held
+        return self._cotangent_bytes[one_output]
 
     def tiles(self, n, row_bytes=0):
         """Row slices of at most ``tile_size`` rows, fewer when rows are large."""
@@ -177,16 +197,23 @@ class Planner:
     def pass_rows(self, one_output=False):
         """Rows per forward and backward pass of the probe: as many as
         ``PASS_BUDGET_BYTES`` of factors (small networks get few, large passes;
-        each pass has a fixed cost), and on a GPU at least :meth:`block_size`.
-        ``one_output``: rows whose factors hold one output (a scalar target's
-        nodes: 2.5 times as many rows for dattri's MNIST MLP, one pass per step
-        instead of two or three for a tile of 167 queries)."""
-        rows = max(1, PASS_BUDGET_BYTES // self.factor_row_bytes(one_output))
+        each pass has a fixed cost) and ``PASS_COTANGENT_BYTES`` held by the
+        backward pass at the layers' outputs (:meth:`cotangent_row_bytes`: wide
+        activations, as a convolution's, with every output), and on a GPU at
+        least :meth:`block_size`. ``one_output``: rows whose factors and
+        cotangents hold one output (a scalar target's nodes: 2.5 times as many
+        rows for dattri's MNIST MLP, one pass per step instead of two or three
+        for a tile of 167 queries)."""
+        rows = min(
+            PASS_BUDGET_BYTES // self.factor_row_bytes(one_output),
+            PASS_COTANGENT_BYTES // max(1, self.cotangent_row_bytes(one_output)),
+        )
+        rows = max(1, rows)
         return max(rows, self.block_size()) if self.device.type == "cuda" else rows
 
-    def passes(self, n_rows):
+    def passes(self, n_rows, one_output=False):
         """Consecutive slices of :meth:`pass_rows` rows."""
-        return _consecutive(n_rows, self.pass_rows())
+        return _consecutive(n_rows, self.pass_rows(one_output))
 
     def sub_blocks(self, n, row_bytes=0, pairs=1):
         """Consecutive slices of at most ``block_size(pairs)`` rows (fewer for large

@@ -412,6 +412,24 @@ class NetworkProbe:
             moved = rule.moved_output(inputs, self.params(direction))
         return StepQueries(index, output, moved)
 
+    def cotangent_row_bytes(self, start, X, one_output=False):
+        """Bytes per row of ``X`` of what a backward pass of :meth:`factors` holds at
+        the parameterised layers' outputs (their gradients, all returned at once):
+        those outputs' bytes times the cotangents each row carries (every output,
+        or one with ``one_output``), from one forward pass without gradients at
+        ``start``. Zero without per-layer rules (the Jacobian rule's per-example
+        gradients are its factors)."""
+        held = [0]
+
+        def count(index, inputs, output):
+            held[0] += output.nbytes
+            return output
+
+        with torch.no_grad():
+            logits = self._forward(start, X, hook=count, logits=True)
+        cotangents = 1 if one_output else logits.shape[1]
+        return held[0] * cotangents // max(1, X.shape[0])
+
     def factors(
         self, start, X, outputs=None, *, direction=None, t=None, cotangents=None, rows=None
     ):

@@ -195,8 +195,9 @@ class TestCopy:
 
     def evaluate_with(self, step, X, nodes, X_start, outputs):
         """:meth:`evaluate`, and the factors of the rows ``X_start`` at the step's
-        start (as ``probe.factors(start, X_start, outputs)``), from the first
-        pass when that costs less than passes of their own.
+        start (as ``probe.factors(start, X_start, outputs)``): the first
+        ``pass_rows`` of them from the nodes' first pass when that costs less than
+        passes of their own, the others in passes of the planner's rows.
 
         Returns
         -------
@@ -204,7 +205,7 @@ class TestCopy:
         start_factors : list
         """
         probe = self.probes.current()
-        chunks, start_factors = [], None
+        chunks, start_parts, joined = [], [], 0
         for part, weights in self._parts(probe, step, X, nodes):
             rows, t = self.steps.on_device(part.rows), self.steps.on_device(part.t)
             moved = {
@@ -213,16 +214,31 @@ class TestCopy:
                 "cotangents": weights.cotangents,
                 "rows": rows,
             }
-            if start_factors is None and self._share_pass(part.rows.size, X_start, outputs):
-                factors, start_factors = probe.factors_with(
-                    step.start, X, X_start, outputs, node_outputs=weights.outputs, **moved
+            if not start_parts and self._share_pass(part.rows.size, X_start, outputs):
+                # as many as a pass holds (they carry the nodes' cotangents)
+                joined = min(X_start.shape[0], self._pass_rows())
+            if not start_parts and joined:
+                factors, first = probe.factors_with(
+                    step.start,
+                    X,
+                    X_start[:joined],
+                    None if outputs is None else outputs[:joined],
+                    node_outputs=weights.outputs,
+                    **moved,
                 )
+                start_parts.append(first)
             else:
                 factors = probe.factors(step.start, X, weights.outputs, **moved)
             chunks.append(NodeChunk(rows, self.steps.on_device(weights.weights), factors))
-        if start_factors is None:
-            start_factors = probe.factors(step.start, X_start, outputs)
-        return chunks, start_factors
+        joined = joined if start_parts else 0
+        one_output = outputs is not None  # (a class code or a cotangent per row)
+        for rows in self.planner.passes(X_start.shape[0] - joined, one_output):
+            rows = slice(joined + rows.start, joined + rows.stop)
+            picked = None if outputs is None else outputs[rows]
+            start_parts.append(probe.factors(step.start, X_start[rows], picked))
+        if len(start_parts) == 1:
+            return chunks, start_parts[0]
+        return chunks, [type(layer[0]).cat(layer) for layer in zip(*start_parts, strict=True)]
 
     def _parts(self, probe, step, X, nodes):
         """The nodes in passes of the planner's size, each with its
@@ -235,9 +251,12 @@ class TestCopy:
     def _pass_nodes(self):
         """Nodes per pass: the planner's rows, in whole pieces."""
         per_piece = self.weighting.nodes_per_piece
-        # whole pieces; a scalar target's nodes hold one output
-        pass_rows = self.planner.pass_rows(one_output=self.targets is not None)
-        return max(per_piece, pass_rows // per_piece * per_piece)
+        return max(per_piece, self._pass_rows() // per_piece * per_piece)  # whole pieces
+
+    def _pass_rows(self):
+        """The planner's rows per pass of nodes (a scalar target's nodes, and the
+        rows joining them, hold one output)."""
+        return self.planner.pass_rows(one_output=self.targets is not None)
 
     def group_nodes(self):
         """Nodes per group of :meth:`integrate` with ``materialised``: as many whole

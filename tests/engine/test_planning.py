@@ -234,3 +234,83 @@ def test_accumulated_features_are_counted_for_the_tiles_held_at_once(engine_case
     monkeypatch.setattr(_memory, "available_memory", lambda: results_bytes + feature_bytes)
     with pytest.raises(MemoryError, match="decompose on 40 rows.*batch_size"):
         engine.decompose(A, batch_size=2)
+
+
+def _image_classifier():
+    """A small ``DistanceKernelClassifier(image_shape=...)``: a convolutional
+    distance layer whose outputs are wide next to its factors."""
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    rng = np.random.RandomState(0)
+    y = rng.randint(0, 3, 24)
+    X = np.clip(rng.rand(3, 36)[y] + 0.3 * rng.rand(24, 36), 0, 1)
+    clf = DistanceKernelClassifier(
+        image_shape=(6, 6),
+        conv_layers=((3, 3, 1, 1, 2),),
+        hidden_layer_sizes=(7,),
+        max_iter=3,
+        random_state=0,
+    )
+    return clf.fit(X, y), rng.rand(3, 36)
+
+
+def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch):
+    """``cotangent_row_bytes`` is what the probe's backward pass returns at the
+    layers' outputs per row (counted in that pass: every output, or one), and
+    passes hold ``PASS_COTANGENT_BYTES`` of it, however small the factors."""
+    from sklearn_pathkernel._engine import _planning, _probe
+
+    clf, _ = _image_classifier()
+    engine = clf.kernel_.engine
+    planner = engine._planner
+    held = []
+    layer_cotangents = _probe._layer_cotangents
+
+    def counted(out, grad, n_outputs):
+        held.append(0 if grad is None else grad.nbytes)
+        return layer_cotangents(out, grad, n_outputs)
+
+    monkeypatch.setattr(_probe, "_layer_cotangents", counted)
+    probe, start, x = planner.probes.current(), planner.steps.weights(0), engine.X_train[:2]
+    for one_output in (False, True):
+        held.clear()
+        outputs = torch.zeros(2, dtype=torch.long) if one_output else None
+        probe.factors(start, x, outputs)
+        assert planner.cotangent_row_bytes(one_output) == sum(held) // 2 > 0
+    assert planner.cotangent_row_bytes() == engine.n_outputs * planner.cotangent_row_bytes(True)
+    # the cotangents, not the factors, set the rows
+    monkeypatch.setattr(_planning, "PASS_BUDGET_BYTES", 2**40)
+    monkeypatch.setattr(_planning, "PASS_COTANGENT_BYTES", 3 * planner.cotangent_row_bytes())
+    assert planner.pass_rows() == 3
+    assert planner.pass_rows(one_output=True) == 3 * engine.n_outputs
+    monkeypatch.setattr(_planning, "PASS_COTANGENT_BYTES", 1)
+    assert planner.pass_rows() == 1
+
+
+def test_passes_bounded_by_their_cotangents_equal_one_pass(monkeypatch):
+    """A cross Gram (every output) and a decomposition of an image network in
+    passes of three rows (a small cotangent budget) equal those in one pass."""
+    from sklearn_pathkernel._engine import _planning
+
+    clf, Q = _image_classifier()
+    A = torch.tensor(Q)
+
+    def results(budget):
+        monkeypatch.setattr(_planning, "PASS_BUDGET_BYTES", 2**40)
+        monkeypatch.setattr(_planning, "PASS_COTANGENT_BYTES", budget)
+        clf.__dict__.pop("_kernel_cache", None)
+        engine = clf.kernel_.engine
+        rows = engine._planner.pass_rows()
+        parts = engine.decompose(A)
+        gram = engine.gram(A, engine.X_train, b_train=True, output="full")
+        return rows, [np.asarray(gram), parts.contributions, parts.output]
+
+    rows, expected = results(2**40)
+    assert rows >= 24
+    few = 3 * clf.kernel_.engine._planner.cotangent_row_bytes()
+    rows, found = results(few)
+    assert rows == 3
+    for actual, reference in zip(found, expected, strict=True):
+        scale = np.abs(reference).max()
+        assert scale > 0
+        assert np.abs(actual - reference).max() <= 1e-15 * scale
