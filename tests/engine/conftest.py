@@ -6,6 +6,7 @@ with high-order quadrature on smooth networks (:func:`brute_force`). The
 builders reach the tests through the ``engine_cases`` fixture.
 """
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,13 +146,22 @@ def brute_force(module, path, X_train, y_train, A, rule=("gauss", 24)):
     return contributions, gram_train, gram_test_train, gram_test
 
 
+def factor_tensors(factor):
+    """A factor object's tensors by name (dataclasses with slots, or plain objects)."""
+    if dataclasses.is_dataclass(factor):
+        items = {field.name: getattr(factor, field.name) for field in dataclasses.fields(factor)}
+    else:
+        items = vars(factor)
+    return {name: value for name, value in items.items() if torch.is_tensor(value)}
+
+
 # -- fixtures ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
 def engine_cases():
     """The builders above: ``blobs``, ``mlp``, ``SmallCNN``, ``TwoConvCNN``, ``trained``,
-    ``engine_for``, ``queries`` and the ``brute_force`` reference."""
+    ``engine_for``, ``queries``, the ``brute_force`` reference and ``factor_tensors``."""
     return SimpleNamespace(
         DTYPE=DTYPE,
         blobs=blobs,
@@ -162,6 +172,7 @@ def engine_cases():
         engine_for=engine_for,
         queries=queries,
         brute_force=brute_force,
+        factor_tensors=factor_tensors,
     )
 
 

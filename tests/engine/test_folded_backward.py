@@ -11,7 +11,6 @@ route against the probe with ``is_grads_batched`` (its factors and a whole
 decomposition, with the sum identity), and the graphs it must not fold.
 """
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -211,15 +210,6 @@ def _counting(monkeypatch):
     return folded
 
 
-def _tensors(factor):
-    """A factor object's tensors by name (dataclasses with slots, or plain objects)."""
-    if dataclasses.is_dataclass(factor):
-        items = {field.name: getattr(factor, field.name) for field in dataclasses.fields(factor)}
-    else:
-        items = vars(factor)
-    return {name: value for name, value in items.items() if torch.is_tensor(value)}
-
-
 @pytest.mark.parametrize("with_cotangents", [False, True])
 def test_probe_factors_equal_the_batched_route(engine_cases, monkeypatch, with_cotangents):
     """The probe's factors of rows at per-row points of a step, every output (or
@@ -241,8 +231,8 @@ def test_probe_factors_equal_the_batched_route(engine_cases, monkeypatch, with_c
     torch.testing.assert_close(found[True][0], found[False][0], rtol=0, atol=0)
     compared = 0
     for folded, batched in zip(found[True][1], found[False][1], strict=True):
-        for name, value in _tensors(batched).items():
-            other = _tensors(folded)[name]
+        for name, value in engine_cases.factor_tensors(batched).items():
+            other = engine_cases.factor_tensors(folded)[name]
             assert other.shape == value.shape
             if value.is_floating_point() and value.abs().max() > 0:
                 assert (other - value).abs().max() <= 1e-14 * value.abs().max()

@@ -107,15 +107,6 @@ def _two_conv_engine(engine_cases):
     return engine_cases.engine_for(module, path, X, y), module, path, X
 
 
-def _tensors(factor):
-    """A factor object's tensors by name (dataclasses with slots, or plain objects)."""
-    if dataclasses.is_dataclass(factor):
-        items = {field.name: getattr(factor, field.name) for field in dataclasses.fields(factor)}
-    else:
-        items = vars(factor)
-    return {name: value for name, value in items.items() if torch.is_tensor(value)}
-
-
 def _row_output_calls(monkeypatch):
     """Counts the convolutions' ``row_output`` calls that gave the rows' outputs."""
     from sklearn_pathkernel._engine.rules._conv import Conv2dRule
@@ -156,9 +147,10 @@ def test_row_kernels_equal_the_moved_output_form(engine_cases, monkeypatch):
     assert torch.equal(out[still], probe.output(start, X[:6][still]))
     compared = 0
     for mine, theirs in zip(factors, other_factors, strict=True):
-        for name, value in _tensors(theirs).items():
+        mine = engine_cases.factor_tensors(mine)
+        for name, value in engine_cases.factor_tensors(theirs).items():
             if value.is_floating_point() and value.abs().max() > 0:
-                assert (_tensors(mine)[name] - value).abs().max() <= 1e-13 * value.abs().max()
+                assert (mine[name] - value).abs().max() <= 1e-13 * value.abs().max()
                 compared += 1
     assert compared >= 4
 
