@@ -169,7 +169,8 @@ def test_on_mismatch_record_flags_every_result(dtype):
     recording = recorder.finish()
     assert recording.model_difference_ > 0.1
     assert "'0.weight'" in recording.model_mismatch_
-    parts = recording.decompose(X[:3])
+    with pytest.warns(UserWarning, match="not the recorded network"):
+        parts = recording.decompose(X[:3])
     assert parts.model_difference == recording.model_difference_
     # model_gap compares the user's own model with the kernel's network
     assert parts.model_gap.max() > 1e-2
