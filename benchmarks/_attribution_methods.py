@@ -30,7 +30,8 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
   step, one epoch's steps and four epochs' steps: a move is scored by the target
   that many steps later on average, between TracIn-like (one step, no later
   reaction) and the exact derivative (the whole run's reaction); self: the same
-  sweep with each training row as its own query;
+  sweep with each training row as its own query (``counterfactual-h2E`` and
+  ``counterfactual-h8E``: the same at two and eight epochs, the rule's sensitivity);
 - ``counterfactual-ens``: the plain mean of ``counterfactual``'s scores (and self
   scores) over the models trained from ``ensemble`` seeds (``_ensemble``: seed 0 is
   the benchmark's own model), by the same rule on every run: an estimate of the
@@ -497,7 +498,14 @@ def counterfactual_no_hessian_self(ctx):
 #: ``counterfactual-hN``: the rule's sweep with a geometric horizon of mean ``N`` epochs'
 #: steps (``AdjointSweep.run_queries(horizon=...)``, private; issue 34's experiment),
 #: ``None`` a horizon of one step. One rule for every task, never tuned per task.
-HORIZON_EPOCHS = {"counterfactual-h1": None, "counterfactual-hE": 1, "counterfactual-h4E": 4}
+#: (``h2E`` and ``h8E``: the sensitivity of the rule, measured after the first three.)
+HORIZON_EPOCHS = {
+    "counterfactual-h1": None,
+    "counterfactual-hE": 1,
+    "counterfactual-h2E": 2,
+    "counterfactual-h4E": 4,
+    "counterfactual-h8E": 8,
+}
 
 
 def _horizon_steps(clf, epochs):
