@@ -25,6 +25,13 @@ Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
   whole run, by the optimiser family's rule (exact for SGD, the Hessian term cut for
   Adam); self: ``self_influence(method="counterfactual")``; ``counterfactual-exact``
   and ``counterfactual-no-hessian`` force ``hessian=True`` / ``False``;
+- ``counterfactual-h1``, ``counterfactual-hE``, ``counterfactual-h4E``: the rule's
+  sweep with a geometric horizon (private ``horizon`` of the adjoint sweep) of one
+  step, one epoch's steps and four epochs' steps: a move is scored by the target
+  that many steps later on average, between TracIn-like (one step, no later
+  reaction) and the exact derivative (the whole run's reaction); self: the same
+  sweep with each training row as its own query (``counterfactual-h2E`` and
+  ``counterfactual-h8E``: the same at two and eight epochs, the rule's sensitivity);
 - ``counterfactual-ens``: the plain mean of ``counterfactual``'s scores (and self
   scores) over the models trained from ``ensemble`` seeds (``_ensemble``: seed 0 is
   the benchmark's own model), by the same rule on every run: an estimate of the
@@ -79,6 +86,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
+from sklearn_pathkernel._estimators._explanation_context import estimator_context
+from sklearn_pathkernel._explain._counterfactual import counterfactual_attribution
 from sklearn_pathkernel._explain._scoring import path_norms
 
 #: The replay of the recorded run from dattri DVEmb's per-sample gradients must
@@ -486,6 +495,52 @@ def counterfactual_no_hessian_self(ctx):
     return counterfactual_self(ctx, hessian=False)
 
 
+#: ``counterfactual-hN``: the rule's sweep with a geometric horizon of mean ``N`` epochs'
+#: steps (``AdjointSweep.run_queries(horizon=...)``, private; issue 34's experiment),
+#: ``None`` a horizon of one step. One rule for every task, never tuned per task.
+#: (``h2E`` and ``h8E``: the sensitivity of the rule, measured after the first three.)
+HORIZON_EPOCHS = {
+    "counterfactual-h1": None,
+    "counterfactual-hE": 1,
+    "counterfactual-h2E": 2,
+    "counterfactual-h4E": 4,
+    "counterfactual-h8E": 8,
+}
+
+
+def _horizon_steps(clf, epochs):
+    """``epochs`` epochs' steps of ``clf``'s run (one step for None)."""
+    if epochs is None:
+        return 1
+    n_steps = clf._engine().path.n_steps
+    return epochs * max(1, -(-n_steps // max(1, clf.n_iter_)))
+
+
+def _horizon_sweep(clf, queries, columns, epochs, target):
+    """The sample-weight scores (n, M) of ``target`` of ``queries`` at ``columns``."""
+    context = estimator_context(clf)
+    found = counterfactual_attribution(
+        context, context.queries(queries), target=target, columns=columns,
+        horizon=_horizon_steps(clf, epochs),
+    )  # fmt: skip
+    return found.scores
+
+
+def counterfactual_horizon(epochs):
+    """``(attribute, self_scores)``: the margin, as ``counterfactual``; the self score
+    of the own label's output, as ``self_influence(method="counterfactual")``."""
+
+    def attribute(ctx):
+        return _horizon_sweep(ctx.clf, ctx.task.X_test, ctx.test_codes(), epochs, "margin").T
+
+    def self_scores(ctx):
+        context = estimator_context(ctx.noisy)
+        rows, codes = context.engine.X_train.cpu().numpy(), context.label_codes()
+        return np.diagonal(_horizon_sweep(ctx.noisy, rows, codes, epochs, "output")).copy()
+
+    return attribute, self_scores
+
+
 def counterfactual_ens(ctx):
     """The mean of the rule's scores over ``ctx.ensemble`` independently seeded runs."""
     task = ctx.task
@@ -679,6 +734,7 @@ METHODS = {
     "counterfactual": (counterfactual, counterfactual_self),
     "counterfactual-exact": (counterfactual_exact, counterfactual_exact_self),
     "counterfactual-no-hessian": (counterfactual_no_hessian, counterfactual_no_hessian_self),
+    **{name: counterfactual_horizon(epochs) for name, epochs in HORIZON_EPOCHS.items()},
     "counterfactual-ens": (counterfactual_ens, counterfactual_ens_self),
     "counterfactual-ens-std": (counterfactual_ens_std, None),
     "tracin-ens": (tracin_ens, tracin_ens_self),
@@ -703,6 +759,8 @@ FIELD_METHODS = ("trak-ens", "if-datainf")
 #: The ensembles of ``counterfactual`` and of the peers (issue 34's fresh-seed
 #: question), not in ``bench_attribution.py``'s default list: they retrain.
 ENSEMBLE_METHODS = ("counterfactual-ens", "counterfactual-ens-std", "tracin-ens", "grad-dot-ens")
+#: The horizon experiment's methods, not in the default list either.
+HORIZON_METHODS = tuple(HORIZON_EPOCHS)
 
 #: name -> the label of the table
 LABELS = {

@@ -33,6 +33,7 @@ import torch
 from _attribution_methods import (
     ENSEMBLE_METHODS,
     FIELD_METHODS,
+    HORIZON_METHODS,
     LABELS,
     METHODS,
     Context,
@@ -253,7 +254,11 @@ def main():
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=[name for name in METHODS if name not in FIELD_METHODS + ENSEMBLE_METHODS],
+        default=[
+            name
+            for name in METHODS
+            if name not in FIELD_METHODS + ENSEMBLE_METHODS + HORIZON_METHODS
+        ],
         choices=list(METHODS),
     )
     parser.add_argument("--train", type=int, default=500)

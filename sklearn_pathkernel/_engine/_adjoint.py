@@ -221,24 +221,41 @@ class AdjointSweep:
         self.replay_error = error / largest if largest > 0 else error
         return states
 
-    def target_gradients(self, queries, target, labels):
-        """:math:`T` and :math:`\\nabla_w T(x; w_S)` of every query: (n,), (n, W)."""
+    def target_gradients(self, queries, target, labels, step=None):
+        """:math:`T` and :math:`\\nabla_w T(x; w)` of every query: (n,), (n, W), at
+        the final weights :math:`w_S` (``step=None``) or at :math:`w_{step}`."""
         run = self.run
-        final = run.weights(run.n_steps)
+        at = run.weights(run.n_steps if step is None else step)
 
         def value(weights, x, label):
             return target(run.output(weights, x[None])[0], label)
 
-        gradients = vmap(grad(value), in_dims=(None, 0, 0))(final, queries, labels)
+        gradients = vmap(grad(value), in_dims=(None, 0, 0))(at, queries, labels)
         with torch.no_grad():
-            values = vmap(value, in_dims=(None, 0, 0))(final, queries, labels)
+            values = vmap(value, in_dims=(None, 0, 0))(at, queries, labels)
         return values, gradients
 
-    def run_queries(self, queries, target, labels, hessian=True):
+    def run_queries(self, queries, target, labels, hessian=True, horizon=None):
         """The :class:`SweepResult` of ``queries`` (a tensor on the device) for
         ``target`` with one ``label`` per query (a tensor); ``hessian=False`` sweeps
         the run with every step's gradient held at its recorded weights (see
-        :meth:`TrainingRun.step_function`)."""
+        :meth:`TrainingRun.step_function`).
+
+        ``horizon`` (private, an experiment of issue 34; None: the exact derivative)
+        is a mean number of steps :math:`1/\\gamma \\ge 1`: after each step's
+        pullback the adjoints become :math:`\\lambda_s \\leftarrow (1 - \\gamma)
+        \\lambda_s + \\gamma \\nabla_w T(x; w_s)` and :math:`\\mu_s \\leftarrow
+        (1 - \\gamma) \\mu_s`. A move at step ``s`` is then scored by the target
+        ``h`` steps later, :math:`T(x; w_{\\min(s + h, S)})`, in expectation over a
+        geometric ``h`` of mean :math:`1/\\gamma` (``P(h) = \\gamma (1 -
+        \\gamma)^{h - 1}``, the tail at the run's end): ``horizon=1`` scores each
+        step with the target's gradient at the next recorded weights (for plain SGD
+        :math:`\\delta_{s,i} = \\eta_s a_{s,i} \\langle \\nabla T(w_{s+1}),
+        -\\nabla l_i(w_s) \\rangle`, no later step's reaction), and a horizon much
+        longer than the run is the exact derivative. Costs one more target gradient
+        per step and query.
+        """
+        gamma = _horizon_weight(horizon)
         run = self.run
         states = self.replay()
         n, M, S = queries.shape[0], run.X.shape[0], run.n_steps
@@ -263,6 +280,10 @@ class AdjointSweep:
                     "(a second derivative of the network), which torch does not give "
                     f"for an operation of this module: {error}"
                 ) from error
+            if gamma is not None:
+                _, at_step = self.target_gradients(queries, target, labels, step)
+                adjoint = (1.0 - gamma) * adjoint + gamma * at_step
+                state_adjoint = tuple((1.0 - gamma) * mu for mu in state_adjoint)
             scores.index_add_(1, rows, delta)
             weight_scores.index_add_(1, rows, delta - shares * delta.sum(1, keepdim=True))
             norms[step] = torch.linalg.vector_norm(adjoint, dim=1).cpu().numpy()
@@ -272,3 +293,14 @@ class AdjointSweep:
             values=values.cpu().numpy(),
             adjoint_norms=norms,
         )
+
+
+def _horizon_weight(horizon):
+    """:math:`\\gamma = 1 / horizon` (None for the exact sweep), or a clear error."""
+    if horizon is None:
+        return None
+    if isinstance(horizon, bool) or not isinstance(horizon, int | float | np.integer | np.floating):
+        raise TypeError(f"horizon must be a number of steps or None, got {horizon!r}.")
+    if not horizon >= 1:  # also NaN
+        raise ValueError(f"horizon must be a mean number of steps >= 1, got {horizon!r}.")
+    return 1.0 / float(horizon)

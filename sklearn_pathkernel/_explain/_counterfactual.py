@@ -120,11 +120,12 @@ def resolve_target(name, is_classifier, loss):
     return cls(loss) if cls is LossTarget else cls()
 
 
-def sweep_queries(sweep, queries, target, labels, batch_size, hessian=True):
-    """The sweep over tiles of ``batch_size`` queries, joined: a dict of arrays."""
+def sweep_queries(sweep, queries, target, labels, batch_size, hessian=True, horizon=None):
+    """The sweep over tiles of ``batch_size`` queries, joined: a dict of arrays
+    (``horizon``: :meth:`AdjointSweep.run_queries`'s private experiment)."""
     parts = []
     for tile in query_tiles(queries.shape[0], batch_size):
-        parts.append(sweep.run_queries(queries[tile], target, labels[tile], hessian))
+        parts.append(sweep.run_queries(queries[tile], target, labels[tile], hessian, horizon))
     return {
         "scores": np.concatenate([p.weight_scores for p in parts]),
         "loss_weight_scores": np.concatenate([p.scores for p in parts]),
@@ -135,15 +136,19 @@ def sweep_queries(sweep, queries, target, labels, batch_size, hessian=True):
 
 def counterfactual_attribution(
     context, queries, *, y=None, target="output", output=None, columns=None, batch_size=64,
-    certify=0, h=1e-4, random_state=0, hessian=None,
+    certify=0, h=1e-4, random_state=0, hessian=None, horizon=None,
 ):  # fmt: skip
     """A :class:`CounterfactualAttribution` of ``queries`` (a tensor on the device).
 
     The output indices of the ``"output"`` and ``"margin"`` targets are ``columns``
     (n,) when given, else :func:`query_columns` of ``y`` and ``output``; ``y`` holds
     the loss targets of ``"loss"``. ``certify`` rows, drawn by ``random_state``, are
-    checked by retraining with relative step ``h``.
+    checked by retraining with relative step ``h``. ``horizon`` (private, issue 34's
+    experiment, in no public signature) is :meth:`AdjointSweep.run_queries`'s: not
+    the derivative of the run, so it cannot be certified by retraining.
     """
+    if horizon is not None and certify:
+        raise ValueError("A horizon's scores are not the run's derivative: certify must be 0.")
     if context.training_run is None:
         raise ValueError(
             "Counterfactual attribution needs the training loss, targets, sample weights "
@@ -168,7 +173,7 @@ def counterfactual_attribution(
     else:
         per_query = loss_labels(context, y, n, run.X)
     sweep = AdjointSweep(run)
-    parts = sweep_queries(sweep, queries, target_fn, per_query, batch_size, hessian)
+    parts = sweep_queries(sweep, queries, target_fn, per_query, batch_size, hessian, horizon)
     attribution = CounterfactualAttribution(
         **parts,
         target=target,

@@ -185,3 +185,60 @@ def test_a_learning_rate_schedule():
     assert len(set(clf.path_.learning_rates)) > 1
     certificate = clf.counterfactual(X[:2], y[:2], target="margin", certify=2).certificate
     assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+# -- the private geometric horizon (issue 34's experiment) ---------------------------
+
+
+@pytest.mark.parametrize("solver", ["sgd-mini", "momentum"])
+def test_no_horizon_is_the_exact_sweep_bit_for_bit(solver):
+    clf, X, _ = fit(solver)
+    sweep = AdjointSweep(estimator_context(clf).training_run())
+    queries, labels = torch.as_tensor(X[:2]), torch.tensor([0, 2])
+    exact = sweep.run_queries(queries, MarginTarget(), labels)
+    unset = sweep.run_queries(queries, MarginTarget(), labels, horizon=None)
+    for name in ("scores", "weight_scores", "values", "adjoint_norms"):
+        np.testing.assert_array_equal(getattr(unset, name), getattr(exact, name))
+    # and a horizon far longer than the run (gamma = 1e-12) is the exact derivative
+    endless = sweep.run_queries(queries, MarginTarget(), labels, horizon=1e12)
+    np.testing.assert_allclose(endless.scores, exact.scores, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("solver", ["sgd-mini", "momentum"])
+def test_horizon_one_is_each_steps_gradient_against_the_next_targets(solver):
+    """horizon=1 (gamma = 1): the momentum's adjoint is zeroed at every step, so
+    delta_{s,i} = lr_s a_{s,i} <grad T(w_{s+1}), -grad l_i(w_s)>, written out row by
+    row with autograd at the recorded weights."""
+    clf, X, _ = fit(solver)
+    run = estimator_context(clf).training_run()
+    query, column = torch.as_tensor(X[3:4]), 1
+    result = AdjointSweep(run).run_queries(query, MarginTarget(), torch.tensor([column]), horizon=1)
+    expected = np.zeros(run.X.shape[0])
+    for step in range(run.n_steps):
+        after = run.weights(step + 1).requires_grad_(True)
+        (target_gradient,) = torch.autograd.grad(
+            MarginTarget()(run.output(after, query)[0], torch.tensor(column)), after
+        )
+        rows, shares = run.batch(step)
+        for row, share in zip(rows.tolist(), shares.tolist(), strict=True):
+            w = run.weights(step).requires_grad_(True)
+            f = run.output(w, run.X[row : row + 1])
+            (g_row,) = torch.autograd.grad(run.loss.per_sample(f, run.y[row : row + 1]).sum(), w)
+            lr = run.path.learning_rates[step]
+            expected[row] -= lr * share * float(target_gradient @ g_row)
+    assert np.abs(expected).max() > 1e-3  # not a vacuous check
+    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-12, atol=1e-15)
+
+
+def test_horizon_between_interpolates_and_is_checked():
+    """A finite horizon differs from both ends; bad horizons are refused clearly."""
+    clf, X, _ = fit("sgd-mini")
+    sweep = AdjointSweep(estimator_context(clf).training_run())
+    queries, labels = torch.as_tensor(X[:1]), torch.tensor([0])
+    ends = [sweep.run_queries(queries, MarginTarget(), labels, horizon=h).scores for h in (1, None)]
+    middle = sweep.run_queries(queries, MarginTarget(), labels, horizon=4.0).scores
+    assert min(np.abs(middle - end).max() for end in ends) > 1e-6
+    for bad, error in ((0.5, ValueError), (float("nan"), ValueError), (True, TypeError),
+                       ("4", TypeError)):  # fmt: skip
+        with pytest.raises(error, match="horizon"):
+            sweep.run_queries(queries, MarginTarget(), labels, horizon=bad)

@@ -3,8 +3,15 @@ selections as the exact contributions, from the adjoint sweep's scores."""
 
 import numpy as np
 import pytest
+import torch
 
-from sklearn_pathkernel._explain._counterfactual import CounterfactualAttribution
+from sklearn_pathkernel._engine._adjoint import AdjointSweep
+from sklearn_pathkernel._engine._targets import MarginTarget
+from sklearn_pathkernel._estimators._explanation_context import estimator_context
+from sklearn_pathkernel._explain._counterfactual import (
+    CounterfactualAttribution,
+    counterfactual_attribution,
+)
 
 
 def test_counterfactual_result(small_classifier):
@@ -127,3 +134,22 @@ def test_a_network_without_second_derivatives_is_refused():
     model = DistanceKernelClassifier(max_iter=1, random_state=0).fit(X, y)
     with pytest.raises(NotImplementedError, match="second derivative of the network.*cdist"):
         model.counterfactual(X[:1])
+
+
+def test_the_private_horizon_passes_through_and_is_not_certified(small_classifier):
+    """``counterfactual_attribution(horizon=...)`` (issue 34's experiment) is the
+    sweep's horizon; a horizon's scores are not the run's derivative, so no
+    retraining certificate is offered for them."""
+    clf, X, y = small_classifier
+    context = estimator_context(clf)
+    codes = np.searchsorted(clf.classes_, y[:2])
+    found = counterfactual_attribution(
+        context, context.queries(X[:2]), target="margin", columns=codes, horizon=3
+    )
+    sweep = AdjointSweep(context.training_run())
+    direct = sweep.run_queries(
+        context.queries(X[:2]), MarginTarget(), torch.as_tensor(codes), horizon=3
+    )
+    np.testing.assert_array_equal(found.scores, direct.weight_scores)
+    with pytest.raises(ValueError, match="certify"):
+        counterfactual_attribution(context, context.queries(X[:1]), horizon=3, certify=1)
