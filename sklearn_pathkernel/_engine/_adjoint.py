@@ -241,7 +241,7 @@ class AdjointSweep:
         the run with every step's gradient held at its recorded weights (see
         :meth:`TrainingRun.step_function`).
 
-        ``horizon`` (private, an experiment of issue 34; None: the exact derivative)
+        ``horizon`` (private, an experiment on attribution benchmarks; None: the exact derivative)
         is a mean number of steps :math:`1/\\gamma \\ge 1`: after each step's
         pullback the adjoints become :math:`\\lambda_s \\leftarrow (1 - \\gamma)
         \\lambda_s + \\gamma \\nabla_w T(x; w_s)` and :math:`\\mu_s \\leftarrow

@@ -341,7 +341,7 @@ FOLDED_VJPS = {
     "ConvolutionBackward0": Convolution(),
     "MaxPool2DWithIndicesBackward0": MaxPool(2),
     "MaxPool3DWithIndicesBackward0": MaxPool(3),
-    # The image distance networks (issue 37): min-pools, transforms, distance layers.
+    # The image distance networks: min-pools, transforms, distance layers.
     "NegBackward0": Neg(),
     "ClampBackward1": Clamp(has_max=True),
     "ClampMinBackward0": Clamp(has_max=False),

@@ -143,7 +143,7 @@ def counterfactual_attribution(
     The output indices of the ``"output"`` and ``"margin"`` targets are ``columns``
     (n,) when given, else :func:`query_columns` of ``y`` and ``output``; ``y`` holds
     the loss targets of ``"loss"``. ``certify`` rows, drawn by ``random_state``, are
-    checked by retraining with relative step ``h``. ``horizon`` (private, issue 34's
+    checked by retraining with relative step ``h``. ``horizon`` (private, an
     experiment, in no public signature) is :meth:`AdjointSweep.run_queries`'s: not
     the derivative of the run, so it cannot be certified by retraining.
     """

@@ -5,7 +5,7 @@ backward pass, ``K`` cotangents per row) to the layers' outputs. Through a
 :class:`~sklearn_pathkernel._nn._distance.DistanceLayer` of the squared-distance
 family, torch differentiates ``torch.cdist`` (the layer's exact distances), whose
 backward pass has no batching rule: it runs once per cotangent, and forms an
-``(n, J, D)`` intermediate each time. On the image network of issue 37 (digits,
+``(n, J, D)`` intermediate each time. On an image distance network (digits,
 100 memories of width 256, 1000 rows, 10 outputs) that was two thirds of the
 cross Gram's training-row passes.
 
