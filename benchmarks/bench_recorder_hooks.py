@@ -29,7 +29,8 @@ since, ``AdamFinisher.finish``, which each run does after ``finish``). With
 allocated (their pages faulted in then), so that ``append`` shows the copies
 without the first writes into fresh memory.
 
-Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``.
+Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``
+(``--batch-size 256``: batches of 256 rows instead of 64).
 """
 
 import argparse
@@ -168,6 +169,7 @@ def main():
     parser.add_argument("--commits", nargs="*", default=[], help="earlier commits to compare")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--prefault", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -185,8 +187,11 @@ def main():
             prefault(package)
     for _ in range(args.repeats):
         for version in versions:
-            run(classes[version], args.network, X, y, calls[version])
-    print(f"{args.network}, batch 64, AdamW, float32: median us per call, {args.repeats} runs")
+            run(classes[version], args.network, X, y, calls[version], batch_size=args.batch_size)
+    print(
+        f"{args.network}, batch {args.batch_size}, AdamW, float32: median us per call, "
+        f"{args.repeats} runs"
+    )
     print(f"{'':<20}" + "".join(f"{version[:10]:>11}" for version in versions))
     for name in TOP + INNER:
         indent = "" if name in TOP else "  "
