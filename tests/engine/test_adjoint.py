@@ -143,16 +143,24 @@ def test_without_the_hessian_plain_gd_is_grad_dot_along_the_path():
     query, label = torch.as_tensor(X[:1]), torch.tensor([1])
     result = sweep.run_queries(query, OutputTarget(), label, hessian=False)
     _, final_gradient = sweep.target_gradients(query, OutputTarget(), label)
+    expected = _path_sum(run, lambda step: final_gradient[0])
+    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-15)
+
+
+def _path_sum(run, query_gradient):
+    """``-sum_s lr_s a_{s,i} <query_gradient(s), grad l_i(w_s)>`` per training row
+    ``i``, each row's loss gradient by autograd at the recorded weights."""
     expected = np.zeros(run.X.shape[0])
     for step in range(run.n_steps):
+        vector = query_gradient(step)
         rows, shares = run.batch(step)
         for row, share in zip(rows.tolist(), shares.tolist(), strict=True):
             w = run.weights(step).requires_grad_(True)
             f = run.output(w, run.X[row : row + 1])
             (g_row,) = torch.autograd.grad(run.loss.per_sample(f, run.y[row : row + 1]).sum(), w)
             lr = run.path.learning_rates[step]
-            expected[row] -= lr * share * float(final_gradient[0] @ g_row)
-    np.testing.assert_allclose(result.scores[0], expected, rtol=1e-10, atol=1e-15)
+            expected[row] -= lr * share * float(vector @ g_row)
+    return expected
 
 
 def small_cnn(n_features, n_classes):
@@ -213,19 +221,13 @@ def test_horizon_one_is_each_steps_gradient_against_the_next_targets(solver):
     run = estimator_context(clf).training_run()
     query, column = torch.as_tensor(X[3:4]), 1
     result = AdjointSweep(run).run_queries(query, MarginTarget(), torch.tensor([column]), horizon=1)
-    expected = np.zeros(run.X.shape[0])
-    for step in range(run.n_steps):
+
+    def target_gradient(step):  # at the weights after the step
         after = run.weights(step + 1).requires_grad_(True)
-        (target_gradient,) = torch.autograd.grad(
-            MarginTarget()(run.output(after, query)[0], torch.tensor(column)), after
-        )
-        rows, shares = run.batch(step)
-        for row, share in zip(rows.tolist(), shares.tolist(), strict=True):
-            w = run.weights(step).requires_grad_(True)
-            f = run.output(w, run.X[row : row + 1])
-            (g_row,) = torch.autograd.grad(run.loss.per_sample(f, run.y[row : row + 1]).sum(), w)
-            lr = run.path.learning_rates[step]
-            expected[row] -= lr * share * float(target_gradient @ g_row)
+        target = MarginTarget()(run.output(after, query)[0], torch.tensor(column))
+        return torch.autograd.grad(target, after)[0]
+
+    expected = _path_sum(run, target_gradient)
     assert np.abs(expected).max() > 1e-3  # not a vacuous check
     np.testing.assert_allclose(result.scores[0], expected, rtol=1e-12, atol=1e-15)
 
