@@ -146,6 +146,24 @@ def brute_force(module, path, X_train, y_train, A, rule=("gauss", 24)):
     return contributions, gram_train, gram_test_train, gram_test
 
 
+def image_distance_classifier(n_rows, n_queries, **params):
+    """A small fitted ``DistanceKernelClassifier(image_shape=(6, 6))`` with one
+    convolutional distance layer (its outputs wide next to its factors), its
+    ``n_rows`` training images and ``n_queries`` query images; ``params`` set the
+    estimator's other parameters."""
+    from sklearn_pathkernel import DistanceKernelClassifier
+
+    rng = np.random.RandomState(0)
+    y = rng.randint(0, 3, n_rows)
+    X = np.clip(rng.rand(3, 36)[y] + 0.3 * rng.rand(n_rows, 36), 0, 1)
+    params = {"max_iter": 3, **params}
+    clf = DistanceKernelClassifier(
+        image_shape=(6, 6), conv_layers=((3, 3, 1, 1, 2),), hidden_layer_sizes=(7,),
+        random_state=0, **params,
+    )  # fmt: skip
+    return clf.fit(X, y), X, rng.rand(n_queries, 36)
+
+
 def factor_tensors(factor):
     """A factor object's tensors by name (dataclasses with slots, or plain objects)."""
     if dataclasses.is_dataclass(factor):
@@ -161,7 +179,8 @@ def factor_tensors(factor):
 @pytest.fixture(scope="session")
 def engine_cases():
     """The builders above: ``blobs``, ``mlp``, ``SmallCNN``, ``TwoConvCNN``, ``trained``,
-    ``engine_for``, ``queries``, the ``brute_force`` reference and ``factor_tensors``."""
+    ``engine_for``, ``queries``, the ``brute_force`` reference, ``factor_tensors`` and
+    ``image_distance_classifier``."""
     return SimpleNamespace(
         DTYPE=DTYPE,
         blobs=blobs,
@@ -173,6 +192,7 @@ def engine_cases():
         queries=queries,
         brute_force=brute_force,
         factor_tensors=factor_tensors,
+        image_distance_classifier=image_distance_classifier,
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from sklearn_pathkernel import DistanceKernelClassifier, DistanceLayer
+from sklearn_pathkernel import DistanceLayer
 from sklearn_pathkernel._engine import _probe
 from sklearn_pathkernel._engine._folded_backward import (
     FOLDED_VJPS,
@@ -215,21 +215,6 @@ def test_cosine_rows_keep_torchs_backward():
 # -- the probe and the engine ----------------------------------------------------------
 
 
-def _classifier(kernel, steps=3):
-    rng = np.random.RandomState(0)
-    y = rng.randint(0, 3, 18)
-    X = np.clip(rng.rand(3, 36)[y] + 0.3 * rng.rand(18, 36), 0, 1)
-    clf = DistanceKernelClassifier(
-        image_shape=(6, 6),
-        conv_layers=((3, 3, 1, 1, 2),),
-        hidden_layer_sizes=(7,),
-        kernel=kernel,
-        max_iter=steps,
-        random_state=0,
-    )
-    return clf.fit(X, y), X, rng.rand(2, 36)
-
-
 def _counting(monkeypatch):
     """Per folded call: whether it folded, and its layer shortcuts."""
     calls = []
@@ -252,11 +237,11 @@ def _both_routes(monkeypatch, compute):
 
 
 @pytest.mark.parametrize("kernel", AFFINE_KERNELS)
-def test_grams_equal_the_batched_route(kernel, monkeypatch):
+def test_grams_equal_the_batched_route(kernel, monkeypatch, engine_cases):
     """The training Gram (rows at the steps' starts: the rule's own output) and the
     cross Gram (query nodes at their own ``t`` with the training rows: the
     shortcut) of an image network, folded and by ``is_grads_batched``."""
-    clf, X, Q = _classifier(kernel)
+    clf, X, Q = engine_cases.image_distance_classifier(18, 2, kernel=kernel)
     engine = clf.kernel_.engine
     X_train = engine.X_train
     A = torch.tensor(Q)
@@ -273,8 +258,8 @@ def test_grams_equal_the_batched_route(kernel, monkeypatch):
     assert any(n_shortcuts for _, n_shortcuts in calls)  # (the cross Gram's query nodes)
 
 
-def test_decomposition_equals_the_batched_route(monkeypatch):
-    clf, _, Q = _classifier("sqeuclidean")
+def test_decomposition_equals_the_batched_route(monkeypatch, engine_cases):
+    clf, _, Q = engine_cases.image_distance_classifier(18, 2, kernel="sqeuclidean")
     engine = clf.kernel_.engine
     A = torch.tensor(Q)
     folded, batched, calls = _both_routes(monkeypatch, lambda: engine.decompose(A))

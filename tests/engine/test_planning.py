@@ -236,31 +236,13 @@ def test_accumulated_features_are_counted_for_the_tiles_held_at_once(engine_case
         engine.decompose(A, batch_size=2)
 
 
-def _image_classifier():
-    """A small ``DistanceKernelClassifier(image_shape=...)``: a convolutional
-    distance layer whose outputs are wide next to its factors."""
-    from sklearn_pathkernel import DistanceKernelClassifier
-
-    rng = np.random.RandomState(0)
-    y = rng.randint(0, 3, 24)
-    X = np.clip(rng.rand(3, 36)[y] + 0.3 * rng.rand(24, 36), 0, 1)
-    clf = DistanceKernelClassifier(
-        image_shape=(6, 6),
-        conv_layers=((3, 3, 1, 1, 2),),
-        hidden_layer_sizes=(7,),
-        max_iter=3,
-        random_state=0,
-    )
-    return clf.fit(X, y), rng.rand(3, 36)
-
-
-def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch):
+def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch, engine_cases):
     """``cotangent_row_bytes`` is what the probe's backward pass returns at the
     layers' outputs per row (counted in that pass: every output, or one), and
     passes hold ``PASS_COTANGENT_BYTES`` of it, however small the factors."""
     from sklearn_pathkernel._engine import _planning, _probe
 
-    clf, _ = _image_classifier()
+    clf, _, _ = engine_cases.image_distance_classifier(24, 3)
     engine = clf.kernel_.engine
     planner = engine._planner
     held = []
@@ -287,12 +269,12 @@ def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch):
     assert planner.pass_rows() == 1
 
 
-def test_passes_bounded_by_their_cotangents_equal_one_pass(monkeypatch):
+def test_passes_bounded_by_their_cotangents_equal_one_pass(monkeypatch, engine_cases):
     """A cross Gram (every output) and a decomposition of an image network in
     passes of three rows (a small cotangent budget) equal those in one pass."""
     from sklearn_pathkernel._engine import _planning
 
-    clf, Q = _image_classifier()
+    clf, _, Q = engine_cases.image_distance_classifier(24, 3)
     A = torch.tensor(Q)
 
     def results(budget):
