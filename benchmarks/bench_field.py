@@ -168,6 +168,7 @@ def field_task(args, n_test=None):
     task.settings["max_iter"] = args.epochs
     if args.dtype == "float32":  # (only reached when the estimator takes dtype=)
         task.settings["dtype"] = "float32"
+    task.settings["path_storage"] = args.path_storage
     return task
 
 
@@ -599,7 +600,7 @@ def fit_on_disk(task, steps):
     per_epoch = math.ceil(task.n_train / 64)
     epochs = math.ceil(steps / per_epoch)
     clf = ExactPathKernelClassifier(
-        random_state=0, tol=None, path_storage="disk", **dict(task.settings, max_iter=epochs)
+        random_state=0, tol=None, **dict(task.settings, max_iter=epochs, path_storage="disk")
     )
     cpu = time.process_time()
     clf, seconds = _timed(lambda: clf.fit(task.X_train, task.y_train))
@@ -889,6 +890,10 @@ def main():
                         help="grid: the steps the costs are extrapolated to")  # fmt: skip
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="the run's dtype (the estimator's dtype=)")  # fmt: skip
+    parser.add_argument("--path-storage", choices=("memory", "disk"), default="memory",
+                        help="where every fit keeps its recorded path (the estimator's "
+                        "path_storage=); disk keeps the table's retrainings and "
+                        "ensembles out of memory at full size")  # fmt: skip
     parser.add_argument("--scalar", action="store_true",
                         help="ours by scalar targets (one output per query)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a CI-sized smoke run")
