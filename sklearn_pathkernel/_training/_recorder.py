@@ -187,7 +187,6 @@ class PathRecorder:
         # (read at every forward pass: kept rather than looked up)
         self._has_dropout = bool(self._dropout.layers)
         self._has_statistics = bool(self._stats.layers)
-        self._started = self._backward_started
         # (the passes of dropout and BatchNorm layers are followed only where there
         # are such layers: a hook less per forward pass each)
         self._handles = [
@@ -440,7 +439,7 @@ class PathRecorder:
             False,
             self._dropout.take() if self._has_dropout else _NO_MASKS,
             self._stats.take() if self._has_statistics else _NO_MASKS,
-            self._started,
+            self._backward_started,  # (not kept on self: a bound method there is a cycle)
         )
         self._rows = None
         self._open.append(batch)

@@ -6,6 +6,7 @@ the layer's output at per-row weights, the factors, and the memory blocks of
 the inner products, directional derivatives and materialised gradients.
 """
 
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -19,11 +20,14 @@ class KernelFamily(ABC):
     Parameters
     ----------
     rule : DistanceRule
-        The rule (its layer, its parameter names and their values).
+        The rule (its layer, its parameter names and their values). The family
+        belongs to it and keeps a weak reference (a proxy): rule and family are
+        then freed with the last reference to the rule, not at a garbage
+        collection.
     """
 
     def __init__(self, rule):
-        self.rule = rule
+        self.rule = weakref.proxy(rule)
 
     @abstractmethod
     def output(self, x, weights):
