@@ -77,11 +77,10 @@ Sections (each can be run alone):
     opponents with their labels, contributions and shares, and the ``k`` training
     images of highest self-influence.
 
-Hooks for work in progress (issue 36 items 2 and 3): ``--dtype float32`` trains the
-user loop in float32 (the recording replays it in float64) and passes ``dtype=`` to
-the estimator once it has that parameter; ``--scalar`` scores ``ours`` by the
-scalar-target decomposition once the explanation API takes a target
-(``influence_matrix(..., target=...)``); both say so and stop while it does not.
+``--dtype float32`` trains the estimator's runs (and the user loop) in float32, their
+kernels those of the float64 replays; ``--path-storage disk`` keeps every fit's path in
+a file; ``--scalar`` decomposes the user loop's test points by their true class (one
+output per query; the table's ``ours`` always is: ``influence_matrix(columns=)``).
 
     python benchmarks/bench_field.py --quick
     python benchmarks/bench_field.py --rows 1000 --epochs 3 --queries 100 --subsets 20
@@ -93,7 +92,6 @@ scalar-target decomposition once the explanation API takes a target
 
 import argparse
 import functools
-import inspect
 import json
 import math
 import os
@@ -145,24 +143,6 @@ def _mib(nbytes):
     return nbytes / 2**20
 
 
-def _estimator_has(name):
-    return name in inspect.signature(ExactPathKernelClassifier).parameters
-
-
-def check_hooks(args):
-    """The flags of work in progress: a clear stop while the package lacks it."""
-    if args.dtype == "float32" and not _estimator_has("dtype") and "table" in args.sections:
-        sys.exit(
-            "--dtype float32 for the estimator needs its dtype= parameter (issue 36 item 3); "
-            "run --sections user-loop for a float32 run of a user's loop today"
-        )
-    if (
-        args.scalar
-        and "target" not in inspect.signature(ExactPathKernelClassifier.influence_matrix).parameters
-    ):
-        sys.exit("--scalar needs scalar targets in the explanation API (issue 36 item 2)")
-
-
 def field_task(args, n_test=None):
     task = make_task("mnist10", args.rows, args.queries if n_test is None else n_test)
     task.settings["max_iter"] = args.epochs
@@ -196,12 +176,6 @@ def stored_bytes(method, ctx):
 # -- the table --------------------------------------------------------------------------
 
 
-def ours_scalar(ctx):
-    """The scalar-target decomposition (one output per query): each test point's true class."""
-    codes = ctx.test_codes()
-    return ctx.clf.influence_matrix(ctx.task.X_test, columns=codes, target="output").T
-
-
 def run_table(args):
     start = time.perf_counter()
     task = field_task(args)
@@ -233,8 +207,6 @@ def run_table(args):
             rows[method] = {"not_supported": reason}
             print(f"| {LABELS.get(method, method)} | not supported ({reason}) |")
             continue
-        if method == "ours" and args.scalar:
-            attribute = ours_scalar
         row = {"stored_mib": _mib(stored_bytes(method, ctx))}
         scores, row["time_attr"], memory_attr, error = measured(attribute, ctx, args.timeout)
         if error:
@@ -898,15 +870,15 @@ def main():
                         "path_storage=); disk keeps the table's retrainings and "
                         "ensembles out of memory at full size")  # fmt: skip
     parser.add_argument("--scalar", action="store_true",
-                        help="ours (table) and the user loop's decomposition by scalar "
-                        "targets: each test point's true class, one output per query")  # fmt: skip
+                        help="the user loop's decomposition by scalar targets: each test "
+                        "point's true class, one output per query (the table's ours is "
+                        "always one output per query: influence_matrix(columns=))")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a CI-sized smoke run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    check_hooks(args)
     torch.set_num_threads(1)
     if "table" in args.sections:
         _quiet_progress_bars()
