@@ -337,6 +337,35 @@ def test_the_image_networks_factors_equal_autograd_of_the_network(
     _assert_close([found], [expected], tolerance=1e-12)
 
 
+@pytest.mark.parametrize("with_cotangents", [False, True])
+def test_nodes_with_training_rows_that_keep_their_class(with_cotangents, monkeypatch, engine_cases):
+    """``factors_with``: query nodes at their own points (every output, or ``K``
+    cotangents at the logits) and training rows at the step's start keeping
+    their class (the winners' values of those rows picked per row): the folded
+    route with the min-pool's winners equals torch's ``is_grads_batched`` route."""
+    clf, X, Q = engine_cases.image_distance_classifier(8, 4)
+    engine = clf.kernel_.engine
+    probe, kinds = engine.probe, _recording_deltas(monkeypatch)
+    start, direction = engine._steps.weights(1), engine._steps.weights(2) - engine._steps.weights(1)
+    nodes = torch.tensor(Q)
+    t = torch.linspace(0.1, 0.9, nodes.shape[0], dtype=DTYPE)
+    classes = torch.arange(engine.X_train.shape[0]) % engine.n_outputs
+    generator = torch.Generator().manual_seed(9)
+    shape = (nodes.shape[0], engine.n_outputs, engine.n_outputs)
+    cotangents = torch.randn(*shape, generator=generator, dtype=DTYPE) if with_cotangents else None
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(_probe.NetworkProbe, "folded_backward", flag)
+        kinds.clear()
+        found[flag] = probe.factors_with(
+            start, nodes, engine.X_train, classes, direction=direction, t=t,
+            cotangents=cotangents,
+        )  # fmt: skip
+        assert kinds == (["PooledCotangent"] * 2 if flag else ["Tensor"] * 2)
+    for folded, batched in zip(found[True], found[False], strict=True):
+        _assert_close([folded[0].grads], [batched[0].grads])
+
+
 @pytest.mark.parametrize("kernel", AFFINE_KERNELS)
 def test_grams_equal_the_batched_route(kernel, monkeypatch, engine_cases):
     """The training Gram (rows at the steps' starts: the rule's own output) and the
