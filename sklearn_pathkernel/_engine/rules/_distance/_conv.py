@@ -217,9 +217,9 @@ class DistanceConv2dRule(MaterialisedRule, PerRowWeights):
             layer.check_input(x)
             params = self._parameters(weights)
             columns = layer.unfold(x)  # (n, D, P)
-            positions, delta = _Positions.of(columns, delta, layer.kernel)  # (n, K, J, P')
-            n, n_memories, n_positions = x.shape[0], layer.n_memories, columns.shape[2]
             patches = columns.transpose(1, 2).reshape(-1, layer.in_features)
+            positions, delta = _Positions.of(columns, patches, delta, layer.kernel)
+            n, n_memories, n_positions = x.shape[0], layer.n_memories, columns.shape[2]
             values = None  # (sqeuclidean's gradients do not read them)
             if layer.kernel != "sqeuclidean":
                 values = patch_values(params, patches, n).view(n, n_positions, n_memories)
@@ -254,24 +254,27 @@ class _Positions:
     ----------
     columns : torch.Tensor of shape (n, D, P)
         The rows' patches (``F.unfold``).
+    patches : torch.Tensor of shape (n P, D)
+        The same patches as rows.
     winners : torch.Tensor of shape (n, J, P') or None
         Each window's winner, a flat output position (the pool's saved indices).
     """
 
     columns: torch.Tensor
+    patches: torch.Tensor
     winners: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, columns, delta, kernel):
+    def of(cls, columns, patches, delta, kernel):
         """The positions of ``delta`` and its values (n, K, J, P'): a pooled
         cotangent's winners for the kernels of ``_AT_WINNERS``, every position
         (the pooled one formed at full resolution for the others)."""
         if isinstance(delta, PooledCotangent) and kernel in _AT_WINNERS:
             values, winners = delta.flat()
-            return cls(columns, winners), values.detach()
+            return cls(columns, patches, winners), values.detach()
         if isinstance(delta, PooledCotangent):
             delta = delta.dense()
-        return cls(columns), delta.detach().flatten(3)
+        return cls(columns, patches), delta.detach().flatten(3)
 
     def at(self, per_position):
         """Values per row, memory and output position (n, J, P) at these
@@ -283,11 +286,11 @@ class _Positions:
         coefficients (n, K, J, P'), offsets (n, K, J) and memories (r, J, D)."""
         if self.winners is None:
             return _affine(coefficients, self.columns, offsets, memories)
-        n = self.columns.shape[0]
-        patches = self.columns.transpose(1, 2)  # (n, P, D)
-        rows = torch.arange(n, device=patches.device)[:, None, None]
-        at_winners = patches[rows, self.winners]  # (n, J, P', D)
-        out = torch.einsum("nkjw,njwd->nkjd", coefficients, at_winners)
+        n, width, n_positions = self.columns.shape
+        rows = torch.arange(n, device=self.patches.device)[:, None, None]
+        flat = (rows * n_positions + self.winners).flatten()
+        at_winners = self.patches.index_select(0, flat).view(*self.winners.shape, width)
+        out = torch.einsum("nkjw,njwd->nkjd", coefficients, at_winners)  # (n, J, P', D) above
         return out.sub_(offsets[..., None] * memories[:, None])
 
 
