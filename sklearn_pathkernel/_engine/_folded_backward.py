@@ -22,6 +22,16 @@ the way to the wanted tensors, or a node whose wanted edge its rule does not
 give (a weight's gradient), is not folded: :func:`folded_grad` returns None and
 the caller takes torch's ``is_grads_batched`` route, which handles any graph.
 
+A max-pool's backward pass puts each window's gradient at the window's winner,
+zeros elsewhere. The walk keeps that as a :class:`PooledCotangent` (the winners'
+values and the pool's saved indices) through pointwise nodes (``MinPool2d``'s
+negations, a clone) to the wanted tensors whose caller takes it (``pooled``: the
+layer rules with ``takes_pooled_cotangents``, the convolutional distance layer
+before a min-pool), and forms the full-resolution tensor only for a node that
+needs it (a ReLU before a CNN's max-pool), for a gradient that meets another,
+or for a caller that did not ask: a quarter of the numbers for 2x2 windows, no
+zero fill, and the min-pool's inner negation on the winners alone.
+
 A layer evaluated with each row at its own weights ``w + t_i dw`` (the probe adds
 ``t_i`` times its moved output) can be passed through whole
 (:class:`LayerShortcut`): its rule maps the cotangents of its output to those of
