@@ -7,7 +7,10 @@ weights (``AffineInput``, the rule's closed form) and at the rows' own weights (
 Reference: torch's autograd, one backward pass per cotangent (a Python loop of
 ``torch.autograd.grad``); then the probe, Grams and a decomposition of
 ``DistanceKernelClassifier(image_shape=...)`` with the folded route against the
-probe with ``is_grads_batched``.
+probe with ``is_grads_batched``. The min-pool's winners (``PooledCotangent``,
+``pooled``): at full resolution the walk's own gradient exactly, and the
+convolutional layer's per-example gradients from them against plain autograd of
+the network, one backward pass per row and output.
 """
 
 import numpy as np
