@@ -22,6 +22,16 @@ the way to the wanted tensors, or a node whose wanted edge its rule does not
 give (a weight's gradient), is not folded: :func:`folded_grad` returns None and
 the caller takes torch's ``is_grads_batched`` route, which handles any graph.
 
+A max-pool's backward pass puts each window's gradient at the window's winner,
+zeros elsewhere. The walk keeps that as a :class:`PooledCotangent` (the winners'
+values and the pool's saved indices) through pointwise nodes (``MinPool2d``'s
+negations, a clone) to the wanted tensors whose caller takes it (``pooled``: the
+layer rules with ``takes_pooled_cotangents``, the convolutional distance layer
+before a min-pool), and forms the full-resolution tensor only for a node that
+needs it (a ReLU before a CNN's max-pool), for a gradient that meets another,
+or for a caller that did not ask: a quarter of the numbers for 2x2 windows, no
+zero fill, and the min-pool's inner negation on the winners alone.
+
 A layer evaluated with each row at its own weights ``w + t_i dw`` (the probe adds
 ``t_i`` times its moved output) can be passed through whole
 (:class:`LayerShortcut`): its rule maps the cotangents of its output to those of
@@ -37,6 +47,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .rules._distance._backward import AffineInputBackward
+from .rules._protocol import PooledCotangent
 
 
 class FoldedVJP(ABC):
@@ -52,10 +63,15 @@ class FoldedVJP(ABC):
     other edge's), so the rule may overwrite it. ``fresh``: the gradients it
     returns are the walk's own too (new tensors, or ``grads[0]`` overwritten when
     writable), each given to one edge; False for rules that pass a gradient on
-    (views, the same tensor to two edges).
+    (views, the same tensor to two edges). ``pointwise``: the node has one
+    input and its backward is a pointwise map of its one gradient that takes
+    zeros to zeros (negation, a copy), so it applies to the winners' values of
+    a :class:`PooledCotangent` alone; other rules get the pooled gradient
+    formed at full resolution (:meth:`PooledCotangent.dense`).
     """
 
     fresh = True
+    pointwise = False
 
     @abstractmethod
     def edges(self, node):
@@ -70,6 +86,7 @@ class Identity(FoldedVJP):
     """``clone`` and friends: the gradient passes through."""
 
     fresh = False
+    pointwise = True
 
     def edges(self, node):
         return (True,)
@@ -219,9 +236,15 @@ class Convolution(FoldedVJP):
 
 
 class MaxPool(FoldedVJP):
-    """``max_pool{1,2,3}d`` (with indices): each output's gradient added at its
-    window's saved winner, one ``scatter_add`` with the indices expanded over
-    ``K`` (the engine's kernel adds the same terms; overlapping windows add)."""
+    """``max_pool{1,2,3}d`` (with indices): each output's gradient at its window's
+    saved winner. A batched input (N, C, ...) gets a :class:`PooledCotangent`
+    (the gradients and the winners, no full-resolution tensor: the walk forms
+    that only for a node or a caller that needs it); an unbatched one (C, ...)
+    the gradients added at the winners, one ``scatter_add`` with the indices
+    expanded over ``K`` (the engine's kernel adds the same terms; overlapping
+    windows add)."""
+
+    fresh = False  # (a PooledCotangent's values are the gradient it got)
 
     def __init__(self, spatial):
         self.spatial = spatial  # 1, 2 or 3 pooled dimensions
@@ -233,6 +256,8 @@ class MaxPool(FoldedVJP):
         grad = grads[0]
         shape, indices = node._saved_self.shape, node._saved_result1
         lead = len(shape) - self.spatial  # (N, C) or (C,)
+        if lead == 2:
+            return (PooledCotangent(grad.transpose(0, 1), indices, tuple(shape[lead:])),)
         flat = indices.flatten(lead)
         out = grad.new_zeros((grad.shape[0], *shape[:lead], _prod(shape[lead:])))
         out.scatter_add_(lead + 1, flat.expand(grad.shape[0], *flat.shape), grad.flatten(lead + 1))
@@ -241,7 +266,9 @@ class MaxPool(FoldedVJP):
 
 class Neg(FoldedVJP):
     """``-a`` (``MinPool2d`` is ``-max_pool2d(-z)``): the gradient negated, in place
-    when the walk owns it."""
+    when the walk owns it (pointwise: a pooled gradient's values only)."""
+
+    pointwise = True
 
     def edges(self, node):
         return (True,)
@@ -370,7 +397,7 @@ class LayerShortcut:
     vjp: object
 
 
-def folded_grad(roots, inputs, grad_roots, shortcuts=()):
+def folded_grad(roots, inputs, grad_roots, shortcuts=(), pooled=()):
     """``torch.autograd.grad(roots, inputs, grad_roots, allow_unused=True,
     is_grads_batched=True)`` by the rules of :data:`FOLDED_VJPS`, or None where the
     graph needs a node (or a node's edge) they do not give.
@@ -385,16 +412,22 @@ def folded_grad(roots, inputs, grad_roots, shortcuts=()):
     shortcuts : sequence of LayerShortcut
         Layers passed through by their own ``vjp`` (their operations are not
         walked).
+    pooled : collection of int
+        Positions of ``inputs`` whose gradient may come as a
+        :class:`PooledCotangent` (rows first) where a max-pool's backward reaches
+        them through pointwise nodes only (a min-pool's negations): the pool's
+        winners without the full-resolution tensor.
 
     Returns
     -------
-    list of torch.Tensor or None, or None
+    list of torch.Tensor or PooledCotangent or None, or None
         Per input, its gradients ``(K, *input.shape)`` (None where no root reaches
-        it); None when the graph cannot be folded.
+        it; a :class:`PooledCotangent` (n, K, ...) for a position in ``pooled``);
+        None when the graph cannot be folded.
     """
     with torch.no_grad():  # (as the engine's backward without create_graph)
         try:
-            return _walk(roots, inputs, grad_roots, shortcuts)
+            return _walk(roots, inputs, grad_roots, shortcuts, frozenset(pooled))
         except AttributeError:
             # The rules read the nodes' saved tensors by the names this torch gives
             # them (``_saved_indices``...); a torch that names them otherwise takes
@@ -402,7 +435,13 @@ def folded_grad(roots, inputs, grad_roots, shortcuts=()):
             return None
 
 
-def _walk(roots, inputs, grad_roots, shortcuts):
+def _full(grad):
+    """A pooled gradient at full resolution, output first (K, n, ...): a new
+    tensor, the walk's own."""
+    return grad.dense().transpose(0, 1)
+
+
+def _walk(roots, inputs, grad_roots, shortcuts, pooled):
     through = {}
     for shortcut in shortcuts:
         edge = get_gradient_edge(shortcut.output)
@@ -440,12 +479,22 @@ def _walk(roots, inputs, grad_roots, shortcuts):
     owned = set()  # the nodes whose first gradient is the walk's own (see FoldedVJP)
 
     def add(node, slot, grad, own):
-        expected = (grad.shape[0], *node._input_metadata[slot].shape)
+        slots = buffers.setdefault(node, [None] * len(node._input_metadata))
+        shape = node._input_metadata[slot].shape
+        if isinstance(grad, PooledCotangent):  # kept pooled where it is the only one
+            if slots[slot] is None and (grad.shape[0], *grad.shape[2:]) == tuple(shape):
+                slots[slot] = grad
+                if slot == 0:
+                    (owned.add if own else owned.discard)(node)
+                return
+            grad, own = _full(grad), True
+        expected = (grad.shape[0], *shape)
         if grad.shape != expected:  # a broadcast operand, reduced as the engine does
             grad, own = grad.sum_to_size(expected), False
-        slots = buffers.setdefault(node, [None] * len(node._input_metadata))
         if slots[slot] is None:
             slots[slot] = grad
+        elif isinstance(slots[slot], PooledCotangent):
+            slots[slot], own = _full(slots[slot]).add_(grad), True
         elif slot == 0 and node in owned:
             slots[slot].add_(grad)
         else:
@@ -464,15 +513,25 @@ def _walk(roots, inputs, grad_roots, shortcuts):
         writable = node in owned
         for slot, grad in enumerate(grads):
             for position in targets.get((node, slot), ()):
+                if isinstance(grad, PooledCotangent) and position not in pooled:
+                    grad = grads[slot] = _full(grad)
                 results[position], writable = grad, False
         children = _next(node)
         wanted = [child in needed for child, _ in children]
+        rule = None if node in through else FOLDED_VJPS.get(type(node).__name__)
+        if isinstance(grads[0], PooledCotangent) and any(wanted):
+            if rule is not None and rule.pointwise:  # (one edge: the winners' values)
+                (values,) = rule.backward(node, [grads[0].values], wanted, writable)
+                ((child, slot),) = children
+                add(child, slot, grads[0].with_values(values), rule.fresh)
+                grads = [None]  # (passed on)
+            else:
+                grads[0], writable = _full(grads[0]), True
         if grads[0] is not None and any(wanted) and node in through:
             (child, slot), grad = children[0], through[node].vjp(grads[0])
             add(child, slot, grad, True)
         elif grads[0] is not None and any(wanted):
             # (the registered nodes' other outputs, max-pool's indices, carry none)
-            rule = FOLDED_VJPS[type(node).__name__]
             for (child, slot), keep, grad in zip(
                 children, wanted, rule.backward(node, grads, wanted, writable), strict=True
             ):

@@ -53,7 +53,7 @@ from ._hazards import per_layer_hazards
 from .rules import make_rule
 from .rules._gradients import Gradients
 from .rules._jacobian import JacobianRule
-from .rules._protocol import RowEvaluation, RowWeights
+from .rules._protocol import PooledCotangent, RowEvaluation, RowWeights
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +418,9 @@ class NetworkProbe:
         those outputs' bytes times the cotangents each row carries (every output,
         or one with ``one_output``), from one forward pass without gradients at
         ``start``. Zero without per-layer rules (the Jacobian rule's per-example
-        gradients are its factors)."""
+        gradients are its factors). An upper bound where the folded backward
+        pass gives a min-pool's winners (a ``PooledCotangent``, a quarter of a
+        2x2 pool's input): they count at full resolution."""
         held = [0]
 
         def count(index, inputs, output):
@@ -660,7 +662,8 @@ class NetworkProbe:
         grads = None
         if batched and self.folded_backward:
             shortcuts = self._shortcuts(captured, input_edges, start, direction, t, along)
-            grads = folded_grad(roots, outs, cotangent, shortcuts)
+            pooled = [i for i, rule in enumerate(self.rules) if rule.takes_pooled_cotangents]
+            grads = folded_grad(roots, outs, cotangent, shortcuts, pooled)
         if grads is None:
             grads = torch.autograd.grad(
                 roots, outs, cotangent, allow_unused=True, is_grads_batched=batched
@@ -683,9 +686,8 @@ class NetworkProbe:
                 row_steps = None if row_t is None else self.params(base_direction)
                 row_weights = RowWeights(self.params(base), row_steps, row_t)
             for part_factors, (rows, picked) in zip(factors, parts, strict=True):
-                part_inputs, part_delta = tuple(x[rows] for x in inputs), delta[rows]
-                if picked is not None:
-                    part_delta = _picked(part_delta, picked)
+                part_inputs = tuple(x[rows] for x in inputs)
+                part_delta = _delta_part(delta, rows, picked)
                 at = row_weights.rows(rows) if at_own_t else point
                 part_factors.append(rule.factors(part_inputs, part_delta, at))
         if split is None:
@@ -757,11 +759,24 @@ def _single_roots(logits, output, split, cotangents, node_outputs):
 def _layer_cotangents(out, grad, n_outputs):
     """A layer's cotangents (n, K, ...) from the batched backward pass over every
     output (``grad`` (K, n, ...), ``n_outputs`` K), or (n, 1, ...) from a single
-    one (``n_outputs`` None); zeros where the output does not reach ``f``."""
+    one (``n_outputs`` None); zeros where the output does not reach ``f``; a
+    :class:`PooledCotangent` (rows first already) as the folded pass gave it."""
+    if isinstance(grad, PooledCotangent):
+        return grad
     if n_outputs is not None:  # (K, n, ...) -> (n, K, ...)
         delta = out.new_zeros((n_outputs, *out.shape)) if grad is None else grad
         return delta.transpose(0, 1)
     return (torch.zeros_like(out) if grad is None else grad).unsqueeze(1)
+
+
+def _delta_part(delta, rows, picked):
+    """The cotangents (n, K, ...) of some rows, with ``picked`` (None: all K)
+    applied as :func:`_picked` does; a pooled one's values only (its winners do
+    not depend on the cotangent)."""
+    if isinstance(delta, PooledCotangent):
+        part = delta.rows(rows)
+        return part if picked is None else part.with_values(_picked(part.values, picked))
+    return delta[rows] if picked is None else _picked(delta[rows], picked)
 
 
 def _picked(delta, picked):

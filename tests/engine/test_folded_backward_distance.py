@@ -7,7 +7,10 @@ weights (``AffineInput``, the rule's closed form) and at the rows' own weights (
 Reference: torch's autograd, one backward pass per cotangent (a Python loop of
 ``torch.autograd.grad``); then the probe, Grams and a decomposition of
 ``DistanceKernelClassifier(image_shape=...)`` with the folded route against the
-probe with ``is_grads_batched``.
+probe with ``is_grads_batched``. The min-pool's winners (``PooledCotangent``,
+``pooled``): at full resolution the walk's own gradient exactly, and the
+convolutional layer's per-example gradients from them against plain autograd of
+the network, one backward pass per row and output.
 """
 
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.func import functional_call
 
 from sklearn_pathkernel import DistanceLayer
 from sklearn_pathkernel._engine import _probe
@@ -23,9 +27,9 @@ from sklearn_pathkernel._engine._folded_backward import (
     LayerShortcut,
     folded_grad,
 )
-from sklearn_pathkernel._engine.rules._distance import DistanceRule
+from sklearn_pathkernel._engine.rules._distance import DistanceConv2dRule, DistanceRule
 from sklearn_pathkernel._engine.rules._distance._backward import AFFINE_KERNELS, own_output
-from sklearn_pathkernel._engine.rules._protocol import RowWeights
+from sklearn_pathkernel._engine.rules._protocol import PooledCotangent, RowWeights
 from sklearn_pathkernel._nn._distance import Transform
 from sklearn_pathkernel._nn._distance_conv import MinPool2d
 
@@ -120,6 +124,59 @@ def _nodes(roots):
         seen.add(node)
         stack.extend(child for child, _ in node.next_functions)
     return seen
+
+
+@pytest.mark.parametrize("kernel", AFFINE_KERNELS)
+def test_a_min_pools_input_gets_the_winners_where_asked(kernel):
+    """``pooled``: the convolutional layer's output (a leaf behind ``MinPool2d``'s
+    negations and a clone) gets a :class:`PooledCotangent`: at full resolution the
+    walk's gradient without ``pooled`` exactly (the pool's own backward pass:
+    the winners' values are the pooled output's cotangents, negated twice), a
+    loop of torch's backward passes to rounding; the other input as before."""
+    roots, inputs, grad_roots = _image_graph(kernel, "log1p")
+    before = [g.clone() for g in grad_roots]
+    found = folded_grad(roots, inputs, grad_roots, pooled=[0])
+    assert isinstance(found[0], PooledCotangent)
+    dense = found[0].dense().transpose(0, 1)  # (n, K, ...) -> (K, n, ...)
+    unpooled = folded_grad(roots, inputs, grad_roots)
+    assert torch.equal(dense, unpooled[0]) and torch.equal(found[1], unpooled[1])
+    _assert_close([dense, found[1]], _loop_reference(roots, inputs, grad_roots))
+    for g, b in zip(grad_roots, before, strict=True):
+        assert torch.equal(g, b)
+
+
+@pytest.mark.parametrize(
+    "graph",
+    ["relu_after_the_pool", "input_used_twice", "unbatched_pool", "overlapping_windows"],
+)
+def test_a_pooled_gradient_meets_other_nodes_at_full_resolution(graph):
+    """Where the pool's gradient meets a node that is not pointwise (a ReLU, as in
+    a CNN), another gradient of the same tensor, or a pool of an unbatched input,
+    the walk forms it at full resolution: torch's numbers (overlapping windows
+    add), with or without ``pooled`` asked for."""
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(
+        *((2,) if graph == "unbatched_pool" else (3, 2)), 5, 6, generator=g, dtype=DTYPE
+    )
+    z[..., :2, :2] = 0.5  # (a tie)
+    z = z.requires_grad_(True)
+    if graph == "relu_after_the_pool":
+        out = MinPool2d(2)(torch.relu(z * 2.0))
+    elif graph == "input_used_twice":
+        out = MinPool2d(2)(z.clone()) + z[..., ::2, ::2][..., :2, :3]
+    elif graph == "unbatched_pool":  # (C, H, W)
+        out = nn.functional.max_pool2d(-z, 2)
+    else:
+        out = nn.functional.max_pool2d(-z, 3, stride=1, padding=1)
+    grad_roots = [torch.randn(K, *out.shape, generator=g, dtype=DTYPE)]
+    reference = _loop_reference([out], [z], grad_roots)
+    for pooled in ((), (0,)):
+        (found,) = folded_grad([out], [z], grad_roots, pooled=pooled)
+        if isinstance(found, PooledCotangent):  # (a pool's input, its gradient alone)
+            assert graph == "overlapping_windows" and pooled
+            found = found.dense().transpose(0, 1)
+        tolerance = 1e-15 if graph == "overlapping_windows" else 0.0  # (windows add)
+        _assert_close([found], reference, tolerance)
 
 
 @pytest.mark.parametrize(
@@ -219,8 +276,8 @@ def _counting(monkeypatch):
     """Per folded call: whether it folded, and its layer shortcuts."""
     calls = []
 
-    def counted(roots, inputs, grad_roots, shortcuts=()):
-        result = folded_grad(roots, inputs, grad_roots, shortcuts)
+    def counted(roots, inputs, grad_roots, shortcuts=(), pooled=()):
+        result = folded_grad(roots, inputs, grad_roots, shortcuts, pooled)
         calls.append((result is not None, len(shortcuts)))
         return result
 
@@ -236,6 +293,82 @@ def _both_routes(monkeypatch, compute):
     return found[True], found[False], calls
 
 
+def _recording_deltas(monkeypatch):
+    """The kinds of cotangents the convolutional distance rule gets."""
+    kinds, factors = [], DistanceConv2dRule.factors
+
+    def recorded(self, inputs, delta, weights):
+        kinds.append(type(delta).__name__)
+        return factors(self, inputs, delta, weights)
+
+    monkeypatch.setattr(DistanceConv2dRule, "factors", recorded)
+    return kinds
+
+
+@pytest.mark.parametrize("kernel", AFFINE_KERNELS)
+@pytest.mark.parametrize("moving", [False, True], ids=["step_start", "own_weights"])
+def test_the_image_networks_factors_equal_autograd_of_the_network(
+    kernel, moving, monkeypatch, engine_cases
+):
+    """Every output of rows at a step's start (the training rows of a Gram) or at
+    their own points of the step (query nodes): the convolutional layer's
+    per-example gradients from the min-pool's winners (the rule gets a
+    ``PooledCotangent``) against plain autograd of the network at each row's
+    weights, one backward pass per row and output."""
+    clf, X, _ = engine_cases.image_distance_classifier(6, 1, kernel=kernel)
+    engine = clf.kernel_.engine
+    probe, kinds = engine.probe, _recording_deltas(monkeypatch)
+    start, direction = engine._steps.weights(1), engine._steps.weights(2) - engine._steps.weights(1)
+    rows = engine.X_train
+    t = torch.linspace(0.0, 1.0, rows.shape[0], dtype=DTYPE) if moving else None
+    if moving:
+        found = probe.factors(start, rows, direction=direction, t=t)[0].grads
+    else:
+        found = probe.factors(start, rows)[0].grads  # (n, K, W_conv)
+    assert kinds == ["PooledCotangent"]
+    names = probe.rules[0].path_names
+    expected = torch.empty_like(found)
+    for i in range(rows.shape[0]):
+        at = start if t is None else start + t[i] * direction
+        params = probe.params(at.clone())
+        theta = {name: params[name].clone().requires_grad_(True) for name in names}
+        logits = functional_call(probe.module, {**params, **theta}, (rows[i : i + 1],))
+        f = torch.log_softmax(logits, 1)[0]
+        for k in range(f.shape[0]):
+            grads = torch.autograd.grad(f[k], [theta[name] for name in names], retain_graph=True)
+            expected[i, k] = torch.cat([grad.reshape(-1) for grad in grads])
+    _assert_close([found], [expected], tolerance=1e-12)
+
+
+@pytest.mark.parametrize("with_cotangents", [False, True])
+def test_nodes_with_training_rows_that_keep_their_class(with_cotangents, monkeypatch, engine_cases):
+    """``factors_with``: query nodes at their own points (every output, or ``K``
+    cotangents at the logits) and training rows at the step's start keeping
+    their class (the winners' values of those rows picked per row): the folded
+    route with the min-pool's winners equals torch's ``is_grads_batched`` route."""
+    clf, X, Q = engine_cases.image_distance_classifier(8, 4)
+    engine = clf.kernel_.engine
+    probe, kinds = engine.probe, _recording_deltas(monkeypatch)
+    start, direction = engine._steps.weights(1), engine._steps.weights(2) - engine._steps.weights(1)
+    nodes = torch.tensor(Q)
+    t = torch.linspace(0.1, 0.9, nodes.shape[0], dtype=DTYPE)
+    classes = torch.arange(engine.X_train.shape[0]) % engine.n_outputs
+    generator = torch.Generator().manual_seed(9)
+    shape = (nodes.shape[0], engine.n_outputs, engine.n_outputs)
+    cotangents = torch.randn(*shape, generator=generator, dtype=DTYPE) if with_cotangents else None
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(_probe.NetworkProbe, "folded_backward", flag)
+        kinds.clear()
+        found[flag] = probe.factors_with(
+            start, nodes, engine.X_train, classes, direction=direction, t=t,
+            cotangents=cotangents,
+        )  # fmt: skip
+        assert kinds == (["PooledCotangent"] * 2 if flag else ["Tensor"] * 2)
+    for folded, batched in zip(found[True], found[False], strict=True):
+        _assert_close([folded[0].grads], [batched[0].grads])
+
+
 @pytest.mark.parametrize("kernel", AFFINE_KERNELS)
 def test_grams_equal_the_batched_route(kernel, monkeypatch, engine_cases):
     """The training Gram (rows at the steps' starts: the rule's own output) and the
@@ -245,12 +378,15 @@ def test_grams_equal_the_batched_route(kernel, monkeypatch, engine_cases):
     engine = clf.kernel_.engine
     X_train = engine.X_train
     A = torch.tensor(Q)
+    kinds = _recording_deltas(monkeypatch)
     for compute in (
         lambda: engine.gram(X_train, a_train=True, output="full"),
         lambda: engine.gram(A, X_train, b_train=True, output="full"),
     ):
         folded, batched, calls = _both_routes(monkeypatch, compute)
         assert calls and all(ok for ok, _ in calls)
+        assert "PooledCotangent" in kinds  # (the folded route: the min-pool's winners)
+        kinds.clear()
         folded, batched = np.asarray(folded), np.asarray(batched)
         scale = np.abs(batched).max()
         assert scale > 0

@@ -238,9 +238,11 @@ def test_accumulated_features_are_counted_for_the_tiles_held_at_once(engine_case
 
 def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch, engine_cases):
     """``cotangent_row_bytes`` is what the probe's backward pass returns at the
-    layers' outputs per row (counted in that pass: every output, or one), and
-    passes hold ``PASS_COTANGENT_BYTES`` of it, however small the factors."""
+    layers' outputs per row (counted in that pass: every output, or one; a
+    min-pool's winners at full resolution, an upper bound), and passes hold
+    ``PASS_COTANGENT_BYTES`` of it, however small the factors."""
     from sklearn_pathkernel._engine import _planning, _probe
+    from sklearn_pathkernel._engine.rules._protocol import PooledCotangent
 
     clf, _, _ = engine_cases.image_distance_classifier(24, 3)
     engine = clf.kernel_.engine
@@ -249,7 +251,10 @@ def test_the_cotangents_a_backward_pass_holds_bound_its_rows(monkeypatch, engine
     layer_cotangents = _probe._layer_cotangents
 
     def counted(out, grad, n_outputs):
-        held.append(0 if grad is None else grad.nbytes)
+        if isinstance(grad, PooledCotangent):  # (the planner's bound: at full resolution)
+            held.append(grad.shape.numel() * grad.values.element_size())
+        else:
+            held.append(0 if grad is None else grad.nbytes)
         return layer_cotangents(out, grad, n_outputs)
 
     monkeypatch.setattr(_probe, "_layer_cotangents", counted)

@@ -304,10 +304,10 @@ def _cotangents_per_node_pass(monkeypatch):
         finally:
             inside.pop()
 
-    def folded(roots, inputs, grad_roots, shortcuts=()):
+    def folded(roots, inputs, grad_roots, shortcuts=(), pooled=()):
         if inside and inside[-1]:
             passes.append(("folded", {int(g.shape[0]) for g in grad_roots}))
-        return folded_grad(roots, inputs, grad_roots, shortcuts)
+        return folded_grad(roots, inputs, grad_roots, shortcuts, pooled)
 
     def autograd(outputs, inputs, grad_outputs=None, *args, is_grads_batched=False, **kwargs):
         if inside and inside[-1]:

@@ -73,6 +73,68 @@ class RowWeights:
         return self if self.t is None else RowWeights(self.params, self.steps, self.t[index])
 
 
+@dataclass(frozen=True)
+class PooledCotangent:
+    """The cotangents of a max-pool's (or min-pool's) input: zero but at each
+    window's winner.
+
+    A pool's backward pass puts each window's cotangent at the window's saved
+    winner and zeros everywhere else; this keeps the winners' values and
+    positions instead of the full-resolution tensor (a 2x2 pool: a quarter of
+    the numbers, no zero fill). The folded backward pass
+    (``_engine/_folded_backward.py``) gives it to the rules that take it
+    (:attr:`LayerRule.takes_pooled_cotangents`); :meth:`dense` is the tensor
+    the pool's backward pass forms.
+
+    Parameters
+    ----------
+    values : torch.Tensor of shape (n, K, C, *pooled)
+        Per row, cotangent ``k``, channel and window: the cotangent at the
+        window's winner.
+    indices : torch.Tensor of shape (n, C, *pooled)
+        Each window's winner, a flat index into the input's ``spatial``
+        positions (the pool's saved indices, as ``max_pool2d_with_indices``
+        returns them); the same for every cotangent.
+    spatial : tuple of int
+        The input's spatial shape (``(H, W)`` for a 2-d pool).
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    spatial: tuple
+
+    @property
+    def shape(self):
+        """The shape of :meth:`dense`: ``(n, K, C, *spatial)``."""
+        return torch.Size((*self.values.shape[:3], *self.spatial))
+
+    def with_values(self, values):
+        """The same winners with other values (``values`` (n, K', C, *pooled))."""
+        return PooledCotangent(values, self.indices, self.spatial)
+
+    def rows(self, index):
+        """A subset of the rows."""
+        return PooledCotangent(self.values[index], self.indices[index], self.spatial)
+
+    def flat(self):
+        """``values`` (n, K, C, P) and ``indices`` (n, C, P), the windows flat."""
+        return self.values.flatten(3), self.indices.flatten(2)
+
+    def dense(self):
+        """The full-resolution cotangents (n, K, C, *spatial): zeros, each value
+        added at its winner (overlapping windows add), laid out output first (a
+        view of a (K, n, ...) tensor, as the probe's other cotangents): the
+        tensor of the pool's own backward pass."""
+        values, indices = self.flat()
+        n, n_outputs, channels = values.shape[:3]
+        size = 1
+        for extent in self.spatial:
+            size *= int(extent)
+        out = values.new_zeros((n_outputs, n, channels, size))
+        out.scatter_add_(3, indices.expand(n_outputs, *indices.shape), values.transpose(0, 1))
+        return out.view(n_outputs, n, channels, *self.spatial).transpose(0, 1)
+
+
 class LayerRule(ABC):
     """What the engine needs of one parameterised layer (the rule protocol).
 
@@ -108,6 +170,11 @@ class LayerRule(ABC):
     #: a backward pass of the rule's (cheaper where the layer's is not batched
     #: over cotangents). False (the default): the layer's forward.
     replaces_own_forward: bool = False
+    #: Whether :meth:`factors` takes a :class:`PooledCotangent` as ``delta`` (the
+    #: layer's output feeds a max-pool or min-pool directly: its cotangents are
+    #: zero but at the windows' winners). False (the default): ``delta`` is
+    #: always a tensor.
+    takes_pooled_cotangents: bool = False
 
     @classmethod
     def for_module(cls, module, names):
@@ -128,7 +195,8 @@ class LayerRule(ABC):
             The layer's positional tensor inputs, rows first.
         delta : torch.Tensor of shape (n, K, ...)
             Per row and kept output ``k``, the cotangent of the layer's output
-            (``d f_k / d(layer output)``).
+            (``d f_k / d(layer output)``); a :class:`PooledCotangent` for rules
+            with :attr:`takes_pooled_cotangents`.
         weights : RowWeights
             The weights the rows sit at (the layer's own parameters among them).
         """

@@ -18,8 +18,9 @@ from sklearn_pathkernel import DistanceConv2d
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine.rules import make_rule
 from sklearn_pathkernel._engine.rules._distance import DistanceConv2dRule
-from sklearn_pathkernel._engine.rules._protocol import RowWeights
+from sklearn_pathkernel._engine.rules._protocol import PooledCotangent, RowWeights
 from sklearn_pathkernel._nn._distance import KERNELS
+from sklearn_pathkernel._nn._distance_conv import MinPool2d
 from sklearn_pathkernel._training import SolverSettings
 from sklearn_pathkernel._training._loop import train_module
 
@@ -219,6 +220,69 @@ def test_rows_at_the_step_start_get_the_layers_own_values(kernel):
         own = layer(x)
     for row in (0, 2):
         assert torch.equal(out[row], own[row])
+
+
+#: Pools after the layer: (the pool, its winners' flat indices).
+POOLS = {
+    "min_pool": (MinPool2d(2), lambda out: F.max_pool2d_with_indices(-out, 2)[1]),
+    "overlapping_max_pool": (  # (a position can win several windows: their terms add)
+        lambda out: F.max_pool2d(out, 3, stride=1, padding=1),
+        lambda out: F.max_pool2d_with_indices(out, 3, stride=1, padding=1)[1],
+    ),
+}
+
+
+def pool_cotangents(pool, out, n_outputs=3, seed=4):
+    """Cotangents of ``pool(out)`` (n, K, J, H', W'), and those of ``out`` by torch's
+    own backward pass of the pool (one pass per output), (n, K, J, H, W)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = out.detach().requires_grad_(True)
+    pooled = pool(out)
+    g = torch.randn(out.shape[0], n_outputs, *pooled.shape[1:], dtype=DT, generator=generator)
+    dense = torch.stack(
+        [torch.autograd.grad(pooled, out, g[:, k], retain_graph=True)[0] for k in range(n_outputs)],
+        1,
+    )
+    return g, dense
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("moving", [False, True], ids=["one_point", "own_weights"])
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_a_pools_winners_give_the_gradients_of_its_backward_pass(kernel, moving, pool):
+    """The cotangents of a pool after the layer as its windows' winners
+    (:class:`PooledCotangent`, what the folded backward pass gives): the per-example
+    gradients of the pool's own full-resolution cotangents (torch's backward pass
+    of the pool, then per-sample Jacobians of the layer at each row's weights),
+    with tied windows (pixels and memories on a 1/16 grid); ``MinPool2d(2)`` drops
+    the last row of positions (3 rows, windows of 2), the overlapping max-pool
+    puts several windows' terms on one position."""
+    layer = make_layer(kernel)
+    with torch.no_grad():
+        layer.memories.copy_(torch.round(16 * layer.memories) / 16)
+    local = [name for name, _ in layer.named_parameters()]
+    x = torch.randint(0, 17, (4, 2, 5, 6)).to(DT) / 16
+    rule = make_rule(layer, "", set(local))
+    if moving:
+        weights = moving_weights(layer, local, x.shape[0])
+    else:
+        weights = RowWeights({name: getattr(layer, name).detach() for name in local})
+    out = rule.output_at((x,), weights)
+    forward, winners = POOLS[pool]
+    g, dense = pool_cotangents(forward, out)
+    pooled = PooledCotangent(g, winners(out), tuple(out.shape[2:]))
+    if pool == "min_pool":
+        assert (dense == 0).sum() >= 3 * dense.numel() // 4  # (a quarter at most: the winners)
+        assert torch.equal(pooled.dense(), dense)  # the pool's own backward pass
+    else:
+        assert_close(pooled.dense(), dense, rtol=1e-15)  # (the windows' terms added)
+    found = rule.factors((x,), pooled, weights).grads
+    expected = rule.factors((x,), dense, weights).grads
+    assert_close(found, expected, rtol=1e-15)
+    for row in range(x.shape[0]):
+        at = moved_layer(layer, weights, row) if moving else layer
+        reference = jacobian_grads(at, local, x[row : row + 1], dense[row : row + 1])
+        assert_close(found[row : row + 1], reference)
 
 
 def test_output_at_is_differentiable_in_the_input():
