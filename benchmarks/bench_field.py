@@ -25,8 +25,9 @@ Sections (each can be run alone):
     ``self_influence()``), counterfactual attribution (``counterfactual(X, y,
     target="margin")``; self: ``self_influence(method="counterfactual")``) and
     dattri 0.3.0's TRAK (1 model and ``--ensemble`` models), TracIn (10
-    checkpoints), Grad-Dot and influence functions (DataInf: the explicit Hessian
-    of 10^5 weights does not fit in memory), on the same trained models. dattri's
+    checkpoints), Grad-Dot and influence functions (DataInf and EK-FAC: the
+    explicit Hessian of 10^5 weights does not fit in memory), on the same trained
+    models. dattri's
     DVEmb is listed and printed "not supported (reason)": it models plain SGD
     (no momentum) on a deterministic network, and this run has momentum 0.9 and
     dropout (its unprojected W x W matrix would also take 96 GB at 109 386 weights). Each runs
@@ -76,6 +77,16 @@ Sections (each can be run alone):
     gets wrong) with its true and predicted class, its ``k`` proponents and
     opponents with their labels, contributions and shares, and the ``k`` training
     images of highest self-influence.
+
+The table's runs can share one ground truth: ``--ground-truth-cache gt.npz`` computes
+the retrained margins once and writes them (a digest of the data, the settings and
+the trained model's margins is the key; a file of another run is refused); a run
+started while another writes it does its methods first and then waits for the file.
+``--score-queries q`` attributes and scores only the first ``q`` of the ``--queries``
+test points, on the same trained models (the ground truth is that of all of them), for
+the methods too slow for all 500; ``--skip-self`` leaves out every method's self score
+(the mislabel AUC does not depend on the queries, so a run of fewer queries need not
+repeat it).
 
 ``--dtype float32`` trains the estimator's runs (and the user loop) in float32, their
 kernels those of the float64 replays; ``--path-storage disk`` keeps every fit's path in
