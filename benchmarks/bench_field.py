@@ -214,9 +214,7 @@ def run_table(args):
             rows[method] = {"not_supported": reason}
             continue
         row = rows[method] = {"stored_mib": _mib(stored_bytes(method, ctx))}
-        row["scores"], row["time_attr"], memory_attr, error = measured(
-            attribute, ctx, args.timeout
-        )
+        row["scores"], row["time_attr"], memory_attr, error = measured(attribute, ctx, args.timeout)
         if error:
             row["error_attr"] = error.strip().splitlines()[-1]
         memory_self = None
@@ -369,9 +367,7 @@ def run_profile(args):
             return clf.decompose(queries)
 
     parts, decompose_seconds = _timed(decompose)
-    scalar, scalar_seconds = _timed(
-        lambda: clf.decompose(queries, target="output", y=task.y_test)
-    )
+    scalar, scalar_seconds = _timed(lambda: clf.decompose(queries, target="output", y=task.y_test))
     _, counterfactual_seconds = _timed(
         lambda: clf.counterfactual(queries, task.y_test, target="margin")
     )
