@@ -83,7 +83,8 @@ the retrained margins once and writes them (a digest of the data, the settings a
 the trained model's margins is the key; a file of another run is refused); a run
 started while another writes it does its methods first and then waits for the file.
 ``--score-queries q`` attributes and scores only the first ``q`` of the ``--queries``
-test points, on the same trained models (the ground truth is that of all of them), for
+test points (``--score-queries a b``: those from ``a`` to ``b - 1``), on the same
+trained models (the ground truth is that of all of them), for
 the methods too slow for all 500; ``--skip-self`` leaves out every method's self score
 (the mislabel AUC does not depend on the queries, so a run of fewer queries need not
 repeat it).
@@ -203,8 +204,10 @@ def run_table(args):
     if not ground_truth_pending(args.ground_truth_cache):
         truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
     ground_seconds = time.perf_counter() - start
-    scored = args.score_queries or task.X_test.shape[0]
-    queried = dataclasses.replace(task, X_test=task.X_test[:scored], y_test=task.y_test[:scored])
+    scored = slice(*(args.score_queries or [task.X_test.shape[0]]))
+    queried = dataclasses.replace(task, X_test=task.X_test[scored], y_test=task.y_test[scored])
+    indices = range(task.X_test.shape[0])[scored]
+    first, last = indices[0], indices[-1]
     ctx = Context(queried, clf, noisy, noisy_y, args.ensemble)
     rows = {}
     for method in args.methods:
@@ -232,11 +235,11 @@ def run_table(args):
         truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
     subsets, removed = truths["subsets"], truths["removed"]
     truth, truth_same, truth_loo = (
-        truths[name][:, :scored] for name in ("lds", "lds_same_seed", "loo")
+        truths[name][:, scored] for name in ("lds", "lds_same_seed", "loo")
     )
     print(
         f"\n## mnist10 (784-128-64-10, dropout 0.1, SGD lr 0.01 momentum 0.9, batch 64): "
-        f"M={task.n_train}, {scored} of {task.X_test.shape[0]} test points scored, "
+        f"M={task.n_train}, test points {first} to {last} of {task.X_test.shape[0]} scored, "
         f"{args.epochs} epochs = {clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy "
         f"{accuracy:.3f}; LDS over {args.subsets} subsets of 50 %; ground truth "
         f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
@@ -260,7 +263,7 @@ def run_table(args):
         for key in ("error_attr", "error_self"):
             if key in row:
                 print(f"|   ({key}: {row[key][:150]}) |")
-    return {"rows": task.n_train, "queries": task.X_test.shape[0], "scored_queries": scored,
+    return {"rows": task.n_train, "queries": task.X_test.shape[0], "scored_queries": [first, last],
             "steps": clf.n_steps_, "accuracy": accuracy, "fit_s": fit_seconds,
             "methods": rows}  # fmt: skip
 
@@ -886,9 +889,10 @@ def main():
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip
     parser.add_argument("--skip-self", action="store_true",
                         help="table: no self scores (mislabel AUC) of any method")  # fmt: skip
-    parser.add_argument("--score-queries", type=int, default=None,
-                        help="table: attribute and score only the first q of the "
-                        "--queries test points (the same trained models)")  # fmt: skip
+    parser.add_argument("--score-queries", type=int, nargs="+", default=None,
+                        help="table: attribute and score only the first q of the --queries "
+                        "test points (q), or those from a to b - 1 (a b), on the same "
+                        "trained models")  # fmt: skip
     parser.add_argument("--ground-truth-cache", default=None,
                         help="table: a .npz of the retrained margins, computed once and "
                         "shared by runs of the same settings (a run that finds it being "
