@@ -67,7 +67,20 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 
-from .._path import read_row
+from .._path import masks_applied, read_row
+
+
+def replay_tolerance(training_dtype):
+    """How far, relative to the run's largest step, the differentiated update map
+    may land from a recorded step's weights: 1e-9 for a float64 run (rounding alone
+    gives about 1e-15), ``1000 eps`` of the training dtype otherwise (a float32 run's
+    float64 replay took its steps from the float32 run's own output gradients:
+    about 1e-7 apart). A step the sweep does not model (a dropout mask not applied,
+    a setting read wrong) misses by a fraction of the step itself, and the sweep
+    would differentiate another run."""
+    if training_dtype == torch.float64:
+        return 1e-9
+    return 1e3 * torch.finfo(training_dtype).eps
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,10 @@ class TrainingRun:
         The rows' sample weights (ones when the fit had none).
     update : UpdateMap
         The optimiser's exact step.
+    training_dtype : torch.dtype
+        The dtype the network was trained in (``path`` is float64 either way: a
+        float32 run's float64 replay). It sets how closely the differentiated steps
+        must reproduce the path (:func:`replay_tolerance`).
     """
 
     module: object
@@ -97,6 +114,7 @@ class TrainingRun:
     loss: object
     sample_weight: torch.Tensor
     update: object
+    training_dtype: torch.dtype = torch.float64
 
     @property
     def n_steps(self):
@@ -120,12 +138,16 @@ class TrainingRun:
 
     def gradient_function(self, step):
         """``G(w, eps)``: the gradient of step ``step``'s loss, every row's share
-        scaled by ``1 + eps`` (eps of shape (|B_s|,))."""
+        scaled by ``1 + eps`` (eps of shape (|B_s|,)), the network evaluated with the
+        step's recorded dropout masks (those its rows drew in training)."""
         rows, shares = self.batch(step)
         X, y = self.X[rows], self.y[rows]
+        masks = self.path.masks(step)
 
         def batch_loss(weights, eps):
-            per_sample = self.loss.per_sample(self.output(weights, X), y)
+            with masks_applied(self.module, masks):
+                output = self.output(weights, X)
+            per_sample = self.loss.per_sample(output, y)
             return (shares * (1.0 + eps) * per_sample).sum()
 
         return grad(batch_loss), rows, shares
@@ -181,7 +203,11 @@ class AdjointSweep:
         After :meth:`replay`: the largest ``|U_s(w_s, state_s, G_s) - w_{s+1}|``
         over steps and weights, relative to the largest step ``|w_{s+1} - w_s|``: how
         exactly the differentiated update map reproduces the recorded run (rounding,
-        about 1e-15, when it is the run's optimiser).
+        about 1e-15, when it is the run's optimiser). Beyond
+        :func:`replay_tolerance` the sweep is refused (``ValueError``): its scores
+        would be the derivative of another run. Computed independently of the
+        sweep's scores: each step's update from the recorded weights, against the
+        next recorded weights.
     """
 
     def __init__(self, run):
@@ -217,8 +243,20 @@ class AdjointSweep:
                 error = max(error, float((moved - following).abs().max()))
                 largest = max(largest, float((following - weights).abs().max()))
             weights = following
-        self._states = states
         self.replay_error = error / largest if largest > 0 else error
+        tolerance = replay_tolerance(run.training_dtype)
+        if not self.replay_error <= tolerance:
+            raise ValueError(
+                "Counterfactual attribution refused: the differentiated steps do not "
+                "reproduce the recorded run (they land "
+                f"{self.replay_error:.3g} of the largest step from the recorded weights, "
+                f"beyond the {tolerance:g} of rounding in "
+                f"{str(run.training_dtype).removeprefix('torch.')}); their derivative "
+                "would be another run's. A part of the training step the sweep does not "
+                "model (a layer that is random or batch-dependent in training, a setting "
+                "the optimiser's update map does not read) makes that difference."
+            )
+        self._states = states
         return states
 
     def target_gradients(self, queries, target, labels, step=None):

@@ -61,6 +61,7 @@ def _training_run(estimator, engine):
         loss=estimator._loss,
         sample_weight=torch.as_tensor(_sample_weight(estimator), dtype=X.dtype, device=X.device),
         update=SolverSettings.of(estimator).update_map(engine.path.learning_rates),
+        training_dtype=estimator.path_.weights.dtype,
     )
 
 

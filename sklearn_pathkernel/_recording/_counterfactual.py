@@ -144,6 +144,7 @@ def stated_run(recording):
             else torch.as_tensor(sample_weight, device=X.device)
         ),
         update=update,
+        training_dtype=path.weights.dtype,
     )
     stated = StatedRun(recording.loss, recording.sample_weight, run, settings, difference)
     recording._stated_cache = stated
