@@ -1,9 +1,12 @@
 """The adjoint sweep against independent computations: autograd through the whole
 unrolled run, and finite differences of real retraining."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
 from sklearn_pathkernel._engine._adjoint import AdjointSweep
@@ -182,6 +185,42 @@ def test_certificate_of_a_convolutional_network():
     ).fit(X, y)  # fmt: skip
     certificate = clf.counterfactual(X[:2], y[:2], target="loss", certify=2).certificate
     assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+
+
+def mlp_with_dropout(n_features, n_classes):
+    return nn.Sequential(
+        nn.Linear(n_features, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, n_classes)
+    )
+
+
+def test_certificate_of_a_network_with_dropout():
+    """Each step is differentiated with the dropout masks its rows drew: retraining
+    with one row's weight moved (same seed, so the same masks) agrees to 1e-6, and
+    the replayed steps land on the recorded weights."""
+    X, y = gaussian_data(n=36)
+    clf = ExactPathKernelClassifier(
+        module=mlp_with_dropout, max_iter=3, batch_size=12, solver="sgd", momentum=0.9,
+        learning_rate=0.1, random_state=0,
+    ).fit(X, y)  # fmt: skip
+    assert clf.path_.dropout_masks is not None
+    result = clf.counterfactual(X[:3], y[:3], target="margin", certify=3, random_state=1)
+    assert result.replay_error < 1e-13
+    certificate = result.certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+    assert np.abs(certificate.finite_differences).max() > 1e-4  # not a vacuous check
+
+
+def test_a_sweep_whose_steps_miss_the_recorded_run_is_refused(fitted):
+    """The sweep replays every step from the recorded weights before differentiating
+    it: a run it does not reproduce (here the rows moved by 1 %, as a dropout mask
+    left out or a setting read wrong would) is refused, never differentiated."""
+    clf, _, _ = fitted
+    run = estimator_context(clf).training_run()
+    moved = dataclasses.replace(run, X=run.X * 1.01)
+    with pytest.raises(ValueError, match="do not reproduce the recorded run"):
+        AdjointSweep(moved).replay()
+    with pytest.raises(ValueError, match="do not reproduce the recorded run"):
+        AdjointSweep(moved).run_queries(run.X[:1], MarginTarget(), torch.tensor([0]))
 
 
 def _schedule(step):
