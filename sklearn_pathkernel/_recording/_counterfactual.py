@@ -104,8 +104,9 @@ def stated_run(recording):
     path = recording.path_
     if path.dropout_masks is not None:
         raise RecordingRefused(
-            "Counterfactual attribution does not differentiate a run with dropout in "
-            "training mode (its masks would have to be replayed in every derivative)."
+            "Counterfactual attribution does not differentiate a recorded loop with "
+            "dropout in training mode yet (an estimator's run with dropout it does, with "
+            "the recorded masks): use method='contributions'."
         )
     if path.running_statistics is not None:
         raise RecordingRefused(
