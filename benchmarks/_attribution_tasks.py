@@ -257,7 +257,8 @@ def retrained_margins(task, clf, n_subsets, n_loo, cache=None, poll=30.0):
     of the same task and settings (the key is a digest of the data, the estimator's
     settings, ``clf``'s test margins and the counts; a file of another key is an
     error, never read). A run that finds ``cache + ".lock"`` waits, polling every
-    ``poll`` seconds, for the run that holds it to write the file.
+    ``poll`` seconds, for the run that holds it to write the file (a lock left by a
+    run that died before writing must be removed by hand).
     """
     key = _truth_key(task, clf, n_subsets, n_loo)
     if cache is not None:
