@@ -102,12 +102,6 @@ def stated_run(recording):
             "run again with this version's TrainingRecorder."
         )
     path = recording.path_
-    if path.dropout_masks is not None:
-        raise RecordingRefused(
-            "Counterfactual attribution does not differentiate a recorded loop with "
-            "dropout in training mode yet (an estimator's run with dropout it does, with "
-            "the recorded masks): use method='contributions'."
-        )
     if path.running_statistics is not None:
         raise RecordingRefused(
             "Counterfactual attribution does not differentiate a run with BatchNorm in "

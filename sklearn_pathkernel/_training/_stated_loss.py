@@ -19,7 +19,9 @@ wrong targets, label smoothing, class weights, a sum reduction or unaveraged
 gradient accumulation. :func:`retrain` then trains the run again, with a fresh
 optimiser of the recorded settings (:mod:`._optimizer_settings`), the recorded
 batches and learning rates, and any rows' weights moved: real retraining, the
-independent check of counterfactual scores.
+independent check of counterfactual scores. Both evaluate each step with the
+dropout masks its rows drew in the recorded run (the masks are part of the run: a
+row's weight moves its loss, not the randomness).
 """
 
 import copy
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from .._path import masks_applied
 from ._losses import CLASSIFICATION_LOSSES, REGRESSION_LOSSES, Loss
 from ._optimizers import RecordingRefused
 from ._replay import ROUNDING_STEPS
@@ -180,7 +183,7 @@ def check_output_gradients(path, module, X, y, loss, dtype, sample_weight=None):
     for step in range(path.n_steps):
         rows = torch.as_tensor(path.batches[step], device=X.device)
         weights = path.unflatten(path.weights[step].to(device=X.device, dtype=DTYPE))
-        with torch.enable_grad():
+        with torch.enable_grad(), masks_applied(module, path.masks(step)):
             out = functional_call(module, weights, (X[rows],)).detach().requires_grad_(True)
             f = loss.link(out)
         shares = batch_shares(weights_of_rows, rows)
@@ -266,7 +269,8 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
         optimizer.zero_grad()
         rows = torch.as_tensor(path.batches[step], device=X.device)
         shares = batch_shares(weight, rows)
-        f = loss.link(module(X[rows]))
+        with masks_applied(module, path.masks(step)):
+            f = loss.link(module(X[rows]))
         (loss_scale * (shares * loss.per_sample(f, y[rows])).sum()).backward()
         optimizer.step()
         if every_step:
