@@ -52,6 +52,13 @@ weight by :math:`1 + h` moves every share of the batch (the denominator), i.e.
 
 the *weight scores*, which finite differences of real retraining check.
 
+Dropout and BatchNorm trained in training mode are part of the step: each step's
+batch is evaluated with the dropout masks its rows drew, and BatchNorm's running
+statistics :math:`r` join the state, :math:`(w, r)`, moved by their averaging of the
+batch statistics :math:`b_s(w_s)` (:mod:`._adjoint_statistics`); the target is the
+eval-mode network's, :math:`T(x; w_S, r_S)`, so :math:`\\lambda` has a component on
+:math:`r` too.
+
 Cost and memory: a forward replay of the run (one gradient per step) keeps the
 optimiser's state at every step, ``8 S n_state W`` bytes (``n_state`` = 0 for SGD,
 1 with momentum, 2 for Adam); the reverse sweep holds the adjoints, ``8 n (1 +
@@ -61,13 +68,16 @@ batched over the queries by ``vmap`` (``n |B_s|`` rows of activations). So one
 sweep costs about ``S`` batched Hessian-vector products of ``n`` vectors.
 """
 
+import contextlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 
-from .._path import masks_applied, read_row
+from .._path import masks_applied, read_row, with_running_statistics
+from ._adjoint_statistics import RunningStatisticsStep
 
 
 def replay_tolerance(training_dtype):
@@ -90,8 +100,12 @@ class TrainingRun:
     Attributes
     ----------
     module : torch.nn.Module
-        The network (its structure; the weights come from the path).
+        The network in eval mode (its structure; the weights come from the path).
     path : WeightPath
+        The recorded path: the parameters' weights, and BatchNorm's running
+        statistics in ``running_statistics`` for a network with BatchNorm trained in
+        training mode (whose state is then ``(w, r)``, see
+        :mod:`._adjoint_statistics`).
     X : torch.Tensor of shape (M, ...)
         The training rows, on the device the sweep computes on.
     y : torch.Tensor
@@ -120,6 +134,37 @@ class TrainingRun:
     def n_steps(self):
         return self.path.n_steps
 
+    @cached_property
+    def statistics(self):
+        """The :class:`RunningStatisticsStep` of a network with BatchNorm trained in
+        training mode, else None."""
+        stats = self.path.running_statistics
+        return None if stats is None else RunningStatisticsStep(self.module, stats)
+
+    @cached_property
+    def coordinates(self):
+        """The state the sweep differentiates along the run: the path with the running
+        statistics as coordinates after the weights (the path itself without
+        BatchNorm)."""
+        return with_running_statistics(self.path)
+
+    @cached_property
+    def n_weights(self):
+        """The number of weights ``W`` (the coordinates' first ``W``)."""
+        return int(sum(torch.Size(shape).numel() for shape in self.path.param_shapes))
+
+    @property
+    def network(self):
+        """The module the passes evaluate (BatchNorm's private copy, or ``module``)."""
+        return self.module if self.statistics is None else self.statistics.module
+
+    def _training_pass(self):
+        """Within: BatchNorm's training layers on batch statistics; yields the dict of
+        the batch's statistics (empty without BatchNorm)."""
+        if self.statistics is None:
+            return contextlib.nullcontext({})
+        return self.statistics.training_pass()
+
     def batch(self, step):
         """Step ``step``'s rows (int64 tensor on the device) and their shares ``a_{s,i}``."""
         rows = torch.as_tensor(self.path.batches[step], device=self.X.device)
@@ -129,39 +174,54 @@ class TrainingRun:
         return rows, shares
 
     def weights(self, step):
-        """``w_step``, on the device."""
-        return read_row(self.path.weights, step, self.X.device)
+        """The coordinates at step ``step`` (``w_step``, and ``r_step`` after it with
+        BatchNorm), on the device."""
+        return read_row(self.coordinates.weights, step, self.X.device)
 
-    def output(self, weights, X):
-        """``f = link(module(X))`` at the flat ``weights``."""
-        return self.loss.link(functional_call(self.module, self.path.unflatten(weights), (X,)))
+    def output(self, coordinates, X):
+        """``f = link(module(X))`` of the eval-mode network at the flat
+        ``coordinates`` (:meth:`weights`)."""
+        values = self.coordinates.unflatten(coordinates)
+        return self.loss.link(functional_call(self.network, values, (X,)))
 
     def gradient_function(self, step):
-        """``G(w, eps)``: the gradient of step ``step``'s loss, every row's share
-        scaled by ``1 + eps`` (eps of shape (|B_s|,)), the network evaluated with the
-        step's recorded dropout masks (those its rows drew in training)."""
+        """``G(w, eps)``: the gradient of step ``step``'s loss with respect to the
+        weights ``w`` (W,), every row's share scaled by ``1 + eps`` (eps of shape
+        (|B_s|,)), the network evaluated as in training: with the step's recorded
+        dropout masks (those its rows drew) and BatchNorm's batch statistics. Returns
+        ``(G, batch)``, ``batch`` the BatchNorm layers' batch statistics (empty
+        without)."""
         rows, shares = self.batch(step)
         X, y = self.X[rows], self.y[rows]
         masks = self.path.masks(step)
+        network = self.network
 
         def batch_loss(weights, eps):
-            with masks_applied(self.module, masks):
-                output = self.output(weights, X)
-            per_sample = self.loss.per_sample(output, y)
-            return (shares * (1.0 + eps) * per_sample).sum()
+            with masks_applied(network, masks), self._training_pass() as batch:
+                out = functional_call(network, self.path.unflatten(weights), (X,))
+            per_sample = self.loss.per_sample(self.loss.link(out), y)
+            return (shares * (1.0 + eps) * per_sample).sum(), batch
 
-        return grad(batch_loss), rows, shares
+        return grad(batch_loss, has_aux=True), rows, shares
 
     def step_function(self, step, hessian=True):
-        """``U_s(w, state, G(w, eps))`` as a function of ``(w, state, eps)``; with
-        ``hessian=False``, ``U_s(w, state, G(w_s, eps))``: the gradient held at the
-        recorded weights (its dependence on ``w`` cut, so no Hessian term)."""
+        """``U_s(c, state, G(w, eps))`` as a function of the coordinates ``c``
+        (:meth:`weights`), the optimiser's state and ``eps``; with ``hessian=False``,
+        ``U_s(c, state, G(w_s, eps))``: the gradient (and BatchNorm's batch
+        statistics) held at the recorded weights, their dependence on ``w`` cut (no
+        Hessian term). With BatchNorm the running statistics move by
+        :meth:`RunningStatisticsStep.moved`."""
         gradient, rows, shares = self.gradient_function(step)
-        recorded = self.weights(step)
+        statistics, n = self.statistics, self.n_weights
+        recorded = self.weights(step)[:n]
 
-        def update(weights, state, eps):
-            at = weights if hessian else recorded
-            return self.update(step, weights, state, gradient(at, eps))
+        def update(coordinates, state, eps):
+            weights = coordinates if statistics is None else coordinates[:n]
+            step_gradient, batch = gradient(weights if hessian else recorded, eps)
+            moved, state = self.update(step, weights, state, step_gradient)
+            if statistics is not None:
+                moved = torch.cat([moved, statistics.moved(step, coordinates[n:], batch)])
+            return moved, state
 
         return update, rows, shares
 
@@ -201,9 +261,11 @@ class AdjointSweep:
     ----------
     replay_error : float
         After :meth:`replay`: the largest ``|U_s(w_s, state_s, G_s) - w_{s+1}|``
-        over steps and weights, relative to the largest step ``|w_{s+1} - w_s|``: how
-        exactly the differentiated update map reproduces the recorded run (rounding,
-        about 1e-15, when it is the run's optimiser). Beyond
+        over steps and weights, relative to the largest step ``|w_{s+1} - w_s|``
+        (with BatchNorm, the same of the running statistics, relative to their
+        largest move, if larger): how exactly the differentiated update map
+        reproduces the recorded run (rounding, about 1e-15, when it is the run's
+        optimiser). Beyond
         :func:`replay_tolerance` the sweep is refused (``ValueError``): its scores
         would be the derivative of another run. Computed independently of the
         sweep's scores: each step's update from the recorded weights, against the
@@ -211,14 +273,6 @@ class AdjointSweep:
     """
 
     def __init__(self, run):
-        if run.path.running_statistics is not None:
-            raise NotImplementedError(
-                "Counterfactual attribution of a network with BatchNorm trained in "
-                "training mode is not available: the sweep differentiates each step as a "
-                "function of the weights, and the running statistics' averaging (and the "
-                "rows' coupling through the batch) are not part of the replayed step. "
-                "Use method='contributions'."
-            )
         self.run = run
         self._states = None
         self.replay_error = None
@@ -230,20 +284,28 @@ class AdjointSweep:
         if self._states is not None:
             return self._states
         run = self.run
-        weights = run.weights(0)
-        state = run.update.initial_state(weights)
-        states, error, largest = [], 0.0, 0.0
+        coordinates = run.weights(0)
+        state = run.update.initial_state(coordinates[: run.n_weights])
+        # the weights, and BatchNorm's running statistics, each against its own moves
+        parts = [slice(0, run.n_weights)]
+        if run.statistics is not None:
+            parts.append(slice(run.n_weights, None))
+        states, error, largest = [], [0.0] * len(parts), [0.0] * len(parts)
         for step in range(run.n_steps):
             states.append(tuple(t.cpu() for t in state))
-            gradient, rows, _ = run.gradient_function(step)
-            eps = torch.zeros(rows.shape[0], dtype=weights.dtype, device=weights.device)
+            update, rows, _ = run.step_function(step)
+            eps = torch.zeros(rows.shape[0], dtype=coordinates.dtype, device=coordinates.device)
             with torch.no_grad():
-                moved, state = run.update(step, weights, state, gradient(weights, eps))
+                moved, state = update(coordinates, state, eps)
                 following = run.weights(step + 1)
-                error = max(error, float((moved - following).abs().max()))
-                largest = max(largest, float((following - weights).abs().max()))
-            weights = following
-        self.replay_error = error / largest if largest > 0 else error
+                for k, part in enumerate(parts):
+                    error[k] = max(error[k], float((moved[part] - following[part]).abs().max()))
+                    move = float((following[part] - coordinates[part]).abs().max())
+                    largest[k] = max(largest[k], move)
+            coordinates = following
+        self.replay_error = max(
+            e / scale if scale > 0 else e for e, scale in zip(error, largest, strict=True)
+        )
         tolerance = replay_tolerance(run.training_dtype)
         if not self.replay_error <= tolerance:
             raise ValueError(
@@ -299,7 +361,9 @@ class AdjointSweep:
         n, M, S = queries.shape[0], run.X.shape[0], run.n_steps
         values, adjoint = self.target_gradients(queries, target, labels)
         device, dtype = adjoint.device, adjoint.dtype
-        state_adjoint = tuple(torch.zeros_like(adjoint) for _ in range(run.update.n_state))
+        state_adjoint = tuple(
+            torch.zeros_like(adjoint[:, : run.n_weights]) for _ in range(run.update.n_state)
+        )
         scores = torch.zeros((n, M), dtype=dtype, device=device)
         weight_scores = torch.zeros((n, M), dtype=dtype, device=device)
         norms = np.zeros((S + 1, n))

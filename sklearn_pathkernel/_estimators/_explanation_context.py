@@ -7,6 +7,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .._engine import TrainingRun, as_tensor
 from .._explain import ExplanationContext
+from .._path import with_running_statistics
 from .._training import SolverSettings
 
 
@@ -37,7 +38,7 @@ def estimator_context(estimator):
         output_names=names,
         queries=queries,
         epochs=np.arange(n_steps) // per_epoch,
-        training_run=lambda: _training_run(estimator, engine),
+        training_run=lambda: _training_run(estimator),
         refit=lambda sample_weight=None, loss_scale=1.0: _refit(
             estimator, targets, sample_weight, loss_scale
         ),
@@ -50,25 +51,27 @@ def _sample_weight(estimator):
     return np.ones(estimator._fit_X.shape[0]) if weights is None else weights
 
 
-def _training_run(estimator, engine):
+def _training_run(estimator):
     """The fitted run as a ``TrainingRun``: what counterfactual attribution differentiates."""
     X = estimator._fit_X
+    run64 = estimator._float64_run()  # (the float64 network and path the engine explains)
     return TrainingRun(
-        module=engine.module,  # (the float64 network the engine's path ends at)
-        path=engine.path,
+        module=run64.module,
+        path=run64.path,
         X=X,
         y=torch.as_tensor(estimator._fit_targets, device=X.device),
         loss=estimator._loss,
         sample_weight=torch.as_tensor(_sample_weight(estimator), dtype=X.dtype, device=X.device),
-        update=SolverSettings.of(estimator).update_map(engine.path.learning_rates),
+        update=SolverSettings.of(estimator).update_map(run64.path.learning_rates),
         training_dtype=estimator.path_.weights.dtype,
     )
 
 
 def _refit(estimator, targets, sample_weight, loss_scale):
-    """The final flat weights and number of steps of the estimator refitted (same
-    settings, seed and data) with ``sample_weight`` (None: the fit's) and every
-    loss scaled by ``loss_scale`` (through the solver's parameters)."""
+    """The final coordinates (the flat weights, and BatchNorm's running statistics
+    after them, as ``TrainingRun.weights``) and number of steps of the estimator
+    refitted (same settings, seed and data) with ``sample_weight`` (None: the fit's)
+    and every loss scaled by ``loss_scale`` (through the solver's parameters)."""
     if sample_weight is None:
         sample_weight = _sample_weight(estimator)
     params = {}
@@ -78,4 +81,4 @@ def _refit(estimator, targets, sample_weight, loss_scale):
     X = estimator._fit_X.cpu().numpy()
     refitted = clone(estimator).set_params(**params).fit(X, targets, sample_weight=sample_weight)
     path = refitted._float64_run().path  # (a float32 refit's float64 replay)
-    return path.weights[-1].clone(), path.n_steps
+    return with_running_statistics(path).weights[-1].clone(), path.n_steps

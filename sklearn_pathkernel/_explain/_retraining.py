@@ -112,7 +112,7 @@ def retraining_certificate(context, run, evaluate, attribution, rows, h):
             "certified by retraining (certify=0 skips the check)."
         )
     weights = run.sample_weight.cpu().numpy()
-    recorded = run.path.weights[-1]
+    recorded = run.weights(run.n_steps).cpu()
     final, n_steps = context.refit()
     if n_steps != run.n_steps or not torch.allclose(final, recorded, rtol=1e-12, atol=1e-14):
         raise ValueError(

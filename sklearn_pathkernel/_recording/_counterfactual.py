@@ -63,8 +63,9 @@ class StatedRun:
 
     def refit(self, sample_weight=None, loss_scale=1.0):
         """The run trained again by ``torch.optim`` with the rows' ``sample_weight``
-        (None: the run's) and every loss scaled by ``loss_scale``: the final flat
-        weights and the number of steps (the ``refit`` of the explanation context)."""
+        (None: the run's) and every loss scaled by ``loss_scale``: the final
+        coordinates (the flat weights, and BatchNorm's running statistics after them)
+        and the number of steps (the ``refit`` of the explanation context)."""
         run = self.run
         if sample_weight is None:
             sample_weight = run.sample_weight.cpu().numpy()
@@ -73,6 +74,17 @@ class StatedRun:
             sample_weight=sample_weight, loss_scale=loss_scale,
         )  # fmt: skip
         return final, run.path.n_steps
+
+
+def _retrained_path(path, coordinates):
+    """``path`` with the weights (and BatchNorm's running statistics) of a retraining's
+    every step (:func:`retrain`)."""
+    n_weights = sum(int(torch.Size(shape).numel()) for shape in path.param_shapes)
+    stats = path.running_statistics
+    if stats is not None:
+        stats = replace(stats, values=coordinates[:, n_weights:])
+    weights = coordinates[:, :n_weights]
+    return replace(path, weights=weights, storage="memory", running_statistics=stats)
 
 
 def _identity(out):
@@ -102,13 +114,6 @@ def stated_run(recording):
             "run again with this version's TrainingRecorder."
         )
     path = recording.path_
-    if path.running_statistics is not None:
-        raise RecordingRefused(
-            "Counterfactual attribution does not differentiate a run with BatchNorm in "
-            "training mode: a row's loss depends on its whole batch through the batch "
-            "statistics, and the running statistics' averaging is not part of the "
-            "differentiated step. Use method='contributions'."
-        )
     run64 = recording._float64_run()
     module, replayed = run64.module, run64.path
     X = recording.X_train_.to(DTYPE)
@@ -122,10 +127,10 @@ def stated_run(recording):
     )
     update = settings.update_map(DTYPE, X.device)
     if path.weights.dtype != DTYPE:
-        weights = retrain(
+        coordinates = retrain(
             module, replayed, X, y, loss, settings, sample_weight=sample_weight, every_step=True
         )
-        replayed = replace(replayed, weights=weights, storage="memory")
+        replayed = _retrained_path(replayed, coordinates)
         check_replay(path, replayed)
     run = TrainingRun(
         module=module,

@@ -19,9 +19,12 @@ wrong targets, label smoothing, class weights, a sum reduction or unaveraged
 gradient accumulation. :func:`retrain` then trains the run again, with a fresh
 optimiser of the recorded settings (:mod:`._optimizer_settings`), the recorded
 batches and learning rates, and any rows' weights moved: real retraining, the
-independent check of counterfactual scores. Both evaluate each step with the
-dropout masks its rows drew in the recorded run (the masks are part of the run: a
-row's weight moves its loss, not the randomness).
+independent check of counterfactual scores. Both evaluate each step as it was
+trained: with the dropout masks its rows drew in the recorded run (the masks are part
+of the run: a row's weight moves its loss, not the randomness), and with the BatchNorm
+layers that trained in training mode in training mode (batch statistics; the
+retraining's own running statistics, from the recorded initial ones, are its
+result's).
 """
 
 import copy
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from .._path import masks_applied
+from .._path import load_statistics, masks_applied
 from ._losses import CLASSIFICATION_LOSSES, REGRESSION_LOSSES, Loss
 from ._optimizers import RecordingRefused
 from ._replay import ROUNDING_STEPS
@@ -179,6 +182,7 @@ def check_output_gradients(path, module, X, y, loss, dtype, sample_weight=None):
     """
     tolerance = ROUNDING_STEPS * torch.finfo(dtype).eps / 2
     weights_of_rows = as_weights(sample_weight, X.shape[0], X.device)
+    module = _as_trained(copy.deepcopy(module), path)
     largest = 0.0
     for step in range(path.n_steps):
         rows = torch.as_tensor(path.batches[step], device=X.device)
@@ -224,6 +228,29 @@ def check_output_gradients(path, module, X, y, loss, dtype, sample_weight=None):
     return largest
 
 
+def _as_trained(module, path):
+    """``module`` (a copy) with the BatchNorm layers that trained in training mode
+    back in training mode, from the recorded initial running statistics."""
+    stats = path.running_statistics
+    if stats is not None:
+        load_statistics(module, stats, 0)
+        layers = dict(module.named_modules())
+        for name in stats.training_layers:
+            layers[name].train()
+    return module
+
+
+def _coordinates(params, module, path):
+    """The flat weights, and the running statistics after them (as
+    ``TrainingRun.weights``), on the host."""
+    parts = [p.detach().reshape(-1) for p in params]
+    stats = path.running_statistics
+    if stats is not None:
+        buffers = dict(module.named_buffers())
+        parts += [buffers[name].detach().reshape(-1) for name in stats.names]
+    return torch.cat(parts).cpu()
+
+
 def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scale=1.0,
             every_step=False):  # fmt: skip
     """The recorded run trained again in float64 by a fresh ``torch.optim`` optimiser.
@@ -245,14 +272,17 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
         The rows' weights (None: ones, the plain mean).
     loss_scale : float, default=1.0
     every_step : bool, default=False
-        Return the weights of every step (S + 1, W), else the final ones (W,).
+        Return the coordinates of every step (S + 1, W + R), else the final ones
+        (W + R,).
 
     Returns
     -------
     torch.Tensor
-        On the host, float64.
+        On the host, float64: the flat weights, and with BatchNorm trained in
+        training mode its ``R`` running statistics after them (the retraining's own,
+        in the order of ``path.running_statistics.names``).
     """
-    module = copy.deepcopy(module)
+    module = _as_trained(copy.deepcopy(module), path)
     start = path.unflatten(path.weights[0].to(device=X.device, dtype=DTYPE))
     params = []
     with torch.no_grad():
@@ -263,7 +293,7 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
             params.append(param)
     optimizer = settings.optimizer(params)
     weight = as_weights(sample_weight, X.shape[0], X.device)
-    steps = [torch.cat([p.detach().reshape(-1) for p in params]).cpu()] if every_step else None
+    steps = [_coordinates(params, module, path)] if every_step else None
     for step in range(path.n_steps):
         settings.set_step(optimizer, step)
         optimizer.zero_grad()
@@ -274,7 +304,7 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
         (loss_scale * (shares * loss.per_sample(f, y[rows])).sum()).backward()
         optimizer.step()
         if every_step:
-            steps.append(torch.cat([p.detach().reshape(-1) for p in params]).cpu())
+            steps.append(_coordinates(params, module, path))
     if every_step:
         return torch.stack(steps)
-    return torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+    return _coordinates(params, module, path)

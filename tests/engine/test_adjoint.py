@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from scipy.special import logsumexp
 from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelClassifier, ExactPathKernelRegressor
@@ -208,6 +209,62 @@ def test_certificate_of_a_network_with_dropout():
     certificate = result.certificate
     assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
     assert np.abs(certificate.finite_differences).max() > 1e-4  # not a vacuous check
+
+
+def mlp_with_batchnorm(n_features, n_classes):
+    # (no bias before BatchNorm: its gradient is zero but for rounding, which Adam
+    # would amplify into noise in the finite differences)
+    return nn.Sequential(
+        nn.Linear(n_features, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(),
+        nn.Linear(8, n_classes),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings, h",
+    [
+        (dict(solver="sgd", momentum=0.9, learning_rate=0.1), 1e-4),
+        (dict(solver="adam", learning_rate=0.01), 3e-6),
+    ],
+    ids=["momentum", "adam"],
+)
+def test_certificate_of_a_network_with_batchnorm(settings, h):
+    """BatchNorm trained in training mode: each step's loss on batch statistics, the
+    running statistics moved by their averaging, the target the eval-mode network's.
+    Retraining with one row's weight moved agrees to 1e-6 (Adam's central
+    differences are curved: its h is smaller), and the replayed steps land on the
+    recorded weights and statistics."""
+    X, y = gaussian_data(n=36)
+    clf = ExactPathKernelClassifier(
+        module=mlp_with_batchnorm, max_iter=3, batch_size=12, random_state=0, **settings
+    ).fit(X, y)
+    stats = clf.path_.running_statistics
+    assert stats is not None and not torch.equal(stats.values[0], stats.values[-1])
+    result = clf.counterfactual(
+        X[:3], y[:3], target="margin", certify=3, random_state=1, hessian=True, h=h
+    )
+    assert result.replay_error < 1e-13
+    certificate = result.certificate
+    assert certificate.row_error < 1e-6 and certificate.total_error < 1e-6
+    assert np.abs(certificate.finite_differences).max() > 1e-4  # not a vacuous check
+    logits = clf.decision_function(X[:3])  # (the eval-mode network's target)
+    margins = [f[c] - logsumexp(np.delete(f, c)) for f, c in zip(logits, y[:3], strict=True)]
+    np.testing.assert_allclose(result.values, margins, rtol=0, atol=1e-12)
+
+
+def test_running_statistics_are_part_of_the_differentiated_step():
+    """With BatchNorm, a sweep that left the running statistics' move out would miss
+    the recorded statistics: refused like any step it does not reproduce."""
+    X, y = gaussian_data(n=36)
+    clf = ExactPathKernelClassifier(
+        module=mlp_with_batchnorm, max_iter=2, batch_size=12, solver="sgd", random_state=0
+    ).fit(X, y)
+    run = estimator_context(clf).training_run()
+    stats = run.path.running_statistics
+    frozen = dataclasses.replace(stats, factors=[{} for _ in stats.factors])
+    path = dataclasses.replace(run.path, running_statistics=frozen)
+    with pytest.raises(ValueError, match="do not reproduce the recorded run"):
+        AdjointSweep(dataclasses.replace(run, path=path)).replay()
 
 
 def test_a_sweep_whose_steps_miss_the_recorded_run_is_refused(fitted):

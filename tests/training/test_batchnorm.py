@@ -463,10 +463,10 @@ def test_early_stopping_restores_weights_and_statistics():
 
 
 def test_what_needs_a_training_copy_is_refused_by_name():
-    """Gram matrices, self-influence, attribution over time and counterfactual
-    attribution need a row's gradient outside the batch it was trained in, or the
-    step replayed as a function of the weights: refused, naming the reason; the
-    explanations by contributions work."""
+    """Gram matrices, self-influence and attribution over time need a row's gradient
+    outside the batch it was trained in: refused, naming the reason; the
+    explanations by contributions work (and counterfactual attribution,
+    tests/engine/test_adjoint.py)."""
     X, y = data()
     model = mlp()
     recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2), X, y)
@@ -482,12 +482,6 @@ def test_what_needs_a_training_copy_is_refused_by_name():
     strongest = -np.sort(-parts.contributions, axis=1)[:, :3].transpose(0, 2, 1)  # (n, K, 3)
     np.testing.assert_allclose(explanation.proponent_values, strongest, rtol=0, atol=1e-12)
     np.testing.assert_allclose(explanation.output, parts.output, rtol=0, atol=1e-12)
-    Xn, yn = data(40)
-    clf = ExactPathKernelClassifier(module=mlp(), max_iter=2, batch_size=10, random_state=0).fit(
-        Xn.numpy(), yn.numpy()
-    )
-    with pytest.raises(NotImplementedError, match="Counterfactual attribution of a network"):
-        clf.counterfactual(Xn[:2].numpy())
 
 
 def test_a_module_left_in_training_mode_is_evaluated_in_eval_mode():
