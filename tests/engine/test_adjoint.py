@@ -252,6 +252,24 @@ def test_certificate_of_a_network_with_batchnorm(settings, h):
     np.testing.assert_allclose(result.values, margins, rtol=0, atol=1e-12)
 
 
+def test_self_influence_and_explanations_of_a_network_with_batchnorm():
+    """The counterfactual's self-influence and explanations need no training copy:
+    they work with BatchNorm, the self scores the diagonal of the rows' scores."""
+    X, y = gaussian_data(n=36)
+    clf = ExactPathKernelClassifier(
+        module=mlp_with_batchnorm, max_iter=2, batch_size=12, solver="sgd", random_state=0
+    ).fit(X, y)
+    own = clf.self_influence(method="counterfactual", target="margin").values[:, 0]
+    rows = np.diagonal(clf.counterfactual(X, y, target="margin").scores)
+    np.testing.assert_allclose(own, rows, rtol=1e-12, atol=1e-15)
+    explanation = clf.explain(X[:2], method="counterfactual", k=3)
+    scores = clf.counterfactual(X[:2], target="output", output=0).scores  # (class 0's)
+    np.testing.assert_allclose(
+        explanation.proponent_values[:, 0], -np.sort(-scores, axis=1)[:, :3], rtol=1e-12,
+        atol=1e-15,
+    )  # fmt: skip
+
+
 def test_running_statistics_are_part_of_the_differentiated_step():
     """With BatchNorm, a sweep that left the running statistics' move out would miss
     the recorded statistics: refused like any step it does not reproduce."""
