@@ -226,6 +226,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         self._fit_sample_weight = sample_weight  # what counterfactual attribution differentiates
         self.__dict__.pop("_kernel_cache", None)
         self.__dict__.pop("_replay_cache", None)
+        self.__dict__.pop("_twin_cache", None)
         if replay is not None:
             self.__dict__["_replay_cache"] = replay
         return self
@@ -299,6 +300,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         state = dict(state)
         state.pop("_kernel_cache", None)
         state.pop("_replay_cache", None)  # (rebuilt, bitwise the same, when needed)
+        state.pop("_twin_cache", None)
         # Host tensors only: the pickle loads on a machine without the device.
         if "module_" in state:
             state["module_"] = on_host(state["module_"])

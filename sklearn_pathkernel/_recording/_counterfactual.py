@@ -17,7 +17,7 @@ loss (checked to end within the float32 run's rounding bound of its final weight
 as the kernel's float64 replay is); its ``values`` are that run's targets.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,8 +26,8 @@ from .._training import (
     RecordingRefused,
     StatedLoss,
     check_output_gradients,
-    check_replay,
     check_sample_weight,
+    float64_twin,
     loss_targets,
     resolve_loss,
     retrain,
@@ -76,17 +76,6 @@ class StatedRun:
         return final, run.path.n_steps
 
 
-def _retrained_path(path, coordinates):
-    """``path`` with the weights (and BatchNorm's running statistics) of a retraining's
-    every step (:func:`retrain`)."""
-    n_weights = sum(int(torch.Size(shape).numel()) for shape in path.param_shapes)
-    stats = path.running_statistics
-    if stats is not None:
-        stats = replace(stats, values=coordinates[:, n_weights:])
-    weights = coordinates[:, :n_weights]
-    return replace(path, weights=weights, storage="memory", running_statistics=stats)
-
-
 def _identity(out):
     return out
 
@@ -127,11 +116,9 @@ def stated_run(recording):
     )
     update = settings.update_map(DTYPE, X.device)
     if path.weights.dtype != DTYPE:
-        coordinates = retrain(
-            module, replayed, X, y, loss, settings, sample_weight=sample_weight, every_step=True
+        replayed = float64_twin(
+            module, path, replayed, X, y, loss, settings, sample_weight=sample_weight
         )
-        replayed = _retrained_path(replayed, coordinates)
-        check_replay(path, replayed)
     run = TrainingRun(
         module=module,
         path=replayed,

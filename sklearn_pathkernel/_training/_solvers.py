@@ -101,3 +101,33 @@ class SolverSettings:
         return rule.build(
             params, learning_rate, {h.name: self.values[h.name] for h in rule.all_hyperparameters()}
         )
+
+    def schedule(self, learning_rates):
+        """These settings over a run's recorded ``learning_rates`` (one per step): what
+        :func:`~._stated_loss.retrain` trains again with, as a recording's
+        :class:`~._optimizer_settings.OptimizerSettings`."""
+        return SolverSchedule(self, tuple(float(rate) for rate in learning_rates))
+
+
+class SolverSchedule:
+    """An estimator's solver over its recorded learning rates.
+
+    Parameters
+    ----------
+    settings : SolverSettings
+    learning_rates : tuple of float
+        Every step's learning rate.
+    """
+
+    def __init__(self, settings, learning_rates):
+        self.settings = settings
+        self.learning_rates = learning_rates
+
+    def optimizer(self, params):
+        """A fresh optimiser of the solver over ``params``."""
+        return self.settings.optimizer(params, self.learning_rates[0])
+
+    def set_step(self, optimizer, step):
+        """Give ``optimizer`` step ``step``'s learning rate (every group)."""
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rates[step]

@@ -28,6 +28,7 @@ result's).
 """
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from torch.func import functional_call
 from .._path import load_statistics, masks_applied
 from ._losses import CLASSIFICATION_LOSSES, REGRESSION_LOSSES, Loss
 from ._optimizers import RecordingRefused
-from ._replay import ROUNDING_STEPS
+from ._replay import ROUNDING_STEPS, check_replay
 
 DTYPE = torch.float64
 
@@ -228,6 +229,49 @@ def check_output_gradients(path, module, X, y, loss, dtype, sample_weight=None):
     return largest
 
 
+def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_weight=None):
+    """The float64 twin of a float32 run: :func:`retrain` of every step from the
+    recorded :math:`w_0`, checked to end within the float32 run's rounding bound of
+    its recorded final weights (and running statistics).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The float64 network.
+    recorded : WeightPath
+        The recorded float32 path (what the twin is checked against).
+    replayed : WeightPath
+        Its float64 replay (:func:`~._replay.float64_run`): the batches, masks,
+        running statistics, learning rates and :math:`w_0` are read.
+    X, y, loss, settings, sample_weight
+        As :func:`retrain` takes them.
+
+    Returns
+    -------
+    WeightPath
+        ``replayed`` with the twin's weights (and running statistics) of every step,
+        in memory.
+
+    Raises
+    ------
+    RecordingRefused
+        When the twin ends beyond the float32 run's rounding bound
+        (:func:`~._replay.check_replay`).
+    """
+    coordinates = retrain(
+        module, replayed, X, y, loss, settings, sample_weight=sample_weight, every_step=True
+    )
+    n_weights = sum(int(torch.Size(shape).numel()) for shape in replayed.param_shapes)
+    stats = replayed.running_statistics
+    if stats is not None:
+        stats = replace(stats, values=coordinates[:, n_weights:])
+    twin = replace(
+        replayed, weights=coordinates[:, :n_weights], storage="memory", running_statistics=stats
+    )
+    check_replay(recorded, twin)
+    return twin
+
+
 def _as_trained(module, path):
     """``module`` (a copy) with the BatchNorm layers that trained in training mode
     back in training mode, from the recorded initial running statistics."""
@@ -266,8 +310,12 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
     path : WeightPath
     X, y : torch.Tensor
         The float64 training inputs, the targets as ``loss`` takes them.
-    loss : StatedLoss
-    settings : OptimizerSettings
+    loss : Loss
+        The training loss (``link`` and ``per_sample``; a recording's
+        :class:`StatedLoss`).
+    settings : OptimizerSettings or SolverSchedule
+        The optimiser at every step: ``settings.optimizer(params)`` a fresh one,
+        ``settings.set_step(optimizer, step)`` its learning rates at ``step``.
     sample_weight : ndarray of shape (M,) or None
         The rows' weights (None: ones, the plain mean).
     loss_scale : float, default=1.0
@@ -302,6 +350,9 @@ def retrain(module, path, X, y, loss, settings, *, sample_weight=None, loss_scal
         with masks_applied(module, path.masks(step)):
             f = loss.link(module(X[rows]))
         (loss_scale * (shares * loss.per_sample(f, y[rows])).sum()).backward()
+        for param in params:  # (a parameter the loss does not reach: a zero gradient,
+            if param.grad is None:  # as the estimators' loop gives it)
+                param.grad = torch.zeros_like(param)
         optimizer.step()
         if every_step:
             steps.append(_coordinates(params, module, path))

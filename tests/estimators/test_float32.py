@@ -12,6 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from sklearn.datasets import load_digits
 from sklearn.utils._param_validation import InvalidParameterError
 from torch.func import functional_call
@@ -198,17 +199,25 @@ def test_invalid_dtype_is_refused(digits, value):
         ExactPathKernelClassifier(dtype=value).fit(X, y)
 
 
-def test_counterfactual_of_a_float32_fit_differentiates_the_float64_replay(digits):
-    """The adjoint sweep runs on the float64 replayed network; its own replay of the
-    run recomputes the output gradients in float64 (the kernel's replay keeps the
-    float32 run's), so it reports a replay error at the float32 level, not zero."""
+@pytest.mark.parametrize("module", [None, "batchnorm"])
+def test_counterfactual_of_a_float32_fit_differentiates_its_float64_twin(digits, module):
+    """The adjoint sweep differentiates the float64 twin: the run trained again in
+    float64 by torch.optim from the recorded w_0 (its steps reproduced to float64
+    rounding), whose retraining certifies the scores to 1e-6 (retraining the float32
+    fit instead gave float32 rounding over h: 4e-3 at h = 1e-4); the scores are
+    within float32 rounding of the float64 fit's."""
     X, y = digits
     params = dict(solver="sgd", momentum=0.9, learning_rate=0.05)
+    if module == "batchnorm":
+        params["module"] = lambda d, k: nn.Sequential(
+            nn.Linear(d, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, k)
+        )
     single = fit(X, y, dtype="float32", **params)
     double = fit(X, y, **params)
-    result = single.counterfactual(X[:2], y[:2], target="margin")
+    result = single.counterfactual(X[:2], y[:2], target="margin", certify=2)
     reference = double.counterfactual(X[:2], y[:2], target="margin")
-    assert 1e-12 < result.replay_error < 1e-6 and reference.replay_error < 1e-13
+    assert result.replay_error < 1e-13 and reference.replay_error < 1e-13
+    assert result.certificate.error <= 1e-6
     np.testing.assert_allclose(result.scores, reference.scores, rtol=1e-3, atol=1e-6)
 
 
