@@ -22,10 +22,12 @@ def mlp(dtype=torch.float64, seed=0):
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
 
 
-def run(model, optimizer, X, y, *, epochs=3, batch_size=8, scheduler=None, loss=None, seed=1):
-    """An ordinary loop, with the recorder's two lines."""
+def run(model, optimizer, X, y, *, epochs=3, batch_size=8, scheduler=None, loss=None, seed=1,
+        **recorder_options):  # fmt: skip
+    """An ordinary loop, with the recorder's two lines (``recorder_options``: the
+    recorder's keyword arguments, e.g. ``y=`` and ``loss=``)."""
     loss = loss or (lambda out, target: F.cross_entropy(out, target))
-    recorder = TrainingRecorder(model, optimizer, X)
+    recorder = TrainingRecorder(model, optimizer, X, **recorder_options)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(X.shape[0], generator=generator)

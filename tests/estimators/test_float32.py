@@ -12,9 +12,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from torch import nn
 from sklearn.datasets import load_digits
 from sklearn.utils._param_validation import InvalidParameterError
+from torch import nn
 from torch.func import functional_call
 
 from sklearn_pathkernel import (

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _recorded_loops import run
 from sklearn.datasets import make_blobs
 from torch import nn
 
@@ -76,14 +77,26 @@ def user_loop(name, *, dtype=torch.float64, batch_size=10, epochs=3, weights=Non
     """The user's loop, recorded (``weights``: each row's loss weight, none when
     None; ``loss``: the loop's loss of (out, y), the mean cross-entropy by default).
     Returns the recording (None with ``weights``: then the final flat weights)."""
+    recording, X, model = run_loop(
+        name, tanh_mlp, dtype=dtype, batch_size=batch_size, epochs=epochs, weights=weights,
+        loss=loss, y_recorded=y_recorded, stated=stated, record=weights is None,
+    )  # fmt: skip
+    return model if recording is None else (recording, X)
+
+
+def run_loop(name, network, *, dtype=torch.float64, batch_size=10, epochs=3, weights=None,
+             loss=None, y_recorded=None, stated="log_loss", record=True):  # fmt: skip
+    """The loop of ``network(dtype)`` with optimiser ``LOOPS[name]``, recorded when
+    ``record``; each row's loss weighted by ``weights`` when given. Returns the
+    recording (or None), the inputs and the loop's own final model."""
     X, y = blobs()
     X, y = torch.tensor(X, dtype=dtype), torch.tensor(y)
-    model = tanh_mlp(dtype)
+    model = network(dtype)
     make_optimizer, make_scheduler = LOOPS[name]
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer) if make_scheduler else None
     recorder = None
-    if weights is None:
+    if record:
         recorded_y = y if y_recorded is None else y_recorded
         recorder = TrainingRecorder(model, optimizer, X, y=recorded_y, loss=stated)
     generator = torch.Generator().manual_seed(1)
@@ -105,9 +118,25 @@ def user_loop(name, *, dtype=torch.float64, batch_size=10, epochs=3, weights=Non
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-    if recorder is None:
-        return model
-    return recorder.finish(), X
+    return (None if recorder is None else recorder.finish()), X, model
+
+
+def assert_hand_differences(result, X, queries, rerun, h, output=1):
+    """Row 3's and row 17's ``loss_weight_scores`` are the central differences of
+    ``rerun(weights)`` (the loop run again by hand with the rows' loss weights; returns
+    its final model) to 1e-6 of each query's largest score, and not vacuous."""
+    for row in (3, 17):
+        targets = []
+        for sign in (1, -1):
+            weights = torch.ones(X.shape[0], dtype=X.dtype)
+            weights[row] += sign * h
+            model = rerun(weights).eval()
+            with torch.no_grad():
+                targets.append(model(queries)[:, output].numpy())
+        difference = (targets[0] - targets[1]) / (2 * h)
+        scale = np.abs(result.loss_weight_scores).max(axis=1)
+        assert (np.abs(result.loss_weight_scores[:, row] - difference) <= 1e-6 * scale).all()
+        assert np.abs(difference).max() > 1e-4  # the row moves the queries (not vacuous)
 
 
 def test_a_recording_without_a_stated_loss_says_so():
@@ -125,18 +154,9 @@ def test_scores_are_finite_differences_of_the_loop_run_again_by_hand(name):
     queries = X[:2]
     result = recording.counterfactual(queries, output=1, hessian=True)
     assert result.replay_error < 1e-13
-    h = 1e-5
-    for row in (3, 17):
-        targets = []
-        for sign in (1, -1):
-            weights = torch.ones(X.shape[0], dtype=X.dtype)
-            weights[row] += sign * h
-            model = user_loop(name, weights=weights)
-            with torch.no_grad():
-                targets.append(model(queries)[:, 1].numpy())
-        difference = (targets[0] - targets[1]) / (2 * h)
-        scale = np.abs(result.loss_weight_scores).max(axis=1)
-        assert (np.abs(result.loss_weight_scores[:, row] - difference) <= 1e-6 * scale).all()
+    assert_hand_differences(
+        result, X, queries, lambda weights: user_loop(name, weights=weights), h=1e-5
+    )
 
 
 @pytest.mark.parametrize("name", ["momentum-decay", "adamw-groups"])
@@ -384,101 +404,49 @@ def clone_fit(est, X, y, weights):
     return clone(est).fit(X, y, sample_weight=weights)
 
 
-def dropout_loop(name, *, dtype=torch.float64, weights=None):
-    """The user's loop of a tanh MLP with ``nn.Dropout(0.3)``, recorded (the recorder
-    draws the masks from torch's generator, seeded with the model: the same masks in
-    every run). ``weights``: each row's loss weight. Returns the recording, the
-    inputs and the loop's own final model."""
-    X, y = blobs()
-    X, y = torch.tensor(X, dtype=dtype), torch.tensor(y)
+def with_dropout(dtype):
     torch.manual_seed(0)
     hidden = nn.Sequential(nn.Tanh(), nn.Dropout(0.3))
-    model = nn.Sequential(nn.Linear(4, 8), hidden, nn.Linear(8, 3)).to(dtype)
-    make_optimizer, _ = LOOPS[name]
-    optimizer = make_optimizer(model)
-    recorder = TrainingRecorder(model, optimizer, X, y=y, loss="log_loss")
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        order = torch.randperm(X.shape[0], generator=generator)
-        for start in range(0, X.shape[0], 10):
-            rows = order[start : start + 10]
-            optimizer.zero_grad()
-            out = model(X[rows])
-            recorder.rows(rows)
-            per_row = F.cross_entropy(out, y[rows], reduction="none")
-            (per_row if weights is None else per_row * weights[rows]).mean().backward()
-            optimizer.step()
-    return recorder.finish(), X, model
+    return nn.Sequential(nn.Linear(4, 8), hidden, nn.Linear(8, 3)).to(dtype)
 
 
 @pytest.mark.parametrize("name", ["momentum-decay", "adamw-groups"])
 def test_a_loop_with_dropout_is_differentiated_with_its_masks(name):
     """The scores of a loop with dropout are the finite differences of the loop run
-    again by hand with the same masks (<= 1e-6), certified by retraining; the masks
-    are really drawn (some units dropped) and the same in every run."""
-    recording, X, _ = dropout_loop(name)
+    again by hand with the same masks (<= 1e-6: the recorder draws them from torch's
+    generator, seeded with the model, so every run recorded has the same masks),
+    certified by retraining; the masks are really drawn (some units dropped)."""
+    recording, X, _ = run_loop(name, with_dropout)
     masks = recording.path_.dropout_masks
     assert 0 < sum(float((~m).float().mean()) for step in masks for m in step.values())
     queries = X[:2]
     result = recording.counterfactual(queries, output=1, hessian=True, certify=2)
     assert result.replay_error < 1e-13
     assert result.certificate.error <= 1e-6
-    h = 1e-5
-    for row in (3, 17):
-        targets = []
-        for sign in (1, -1):
-            weights = torch.ones(X.shape[0], dtype=X.dtype)
-            weights[row] += sign * h
-            again, _, model = dropout_loop(name, weights=weights)
-            for step, step_masks in enumerate(again.path_.dropout_masks):
-                for layer, mask in step_masks.items():
-                    assert torch.equal(mask, masks[step][layer])
-            model.eval()
-            with torch.no_grad():
-                targets.append(model(queries)[:, 1].numpy())
-        difference = (targets[0] - targets[1]) / (2 * h)
-        scale = np.abs(result.loss_weight_scores).max(axis=1)
-        assert (np.abs(result.loss_weight_scores[:, row] - difference) <= 1e-6 * scale).all()
-        assert np.abs(difference).max() > 1e-4  # the row moves the queries (not vacuous)
+
+    def rerun(weights):
+        again, _, model = run_loop(name, with_dropout, weights=weights)
+        for step, step_masks in enumerate(again.path_.dropout_masks):
+            for layer, mask in step_masks.items():
+                assert torch.equal(mask, masks[step][layer])
+        return model
+
+    assert_hand_differences(result, X, queries, rerun, h=1e-5)
 
 
 def test_a_float32_loop_with_dropout_is_its_float64_twin_with_the_masks():
     """A float32 loop with dropout: the float64 twin is trained with the recorded
     masks (else it would not end within the run's rounding and be refused)."""
-    recording, X, _ = dropout_loop("momentum-decay", dtype=torch.float32)
+    recording, X, _ = run_loop("momentum-decay", with_dropout, dtype=torch.float32)
     result = recording.counterfactual(X[:2], output=0, certify=2, hessian=True)
     assert result.certificate.error <= 1e-6
 
 
-def batchnorm_loop(name, *, dtype=torch.float64, weights=None, record=True):
-    """The user's loop of an MLP with ``nn.BatchNorm1d`` in training mode (recorded
-    unless ``record`` is False; ``weights``: each row's loss weight). Returns the
-    recording (or None), the inputs and the loop's own final model."""
-    X, y = blobs()
-    X, y = torch.tensor(X, dtype=dtype), torch.tensor(y)
+def with_batchnorm(dtype):
     torch.manual_seed(0)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)
     ).to(dtype)
-    make_optimizer, make_scheduler = LOOPS[name]
-    optimizer = make_optimizer(model)
-    scheduler = make_scheduler(optimizer) if make_scheduler else None
-    recorder = TrainingRecorder(model, optimizer, X, y=y, loss="log_loss") if record else None
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        order = torch.randperm(X.shape[0], generator=generator)
-        for start in range(0, X.shape[0], 10):
-            rows = order[start : start + 10]
-            optimizer.zero_grad()
-            out = model(X[rows])
-            if recorder is not None:
-                recorder.rows(rows)
-            per_row = F.cross_entropy(out, y[rows], reduction="none")
-            (per_row if weights is None else per_row * weights[rows]).mean().backward()
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-    return (recorder.finish() if record else None), X, model
 
 
 @pytest.mark.parametrize("name, h", [("momentum-decay", 1e-5), ("adam-lambda-lr", 3e-6)])
@@ -486,31 +454,22 @@ def test_a_loop_with_batchnorm_is_differentiated_through_its_running_statistics(
     """BatchNorm in training mode: the scores are the finite differences of the loop
     run again by hand (no recorder; the eval-mode model's output), <= 1e-6, and the
     retraining certificate agrees (Adam's differences are curved: a smaller h)."""
-    recording, X, _ = batchnorm_loop(name)
+    recording, X, _ = run_loop(name, with_batchnorm)
     assert recording.path_.running_statistics is not None
     queries = X[:2]
     result = recording.counterfactual(queries, output=1, hessian=True, certify=2, h=h)
     assert result.replay_error < 1e-13
     assert result.certificate.error <= 1e-6
-    for row in (3, 17):
-        targets = []
-        for sign in (1, -1):
-            weights = torch.ones(X.shape[0], dtype=X.dtype)
-            weights[row] += sign * h
-            _, _, model = batchnorm_loop(name, weights=weights, record=False)
-            model.eval()
-            with torch.no_grad():
-                targets.append(model(queries)[:, 1].numpy())
-        difference = (targets[0] - targets[1]) / (2 * h)
-        scale = np.abs(result.loss_weight_scores).max(axis=1)
-        assert (np.abs(result.loss_weight_scores[:, row] - difference) <= 1e-6 * scale).all()
-        assert np.abs(difference).max() > 1e-4
+    assert_hand_differences(
+        result, X, queries,
+        lambda weights: run_loop(name, with_batchnorm, weights=weights, record=False)[2], h=h,
+    )  # fmt: skip
 
 
 def test_a_float32_loop_with_batchnorm_is_its_float64_twin():
     """The float32 loop's twin is retrained with BatchNorm in training mode, its
     running statistics checked against the recorded ones like its weights."""
-    recording, X, _ = batchnorm_loop("momentum-decay", dtype=torch.float32)
+    recording, X, _ = run_loop("momentum-decay", with_batchnorm, dtype=torch.float32)
     result = recording.counterfactual(X[:2], output=0, certify=2, hessian=True, h=1e-5)
     assert result.certificate.error <= 1e-6
 
@@ -525,16 +484,8 @@ def test_a_convolutional_loop_with_batchnorm2d():
         nn.Linear(64, 3),
     ).double()  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    recorder = TrainingRecorder(model, optimizer, X, y=y, loss="log_loss")
-    for _ in range(3):
-        for start in range(0, 24, 8):
-            rows = torch.arange(start, start + 8)
-            optimizer.zero_grad()
-            out = model(X[rows])
-            recorder.rows(rows)
-            F.cross_entropy(out, y[rows]).backward()
-            optimizer.step()
-    result = recorder.finish().counterfactual(X[:2], output=1, certify=3, h=1e-5)
+    recording = run(model, optimizer, X, y, y=y, loss="log_loss")
+    result = recording.counterfactual(X[:2], output=1, certify=3, h=1e-5)
     assert result.replay_error < 1e-13
     assert result.certificate.error <= 1e-6
     assert np.abs(result.certificate.finite_differences).max() > 1e-4
