@@ -23,11 +23,12 @@ def mlp(dtype=torch.float64, seed=0):
 
 
 def run(model, optimizer, X, y, *, epochs=3, batch_size=8, scheduler=None, loss=None, seed=1,
-        **recorder_options):  # fmt: skip
-    """An ordinary loop, with the recorder's two lines (``recorder_options``: the
-    recorder's keyword arguments, e.g. ``y=`` and ``loss=``)."""
+        stated=None):  # fmt: skip
+    """An ordinary loop, with the recorder's two lines (``stated``: the loss told to
+    the recorder, with the targets ``y``, for counterfactual attribution)."""
     loss = loss or (lambda out, target: F.cross_entropy(out, target))
-    recorder = TrainingRecorder(model, optimizer, X, **recorder_options)
+    told = {} if stated is None else {"y": y, "loss": stated}
+    recorder = TrainingRecorder(model, optimizer, X, **told)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(X.shape[0], generator=generator)

@@ -484,7 +484,7 @@ def test_a_convolutional_loop_with_batchnorm2d():
         nn.Linear(64, 3),
     ).double()  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    recording = run(model, optimizer, X, y, y=y, loss="log_loss")
+    recording = run(model, optimizer, X, y, stated="log_loss")
     result = recording.counterfactual(X[:2], output=1, certify=3, h=1e-5)
     assert result.replay_error < 1e-13
     assert result.certificate.error <= 1e-6
