@@ -60,6 +60,10 @@ from .integration._degree import path_degree
 from .integration._quadrature import Quadrature
 
 #: The parts built from the settings (rebuilt on unpickling, never pickled).
+#: The contributions one tile of the coupled self-influence holds (its rows' full
+#: decompositions, of which the diagonal is kept).
+SELF_TILE_BYTES = 256 * 2**20
+
 _PARTS = (
     "_probes",
     "_steps",
@@ -324,6 +328,33 @@ class PathKernelEngine:
         points (a :class:`~._stepwise.StepwiseDecomposition` of this engine)."""
         self._refuse_coupled("the step-by-step decomposition and self-influence")
         return StepwiseDecomposition(self._fitted, self._test_copy, verbose=self.verbose)
+
+    def self_influence(self, first_step=0, targets=None):
+        """``c_i(x_i)`` per training point and output: (M, K), or (M, 1) with
+        ``targets`` (one per training row), the diagonal of
+        ``decompose(X_train).contributions``, without its (M, M, K) array.
+
+        Without running statistics, :meth:`StepwiseDecomposition.self_influence`
+        (the terms of the steps from ``first_step`` on). With BatchNorm trained in
+        training mode a training row's gradient exists only in its own batch (no
+        training copy), so the diagonal is taken from the decomposition of the
+        training rows themselves, a tile of rows at a time (``SELF_TILE_BYTES`` of
+        contributions): the cost of ``decompose(X_train)``, every step.
+        """
+        if self.path.running_statistics is None:
+            return self.stepwise().self_influence(first_step, targets)
+        if first_step:
+            self._refuse_coupled("the self-influence from a later epoch (first_epoch)")
+        n_outputs = self.n_outputs if targets is None else 1
+        size = max(1, SELF_TILE_BYTES // (8 * self.n_train * n_outputs))
+        values = np.empty((self.n_train, n_outputs))
+        for begin in range(0, self.n_train, size):
+            rows = slice(begin, min(begin + size, self.n_train))
+            tile = None if targets is None else targets.take(rows)
+            parts = self.decompose(self.X_train[rows], targets=tile)
+            own = np.arange(rows.stop - rows.start)
+            values[rows] = parts.contributions[own, own + begin]
+        return values
 
     def _refuse_coupled(self, what):
         """Refuse ``what`` for a path with BatchNorm trained in training mode."""

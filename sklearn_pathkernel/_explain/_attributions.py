@@ -112,7 +112,7 @@ class Contributions(Attribution):
         return ScoreTile(parts.contributions, parts.output, parts.bias, parts.decay)
 
     def self_influence(self, context, first_epoch, batch_size, targets=None):
-        return self_influence(context, context.engine.stepwise(), first_epoch, targets)
+        return self_influence(context, first_epoch, targets)
 
 
 @register_attribution("counterfactual")

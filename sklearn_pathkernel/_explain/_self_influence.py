@@ -1,13 +1,14 @@
 """Self-influence: each training point's contribution to its own output.
 
 ``self_influence()[i, k] = c_i(x_i)_k``, the diagonal of
-``decompose(X_train).contributions``, computed without the (M, M, K) array:
-see ``StepwiseDecomposition.self_influence`` (plain SGD: the steps whose batch
-holds ``i`` only, ``M`` times the epochs test copies; momentum and Adam: every
-step's test copy of every row, ``M S``, and still no product with the other
-training points). A training point the network had to memorise (a flipped
-label, an outlier) pushes its own output far more than the others: ranking by
-the score finds it.
+``decompose(X_train).contributions``, computed without the (M, M, K) array: see
+``StepwiseDecomposition.self_influence`` (plain SGD: the steps whose batch holds
+``i`` only, ``M`` times the epochs test copies; momentum and Adam: every step's
+test copy of every row, ``M S``, and still no product with the other training
+points), and the engine's ``self_influence`` for BatchNorm trained in training
+mode (the diagonal of the training rows' decompositions). A training point the
+network had to memorise (a flipped label, an outlier) pushes its own output far
+more than the others: ranking by the score finds it.
 """
 
 from dataclasses import dataclass
@@ -117,10 +118,9 @@ class SelfInfluence:
         return ax
 
 
-def self_influence(context, stepwise, first_epoch=0, targets=None):
-    """The :class:`SelfInfluence` of a context's training points, from
-    ``stepwise.self_influence()`` (a ``StepwiseDecomposition`` of its engine),
-    the gradients of epochs ``first_epoch`` on; with ``targets`` (a
+def self_influence(context, first_epoch=0, targets=None):
+    """The :class:`SelfInfluence` of a context's training points, from its engine's
+    ``self_influence()``, the gradients of epochs ``first_epoch`` on; with ``targets`` (a
     ``QueryTargets`` of the training rows), of each row's own scalar target at
     the cost of one output (:func:`scalar_self_influence`)."""
     epochs = np.asarray(context.epochs)
@@ -132,7 +132,7 @@ def self_influence(context, stepwise, first_epoch=0, targets=None):
             f"first_epoch={first_epoch} is out of range: the run has {n_epochs} epochs."
         )
     first_step = int(np.searchsorted(epochs, first_epoch))
-    values = stepwise.self_influence(first_step, targets=targets)
+    values = context.engine.self_influence(first_step, targets=targets)
     if targets is not None:
         return scalar_self_influence(context, values[:, 0], targets)
     if context.is_classifier:

@@ -463,16 +463,16 @@ def test_early_stopping_restores_weights_and_statistics():
 
 
 def test_what_needs_a_training_copy_is_refused_by_name():
-    """Gram matrices, self-influence and attribution over time need a row's gradient
-    outside the batch it was trained in: refused, naming the reason; the
-    explanations by contributions work (and counterfactual attribution,
-    tests/engine/test_adjoint.py)."""
+    """Gram matrices, attribution over time and self-influence from a later epoch
+    need a row's gradient outside the batch it was trained in: refused, naming the
+    reason; the explanations by contributions work (and self-influence, below, and
+    counterfactual attribution, tests/engine/test_adjoint.py)."""
     X, y = data()
     model = mlp()
     recording = run(model, torch.optim.SGD(model.parameters(), lr=0.2), X, y)
     for call in (
         lambda: recording.gram(X[:3]),
-        lambda: recording.self_influence(),
+        lambda: recording.self_influence(first_epoch=1),
         lambda: recording.explain_over_time(X[:2]),
     ):
         with pytest.raises(NotImplementedError, match="BatchNorm trained in training mode"):
@@ -560,3 +560,28 @@ def test_statistics_changed_after_finish_are_refused(edit):
         model(X[:8])
     with pytest.raises(RecordingRefused, match="1.running_mean"):
         recording.decompose(X[:3])
+
+
+@pytest.mark.parametrize("tile_rows", [None, 7])
+def test_self_influence_is_the_diagonal_of_the_training_rows_decomposition(
+    tile_rows, monkeypatch
+):
+    """Without a training copy, self-influence is the diagonal of the decomposition
+    of the training rows, tile by tile (bitwise), for every output and for a scalar
+    target."""
+    X, y = data(40)
+    X, y = X.numpy(), y.numpy()
+    clf = ExactPathKernelClassifier(
+        module=mlp(), max_iter=2, batch_size=10, random_state=0, solver="sgd", momentum=0.9
+    ).fit(X, y)
+    if tile_rows is not None:  # (several tiles, the last one short)
+        monkeypatch.setattr(
+            "sklearn_pathkernel._engine._facade.SELF_TILE_BYTES", 8 * 40 * 3 * tile_rows
+        )
+    own = np.arange(len(X))
+    found = clf.self_influence()
+    np.testing.assert_array_equal(found.values, clf.decompose(X).contributions[own, own])
+    margin = clf.self_influence(target="margin")
+    expected = clf.decompose(X, y=y, target="margin").contributions[own, own]
+    np.testing.assert_array_equal(margin.values[:, 0], expected)
+    assert np.abs(found.values).max() > 1e-3
