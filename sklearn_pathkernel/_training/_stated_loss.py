@@ -274,13 +274,20 @@ def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_wei
 
 def _as_trained(module, path):
     """``module`` (a copy) with the BatchNorm layers that trained in training mode
-    back in training mode, from the recorded initial running statistics."""
+    back in training mode, from the recorded initial running statistics (and, for
+    ``momentum=None``'s cumulative average, the count of batches before the run:
+    its first averaging weight is ``1 / (count + 1)``)."""
     stats = path.running_statistics
     if stats is not None:
         load_statistics(module, stats, 0)
         layers = dict(module.named_modules())
+        first = stats.factors[0] if stats.factors else {}
         for name in stats.training_layers:
-            layers[name].train()
+            layer = layers[name]
+            layer.train()
+            if layer.momentum is None and name in first:
+                with torch.no_grad():
+                    layer.num_batches_tracked.fill_(round(1.0 / first[name]) - 1)
     return module
 
 

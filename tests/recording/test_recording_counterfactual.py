@@ -466,6 +466,37 @@ def test_a_loop_with_batchnorm_is_differentiated_through_its_running_statistics(
     )  # fmt: skip
 
 
+def cumulative_batchnorm(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8, momentum=None), nn.Tanh(),
+        nn.Linear(8, 3),
+    ).to(dtype)  # fmt: skip
+
+
+def one_batchnorm_frozen(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8, bias=False),
+        nn.BatchNorm1d(8, affine=False), nn.Tanh(), nn.Linear(8, 3),
+    ).to(dtype)  # fmt: skip
+    with torch.no_grad():
+        model[1].running_mean.add_(0.3)
+    model[1].eval()  # (normalises by its running statistics, which stay)
+    return model
+
+
+@pytest.mark.parametrize("network", [cumulative_batchnorm, one_batchnorm_frozen])
+def test_batchnorm_variants_are_certified_by_retraining(network):
+    """``momentum=None`` (the cumulative average: retraining starts from the recorded
+    count of batches) and a BatchNorm kept in eval mode beside one in training mode
+    (without affine parameters)."""
+    recording, X, _ = run_loop("adam-lambda-lr", network)
+    result = recording.counterfactual(X[:2], output=1, hessian=True, certify=3, h=3e-6)
+    assert result.replay_error < 1e-13
+    assert result.certificate.error <= 1e-6
+
+
 def test_a_float32_loop_with_batchnorm_is_its_float64_twin():
     """The float32 loop's twin is retrained with BatchNorm in training mode, its
     running statistics checked against the recorded ones like its weights."""
