@@ -252,6 +252,27 @@ def test_certificate_of_a_network_with_batchnorm(settings, h):
     np.testing.assert_allclose(result.values, margins, rtol=0, atol=1e-12)
 
 
+def test_regressor_with_batchnorm_and_relu():
+    """A regressor (squared error) with BatchNorm before a ReLU: certified by
+    retraining; the self-influence is the decomposition's diagonal."""
+    rng = np.random.RandomState(0)
+    X = rng.randn(40, 4)
+    y = X[:, 0] - X[:, 1] ** 2
+    reg = ExactPathKernelRegressor(
+        module=lambda d, k: nn.Sequential(
+            nn.Linear(d, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, k)
+        ),
+        max_iter=3, batch_size=10, random_state=0, solver="sgd", momentum=0.9,
+        learning_rate=0.05,
+    ).fit(X, y)  # fmt: skip
+    result = reg.counterfactual(X[:3], certify=3)
+    assert result.replay_error < 1e-13 and result.certificate.error < 1e-6
+    own = np.arange(len(X))
+    np.testing.assert_array_equal(
+        reg.self_influence().values, reg.decompose(X).contributions[own, own]
+    )
+
+
 def test_self_influence_and_explanations_of_a_network_with_batchnorm():
     """The counterfactual's self-influence and explanations need no training copy:
     they work with BatchNorm, the self scores the diagonal of the rows' scores."""
