@@ -19,6 +19,15 @@ METRICS = ("lds", "lds_same_seed", "loo")
 SETTINGS = ("rows", "epochs", "queries", "subsets", "loo", "path_storage", "dtype")
 
 
+def scored_points(table):
+    """The first and last test point a run scored (earlier runs wrote the number
+    of first points, or nothing: all of them)."""
+    scored = table.get("scored_queries", table["queries"])
+    if isinstance(scored, int):
+        return 0, scored - 1
+    return tuple(scored)
+
+
 def combine(runs):
     """``{method: {"points": [(first, last), ...], metric: mean, "time_attr": sum,
     "peak_mib": max}}`` of ``runs`` (the loaded JSON files)."""
@@ -28,7 +37,7 @@ def combine(runs):
     found = {}
     for run in runs:
         table = run["results"]["table"]
-        first, last = table["scored_queries"]
+        first, last = scored_points(table)
         for method, values in table["methods"].items():
             found.setdefault(method, []).append(((first, last), values))
     combined = {}
