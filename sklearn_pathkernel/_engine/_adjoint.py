@@ -68,7 +68,6 @@ batched over the queries by ``vmap`` (``n |B_s|`` rows of activations). So one
 sweep costs about ``S`` batched Hessian-vector products of ``n`` vectors.
 """
 
-import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -78,6 +77,9 @@ from torch.func import functional_call, grad, vjp, vmap
 
 from .._path import masks_applied, read_row, with_running_statistics
 from ._adjoint_statistics import RunningStatisticsStep
+
+#: A step's BatchNorm batch statistics without BatchNorm (never written).
+_NO_BATCH = {}
 
 
 def replay_tolerance(training_dtype):
@@ -158,13 +160,6 @@ class TrainingRun:
         """The module the passes evaluate (BatchNorm's private copy, or ``module``)."""
         return self.module if self.statistics is None else self.statistics.module
 
-    def _training_pass(self):
-        """Within: BatchNorm's training layers on batch statistics; yields the dict of
-        the batch's statistics (empty without BatchNorm)."""
-        if self.statistics is None:
-            return contextlib.nullcontext({})
-        return self.statistics.training_pass()
-
     def batch(self, step):
         """Step ``step``'s rows (int64 tensor on the device) and their shares ``a_{s,i}``."""
         rows = torch.as_tensor(self.path.batches[step], device=self.X.device)
@@ -197,12 +192,20 @@ class TrainingRun:
         network = self.network
 
         def batch_loss(weights, eps):
-            with masks_applied(network, masks), self._training_pass() as batch:
+            with masks_applied(network, masks):
                 out = functional_call(network, self.path.unflatten(weights), (X,))
             per_sample = self.loss.per_sample(self.loss.link(out), y)
-            return (shares * (1.0 + eps) * per_sample).sum(), batch
+            return (shares * (1.0 + eps) * per_sample).sum()
 
-        return grad(batch_loss, has_aux=True), rows, shares
+        if self.statistics is None:  # (no auxiliary output: functorch's aux costs a few %)
+            gradient = grad(batch_loss)
+            return (lambda weights, eps: (gradient(weights, eps), _NO_BATCH)), rows, shares
+
+        def with_statistics(weights, eps):
+            with self.statistics.training_pass() as batch:
+                return batch_loss(weights, eps), batch
+
+        return grad(with_statistics, has_aux=True), rows, shares
 
     def step_function(self, step, hessian=True):
         """``U_s(c, state, G(w, eps))`` as a function of the coordinates ``c``
@@ -213,7 +216,7 @@ class TrainingRun:
         :meth:`RunningStatisticsStep.moved`."""
         gradient, rows, shares = self.gradient_function(step)
         statistics, n = self.statistics, self.n_weights
-        recorded = self.weights(step)[:n]
+        recorded = None if hessian else self.weights(step)[:n]
 
         def update(coordinates, state, eps):
             weights = coordinates if statistics is None else coordinates[:n]
