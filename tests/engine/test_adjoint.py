@@ -291,6 +291,25 @@ def test_self_influence_and_explanations_of_a_network_with_batchnorm():
     )  # fmt: skip
 
 
+def test_dropout_and_batchnorm_together():
+    """Both parts of a training step at once: the recorded masks and the batch
+    statistics, the running statistics as state; certified by retraining."""
+    X, y = gaussian_data(n=36)
+    clf = ExactPathKernelClassifier(
+        module=lambda d, k: nn.Sequential(
+            nn.Linear(d, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.2),
+            nn.Linear(8, k),
+        ),
+        max_iter=3, batch_size=12, solver="sgd", momentum=0.9, learning_rate=0.1,
+        random_state=0,
+    ).fit(X, y)  # fmt: skip
+    assert clf.path_.dropout_masks is not None and clf.path_.running_statistics is not None
+    result = clf.counterfactual(X[:2], y[:2], target="margin", certify=3, random_state=1)
+    assert result.replay_error < 1e-13
+    assert result.certificate.row_error < 1e-6 and result.certificate.total_error < 1e-6
+    assert np.abs(result.certificate.finite_differences).max() > 1e-4
+
+
 def test_running_statistics_are_part_of_the_differentiated_step():
     """With BatchNorm, a sweep that left the running statistics' move out would miss
     the recorded statistics: refused like any step it does not reproduce."""
