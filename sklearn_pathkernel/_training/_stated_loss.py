@@ -249,8 +249,10 @@ def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_wei
     Returns
     -------
     WeightPath
-        ``replayed`` with the twin's weights (and running statistics) of every step,
-        in memory.
+        ``replayed`` with the twin's weights (and running statistics' values) of
+        every step, in memory. The rows' shares of the statistics' moves stay the
+        replay's (what the sweep differentiates does not read them; the kernel of a
+        float32 run is the replay's, not the twin's).
 
     Raises
     ------
