@@ -69,6 +69,16 @@ missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps;
 ``--steps``: the cells with that many steps (the estimator's ``max_iter``).
 Queries default to 5 (decompose and cross Gram; ``--queries``,
 ``--gram-queries``): the commit before issue 37 takes tens of seconds per query.
+The queries of one call share its per-call work (the batch's own rows at every
+step; for the cross Gram every training row with every output), so the cost per
+query falls with their number: ``--queries 10 --gram-queries 10`` is an
+explanation page's size.
+
+Full-batch cells add the products' floor (``products_rate``): the multiply-adds
+per query that meeting dense features with the batch's gradients cannot avoid
+(``K W M`` per step; one output with ``--target``), the rate the products phase
+reached and the machine's float64 matrix-product rate timed in the same process,
+and what the phase would take at that rate, as a share of the fit.
 
 The 28x28 CNN cell (``--cnn28``, issue 36): ``cnn28/adamw/mini``, the two-conv CNN
 a new user writes for MNIST (conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3,
@@ -453,6 +463,16 @@ def run_cell(packages, cell, size, config, args):
         result["breakdown"][name] = phases
         result["pieces"][name] = timer.counts["pieces"] / per
         result["nodes"][name] = timer.counts["nodes"] / per
+    if cell[2] == "full":
+        n_outputs = len(np.unique(y)) if y.ndim == 1 else y.shape[1]
+        result["products_rate"] = products_rate(
+            new,
+            1 if target is not None else n_outputs,
+            size,
+            n_steps,
+            len(queries),
+            result["breakdown"]["new"]["products"],
+        )
 
     if len(gram_queries):  # (--gram-queries 0: none)
         Qt = torch.tensor(gram_queries, dtype=torch.float64)
@@ -480,6 +500,30 @@ def run_cell(packages, cell, size, config, args):
         if "base" in grams:
             result["train_diff"] = relative_difference(grams["base"], grams["new"])
     return result
+
+
+def products_rate(clf, n_outputs, n_rows, n_steps, n_queries, seconds):
+    """The multiply-adds ``decompose``'s products cannot avoid, and their rate beside
+    the machine's matrix-product rate, timed here.
+
+    With full batches each step meets every query's ``n_outputs`` features
+    (``W`` numbers each) with the gradients of the ``n_rows`` rows: at least
+    ``n_outputs W n_rows`` multiply-adds per query and step, whatever the order of
+    the sums (Adam's features are dense; the dense distance layer's factored form
+    does exactly these, as one ``(n K J, D) x (D, n_rows)`` product). The machine's
+    rate is that of a float64 ``(1024, 1024) x (1024, 1024)`` product on the same
+    threads: the phase cannot beat ``multiply-adds / rate``.
+    """
+    n_weights = clf.path_.n_weights
+    per_query = n_outputs * n_weights * n_rows * n_steps
+    a = torch.randn(1024, 1024, dtype=torch.float64)
+    gemm = min(timed(lambda: a @ a)[0] for _ in range(5))
+    return {
+        "multiply_adds_per_query": per_query,
+        "rate": per_query * n_queries / seconds,
+        "gemm_rate": 1024**3 / gemm,
+        "weights": n_weights,
+    }
 
 
 def report(result):
@@ -521,6 +565,15 @@ def report(result):
         print(
             f"  {name:<4} decompose s: {parts}; pieces/step/query {result['pieces'][name]:.2f},"
             f" nodes/step/query {result['nodes'][name]:.1f}"
+        )
+    if "products_rate" in result:
+        rate = result["products_rate"]
+        floor = rate["multiply_adds_per_query"] / rate["gemm_rate"]
+        print(
+            f"  new  products: {rate['multiply_adds_per_query']:.3g} multiply-adds per query "
+            f"(W = {rate['weights']}), {rate['rate'] / 1e9:.1f} G/s; a (1024, 1024) "
+            f"product here {rate['gemm_rate'] / 1e9:.1f} G/s: at that rate {floor:.2f} s per "
+            f"query, {100 * floor / fit:.0f}% of the fit"
         )
     if "node_counts" in result:
         print(f"  new  nodes per piece (gradient/test x test): {result['node_counts']}")
