@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+import sklearn_pathkernel._engine.rules._distance._squared as squared_module
 from sklearn_pathkernel import DistanceKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine.rules import make_rule
@@ -137,9 +138,13 @@ def test_row_sums_of_node_gradients(kernel, moving):
 
 @pytest.mark.parametrize("kernel", ["sqeuclidean", "euclidean", "rbf"])
 @pytest.mark.parametrize("n_dense", [1, 4])
-def test_dense_inner_with_one_output_per_row(kernel, n_dense):
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["all-memories", "one-memory-chunks"])
+def test_dense_inner_with_one_output_per_row(kernel, n_dense, chunk_bytes, monkeypatch):
     """The decomposition's training side (one output per row, a row on a memory):
-    the factored form for few dense rows (n K <= D), the materialised one beyond."""
+    the factored form for few dense rows (n K <= D), the materialised one beyond;
+    the factored form's memories in one chunk and one by one."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(squared_module, "DOTS_CHUNK_BYTES", chunk_bytes)
     layer = make_layer(kernel)
     local, params, steps = path_of(layer)
     x, delta, t = rows(layer, 6, seed=5)

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..._modes import OutputMode
-from ..._planning import rows_per_tile
+from ..._planning import DOTS_CHUNK_BYTES, rows_per_tile
 from .._contract import contract, weighted
 from .._rows import first_of_rows, padded_row_sums, row_outer_sums, row_sums
 from ._backward import moving_input_vjp
@@ -284,33 +284,49 @@ class SquaredDistanceFamily(KernelFamily):
         ``m K' J D`` gradients and an ``O(n K m K' J D)`` product. Pairs where
         the expansion cancels (the factors' ``near`` mask) are summed from
         explicit differences.
+
+        The memories are taken in chunks whose (c, n, K, m) dots stay in the
+        cache (``DOTS_CHUNK_BYTES``), and each chunk's dots are contracted with
+        ``sigma`` while they are there, by a broadcast product and a sum over the
+        chunk's memories (a batched product over the rows where each row keeps
+        ``K' > 1`` outputs). On the digits' image network (J = 100, D = 256, 10
+        queries x 10 outputs against 500 rows of one output) this took 48 to 52
+        ms where the dots of all memories at once, contracted by a batched
+        product over the rows, took 89 ms (the (n K J, D) x (D, m) product alone
+        needs 32 ms at this machine's 40 G multiply-adds per second).
         """
         memories = factors.memories
         x, m, dm, t = factors.x, memories.m, memories.dm, factors.t
         (n_memories, width), n, n_outputs = m.shape, dense.shape[0], dense.shape[1]
+        # memory-major: each chunk's (c n K, D) block of the product is contiguous
         a = dense[..., : n_memories * width].reshape(n, n_outputs, n_memories, width)
+        a = a.permute(2, 0, 1, 3).contiguous()  # (J, n, K, D)
         centre = m.mean(0)
-        # (n, K, J, m): a_ikj . e_lj
-        dots = (a.reshape(-1, width) @ (x - centre).T).view(n, n_outputs, n_memories, -1)
-        dots -= (a * (m - centre)).sum(-1)[..., None]
-        if t is not None:
-            dots -= (a * dm).sum(-1)[..., None] * t
+        x_c = (x - centre).T
+        offsets = (a * (m - centre)[:, None, None]).sum(-1)  # (J, n, K): a_ikj . (m_j - c)
+        moves = None if t is None else (a * dm[:, None, None]).sum(-1)  # a_ikj . dm_j
         near_rows, near_memories = torch.nonzero(factors.near, as_tuple=True)
-        if near_rows.numel():
-            mu = m[near_memories]
-            if t is not None:
-                mu = mu + t[near_rows, None] * dm[near_memories]
-            exact = (a[:, :, near_memories] * (x[near_rows] - mu)).sum(-1)
-            dots[:, :, near_memories, near_rows] = exact
-        sigma = factors.sigma  # (m, K', J)
-        if mode == OutputMode.TRACE:
-            out = torch.einsum("ikjl,lkj->il", dots, sigma)
-        else:  # per training row l: (n K, J) x (J, K')
-            out = torch.bmm(
-                dots.permute(3, 0, 1, 2).reshape(-1, n * n_outputs, n_memories),
-                sigma.transpose(1, 2),
-            )
-            out = out.view(-1, n, n_outputs, sigma.shape[1]).permute(1, 0, 2, 3)
+        by_memory = factors.sigma.permute(2, 1, 0).contiguous()  # (J, K', m)
+        step = rows_per_tile(
+            n_memories, x.element_size() * n * n_outputs * x.shape[0], DOTS_CHUNK_BYTES
+        )
+        out = 0.0
+        for begin in range(0, n_memories, step):
+            chunk = slice(begin, begin + step)
+            block = a[chunk]
+            # (c, n, K, m): a_ikj . e_lj
+            dots = (block.reshape(-1, width) @ x_c).view(*block.shape[:3], -1)
+            dots -= offsets[chunk, ..., None]
+            if moves is not None:
+                dots -= moves[chunk, ..., None] * t
+            inside = (near_memories >= begin) & (near_memories < begin + block.shape[0])
+            if inside.any():
+                rows, local = near_rows[inside], near_memories[inside] - begin
+                mu = m[chunk][local]
+                if t is not None:
+                    mu = mu + t[rows, None] * dm[chunk][local]
+                dots[local, :, :, rows] = (block[local] * (x[rows] - mu)[:, None, None]).sum(-1)
+            out = out + _sum_over_memories(dots, by_memory[chunk], mode)
         rest = factors.extra_coefficients
         if rest:
             out = out + contract(dense[..., n_memories * width :], torch.cat(rest, 2), mode)
@@ -385,3 +401,19 @@ class SquaredDistanceFamily(KernelFamily):
             scaled = torch.cat(rest_left, 2) * scale[memory_width:]
             out += contract(scaled, torch.cat(rest_right, 2), mode)
         return out
+
+
+def _sum_over_memories(dots, sigma, mode):
+    """``sum_j sigma_lk'j dots_jikl`` of a chunk of memories.
+
+    ``dots`` (c, n, K, m), ``sigma`` (c, K', m) memory-major. TRACE (K' = K):
+    (n, m), summed over the outputs too; PAIRS: (n, m, K, K'). One output per
+    row (``K' = 1``, the decomposition's training side) and the trace are a
+    broadcast product and a sum, read while the chunk is in the cache; several
+    outputs per row in PAIRS take a batched product over the rows.
+    """
+    if mode == OutputMode.TRACE:
+        return (dots * sigma[:, None]).sum((0, 2))
+    if sigma.shape[1] == 1:
+        return (dots * sigma[:, None]).sum(0).permute(0, 2, 1)[..., None]
+    return torch.einsum("jikl,jpl->ilkp", dots, sigma)
