@@ -285,8 +285,9 @@ class SquaredDistanceFamily(KernelFamily):
         the expansion cancels (the factors' ``near`` mask) are summed from
         explicit differences.
 
-        The memories are taken in chunks whose (c, n, K, m) dots stay in the
-        cache (``DOTS_CHUNK_BYTES``), and each chunk's dots are contracted with
+        The memories are taken in chunks whose block of ``dense`` (c, n, K, D)
+        and (c, n, K, m) dots stay in the cache (``DOTS_CHUNK_BYTES``): ``dense``
+        is read once, and each chunk's dots are contracted with
         ``sigma`` while they are there, by a broadcast product and a sum over the
         chunk's memories (a batched product over the rows where each row keeps
         ``K' > 1`` outputs). On the digits' image network (J = 100, D = 256, 10
@@ -298,27 +299,24 @@ class SquaredDistanceFamily(KernelFamily):
         memories = factors.memories
         x, m, dm, t = factors.x, memories.m, memories.dm, factors.t
         (n_memories, width), n, n_outputs = m.shape, dense.shape[0], dense.shape[1]
-        # memory-major: each chunk's (c n K, D) block of the product is contiguous
         a = dense[..., : n_memories * width].reshape(n, n_outputs, n_memories, width)
-        a = a.permute(2, 0, 1, 3).contiguous()  # (J, n, K, D)
         centre = m.mean(0)
         x_c = (x - centre).T
-        offsets = (a * (m - centre)[:, None, None]).sum(-1)  # (J, n, K): a_ikj . (m_j - c)
-        moves = None if t is None else (a * dm[:, None, None]).sum(-1)  # a_ikj . dm_j
         near_rows, near_memories = torch.nonzero(factors.near, as_tuple=True)
         by_memory = factors.sigma.permute(2, 1, 0).contiguous()  # (J, K', m)
-        step = rows_per_tile(
-            n_memories, x.element_size() * n * n_outputs * x.shape[0], DOTS_CHUNK_BYTES
-        )
+        # a chunk holds its block of ``dense`` memory-major and its dots
+        chunk_row_bytes = x.element_size() * n * n_outputs * (x.shape[0] + width)
+        step = rows_per_tile(n_memories, chunk_row_bytes, DOTS_CHUNK_BYTES)
         out = 0.0
         for begin in range(0, n_memories, step):
             chunk = slice(begin, begin + step)
-            block = a[chunk]
+            # (c, n, K, D), contiguous: the product's left side
+            block = a[:, :, chunk].permute(2, 0, 1, 3).contiguous()
             # (c, n, K, m): a_ikj . e_lj
-            dots = (block.reshape(-1, width) @ x_c).view(*block.shape[:3], -1)
-            dots -= offsets[chunk, ..., None]
-            if moves is not None:
-                dots -= moves[chunk, ..., None] * t
+            dots = (block.view(-1, width) @ x_c).view(*block.shape[:3], -1)
+            dots -= (block * (m[chunk] - centre)[:, None, None]).sum(-1)[..., None]
+            if t is not None:
+                dots -= (block * dm[chunk][:, None, None]).sum(-1)[..., None] * t
             inside = (near_memories >= begin) & (near_memories < begin + block.shape[0])
             if inside.any():
                 rows, local = near_rows[inside], near_memories[inside] - begin
