@@ -62,6 +62,13 @@ NODE_GROUP_BYTES = 64 * 2**20
 HOST_WORKING_BYTES = 2**30
 
 
+def dots_chunk_bytes(device):
+    """What one chunk of a layer's factored products may hold on ``device``: a
+    cache's worth on the host (``DOTS_CHUNK_BYTES``), ``BLOCK_BUDGET_BYTES`` on a GPU,
+    where a few large products keep the device busy."""
+    return BLOCK_BUDGET_BYTES if device.type == "cuda" else DOTS_CHUNK_BYTES
+
+
 def check_fits(nbytes, request, remedy):
     """Raise a ``MemoryError`` naming ``request`` when ``nbytes`` will not fit."""
     available = available_memory()

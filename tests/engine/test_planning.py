@@ -301,3 +301,13 @@ def test_passes_bounded_by_their_cotangents_equal_one_pass(monkeypatch, engine_c
         scale = np.abs(reference).max()
         assert scale > 0
         assert np.abs(actual - reference).max() <= 1e-15 * scale
+
+
+def test_factored_products_chunk_for_the_cache_on_the_host_only():
+    """A chunk of a layer's factored products holds a cache's worth on the host and
+    a block's budget on a GPU (no CUDA needed to name the device)."""
+    from sklearn_pathkernel._engine import _planning
+
+    assert _planning.dots_chunk_bytes(torch.device("cpu")) == _planning.DOTS_CHUNK_BYTES
+    assert _planning.dots_chunk_bytes(torch.device("cuda")) == _planning.BLOCK_BUDGET_BYTES
+    assert _planning.DOTS_CHUNK_BYTES < _planning.BLOCK_BUDGET_BYTES

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+import sklearn_pathkernel._engine._planning as planning_module
 import sklearn_pathkernel._engine.integration._kinks as kinks_module
-import sklearn_pathkernel._engine.rules._distance._squared as squared_module
 from sklearn_pathkernel import DistanceKernelClassifier
 from sklearn_pathkernel._engine._modes import OutputMode
 from sklearn_pathkernel._engine._probe import NetworkProbe
@@ -167,7 +167,7 @@ def test_dense_inner_against_autograd(
     """The factored dense products against autograd's per-example gradients, the
     memories in one chunk and one by one (the near pair in a chunk of its own)."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(squared_module, "DOTS_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(planning_module, "DOTS_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(0)
     layer = DistanceLayer(5, 4, kernel, dtype=torch.float64)
     x = torch.randn(6, 5, dtype=torch.float64)

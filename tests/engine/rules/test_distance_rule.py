@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-import sklearn_pathkernel._engine.rules._distance._squared as squared_module
+import sklearn_pathkernel._engine._planning as planning_module
 from sklearn_pathkernel import DistanceKernelClassifier
 from sklearn_pathkernel._engine._facade import PathKernelEngine
 from sklearn_pathkernel._engine.rules import make_rule
@@ -144,7 +144,7 @@ def test_dense_inner_with_one_output_per_row(kernel, n_dense, chunk_bytes, monke
     the factored form for few dense rows (n K <= D), the materialised one beyond;
     the factored form's memories in one chunk and one by one."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(squared_module, "DOTS_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(planning_module, "DOTS_CHUNK_BYTES", chunk_bytes)
     layer = make_layer(kernel)
     local, params, steps = path_of(layer)
     x, delta, t = rows(layer, 6, seed=5)

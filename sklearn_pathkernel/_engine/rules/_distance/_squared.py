@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..._modes import OutputMode
-from ..._planning import DOTS_CHUNK_BYTES, rows_per_tile
+from ..._planning import dots_chunk_bytes, rows_per_tile
 from .._contract import contract, weighted
 from .._rows import first_of_rows, padded_row_sums, row_outer_sums, row_sums
 from ._backward import moving_input_vjp
@@ -286,11 +286,11 @@ class SquaredDistanceFamily(KernelFamily):
         explicit differences.
 
         The memories are taken in chunks whose block of ``dense`` (c, n, K, D)
-        and (c, n, K, m) dots stay in the cache (``DOTS_CHUNK_BYTES``): ``dense``
-        is read once, and each chunk's dots are contracted with
-        ``sigma`` while they are there, by a broadcast product and a sum over the
-        chunk's memories (a batched product over the rows where each row keeps
-        ``K' > 1`` outputs). On the digits' image network (J = 100, D = 256, 10
+        and (c, n, K, m) dots stay in the cache (``DOTS_CHUNK_BYTES``; on a GPU
+        ``BLOCK_BUDGET_BYTES``): ``dense`` is read once, and each chunk's dots are
+        contracted with ``sigma`` while they are there, by a broadcast product and
+        a sum over the chunk's memories (a batched product over the rows where
+        each row keeps ``K' > 1`` outputs). On the digits' image network (J = 100, D = 256, 10
         queries x 10 outputs against 500 rows of one output) this took 48 to 52
         ms where the dots of all memories at once, contracted by a batched
         product over the rows, took 89 ms (the (n K J, D) x (D, m) product alone
@@ -306,7 +306,7 @@ class SquaredDistanceFamily(KernelFamily):
         by_memory = factors.sigma.permute(2, 1, 0).contiguous()  # (J, K', m)
         # a chunk holds its block of ``dense`` memory-major and its dots
         chunk_row_bytes = x.element_size() * n * n_outputs * (x.shape[0] + width)
-        step = rows_per_tile(n_memories, chunk_row_bytes, DOTS_CHUNK_BYTES)
+        step = rows_per_tile(n_memories, chunk_row_bytes, dots_chunk_bytes(x.device))
         out = 0.0
         for begin in range(0, n_memories, step):
             chunk = slice(begin, begin + step)
