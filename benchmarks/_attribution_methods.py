@@ -9,7 +9,9 @@ may be None (not applicable).
 Ours (the exact decomposition, ``sklearn_pathkernel``'s explanation API):
 
 - ``ours``: the contribution of training point ``i`` to the test point's
-  true-label log-probability (``influence_matrix``); self: ``self_influence()``;
+  true-label log-probability (``influence_matrix``); self:
+  ``self_influence(target="output")`` (the scores of ``self_influence()``, one
+  output's work);
 - ``ours-norm``: divided by the training point's path norm (``normalize=True``);
 - ``ours-late``: only the gradients of the second half of the epochs
   (``explain_over_time``; self: ``self_influence(first_epoch=E // 2)``);
@@ -131,7 +133,9 @@ def ours(ctx):
 
 
 def ours_self(ctx):
-    return ctx.noisy.self_influence().scores
+    # a classifier's scores read its own label's output: target="output" gives the
+    # same scores (tests/explain/test_self_influence_targets.py) for one output's work
+    return ctx.noisy.self_influence(target="output").scores
 
 
 def ours_norm(ctx):

@@ -885,6 +885,7 @@ def main():
     parser.add_argument("--full-steps", type=int, default=FIELD["steps"],
                         help="full: steps of the run (whole epochs)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip
     parser.add_argument("--skip-self", action="store_true",
@@ -922,7 +923,7 @@ def main():
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if "table" in args.sections:
         _quiet_progress_bars()
     start = time.perf_counter()
