@@ -32,12 +32,11 @@ PASS_BUDGET_BYTES = 12 * 2**20
 #: 0.16 s in one; 200 28x28 rows (1 MB a row) 0.28 s in passes of 10 to 50 rows,
 #: 0.34 s in passes of 100 and 0.38 s in one.
 PASS_COTANGENT_BYTES = 16 * 2**20
-#: The (memories, n, K, m) dots one chunk of a distance layer's factored dense
-#: products holds (``SquaredDistanceFamily.dense_inner``): small enough to be
-#: contracted while in the cache. Measured on one thread, 10 queries x 10 outputs,
-#: 100 memories of width 256: against 500 rows of one output (400 KB of dots a
-#: memory) chunks of 4 to 20 memories took 48 to 52 ms, all 100 at once 89 ms;
-#: against 1000 rows, chunks of 1 to 16 memories 0.12 to 0.17 s, all at once 0.26 s.
+#: What one chunk of memories of a distance layer's factored dense products holds
+#: on the host (``SquaredDistanceFamily.dense_inner``): the features' block (c, n,
+#: K, D) and the dots (c, n, K, m), small enough to be contracted while in the
+#: cache (the products' share of ``decompose`` 1.7x faster on the image cells of
+#: ``benchmarks/bench_matrix.py --images`` than all memories at once).
 DOTS_CHUNK_BYTES = 8 * 2**20
 #: On a GPU, rows per side of a product at most. A symmetric Gram computes the
 #: products on and above the diagonal only: products of a quarter of the rows or
