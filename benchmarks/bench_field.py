@@ -210,9 +210,6 @@ def run_table(args):
     first, last = indices[0], indices[-1]
     ctx = Context(queried, clf, noisy, noisy_y, args.ensemble)
     rows = {}
-    # (the methods on --threads; the fits and retrainings on one thread, which makes
-    # them deterministic: the ground truth cache's key holds the fitted margins)
-    torch.set_num_threads(args.threads)
     for method in args.methods:
         attribute, self_scores = METHODS[method]
         reason = unsupported(method, ctx)
@@ -234,7 +231,6 @@ def run_table(args):
         memories = [m for m in (memory_attr, memory_self) if m is not None]
         row["peak_mib"] = max(memories) if memories else None
         print(f"{method}: attribution {row['time_attr']} s, self {row.get('time_self')} s")
-    torch.set_num_threads(1)
     if truths is None:
         truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
     subsets, removed = truths["subsets"], truths["removed"]
@@ -889,8 +885,6 @@ def main():
     parser.add_argument("--full-steps", type=int, default=FIELD["steps"],
                         help="full: steps of the run (whole epochs)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="table: torch threads of the methods (fits: one)")  # fmt: skip
     parser.add_argument("--skip-ours-self", action="store_true",
                         help="no self_influence() of the contributions (M queries)")  # fmt: skip
     parser.add_argument("--skip-self", action="store_true",
