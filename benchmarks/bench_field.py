@@ -19,7 +19,8 @@ Sections (each can be run alone):
     ``mislabel_detection_auc``; target: the test points' true-label margin): LDS
     over ``--subsets`` random 50 % subsets retrained from fresh seeds, and the same
     subsets retrained from the full run's seed and batch order (same-seed), LOO over
-    ``--loo`` removed rows (same seed), mislabel AUC with 10 % of the labels flipped.
+    ``--loo`` removed rows (same seed), mislabel AUC with 10 % of the labels flipped
+    (``--skip-ground-truth``: no retrainings, the times and self scores alone).
     Methods (``--methods``, from ``_attribution_methods``): the exact decomposition
     (``ours``: each row's contribution to the true-label log-probability; self:
     ``self_influence()``), counterfactual attribution (``counterfactual(X, y,
@@ -201,7 +202,7 @@ def run_table(args):
     # The ground truth first, unless another run is computing the shared cache:
     # then this run's methods first, and its ground truth read when written.
     truths = None
-    if not ground_truth_pending(args.ground_truth_cache):
+    if not args.skip_ground_truth and not ground_truth_pending(args.ground_truth_cache):
         truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
     ground_seconds = time.perf_counter() - start
     scored = slice(*(args.score_queries or [task.X_test.shape[0]]))
@@ -231,18 +232,21 @@ def run_table(args):
         memories = [m for m in (memory_attr, memory_self) if m is not None]
         row["peak_mib"] = max(memories) if memories else None
         print(f"{method}: attribution {row['time_attr']} s, self {row.get('time_self')} s")
-    if truths is None:
+    if truths is None and not args.skip_ground_truth:
         truths = retrained_margins(task, clf, args.subsets, args.loo, args.ground_truth_cache)
-    subsets, removed = truths["subsets"], truths["removed"]
-    truth, truth_same, truth_loo = (
-        truths[name][:, scored] for name in ("lds", "lds_same_seed", "loo")
-    )
+    if truths is not None:
+        subsets, removed = truths["subsets"], truths["removed"]
+        truth, truth_same, truth_loo = (
+            truths[name][:, scored] for name in ("lds", "lds_same_seed", "loo")
+        )
     print(
         f"\n## mnist10 (784-128-64-10, dropout 0.1, SGD lr 0.01 momentum 0.9, batch 64): "
         f"M={task.n_train}, test points {first} to {last} of {task.X_test.shape[0]} scored, "
         f"{args.epochs} epochs = {clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy "
-        f"{accuracy:.3f}; LDS over {args.subsets} subsets of 50 %; ground truth "
-        f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
+        f"{accuracy:.3f}; "
+        + ("no ground truth (--skip-ground-truth: no LDS, no LOO)" if truths is None else
+           f"LDS over {args.subsets} subsets of 50 %; ground truth "
+           f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s")
         + (f" (cache {args.ground_truth_cache})" if args.ground_truth_cache else "")
     )
     print(
@@ -255,7 +259,7 @@ def run_table(args):
             print(f"| {LABELS.get(method, method)} | not supported ({row['not_supported']}) |")
             continue
         scores = row.pop("scores")
-        if scores is not None:
+        if scores is not None and truths is not None:
             row["lds"] = lds_score(scores, truth, subsets)
             row["lds_same_seed"] = lds_score(scores, truth_same, subsets)
             row["loo"] = loo_score(scores, truth_loo, removed)
@@ -893,6 +897,9 @@ def main():
                         help="table: attribute and score only the first q of the --queries "
                         "test points (q), or those from a to b - 1 (a b), on the same "
                         "trained models")  # fmt: skip
+    parser.add_argument("--skip-ground-truth", action="store_true",
+                        help="table: no retrainings, so no LDS and no LOO (the methods' "
+                        "times and self scores, e.g. the mislabel AUC alone)")  # fmt: skip
     parser.add_argument("--ground-truth-cache", default=None,
                         help="table: a .npz of the retrained margins, computed once and "
                         "shared by runs of the same settings (a run that finds it being "
