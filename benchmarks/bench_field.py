@@ -63,7 +63,9 @@ Sections (each can be run alone):
     (``path_storage="disk"``, ``--dtype`` float32 for a float32 run), and the
     scalar-target decomposition (``target="predicted"``) of ``--queries`` test
     points in one call: wall and CPU minutes, the certificate and the process's
-    peak resident memory.
+    peak resident memory; ``--full-counterfactual`` adds ``counterfactual(X, y,
+    target="margin")`` of the same queries. ``--device cuda`` runs the estimator
+    (training, path, engine) on a GPU and adds the CUDA allocator's peak.
 ``grid``
     Issue 36 item 7, the explanation API at this size: the run of ``--full-steps``
     steps as ``full`` trains it (the path on disk, ``--dtype``; the training rows of
@@ -165,6 +167,7 @@ def field_task(args, n_test=None):
     if args.dtype == "float32":  # (only reached when the estimator takes dtype=)
         task.settings["dtype"] = "float32"
     task.settings["path_storage"] = args.path_storage
+    task.settings["device"] = args.device
     return task
 
 
@@ -244,9 +247,12 @@ def run_table(args):
         f"M={task.n_train}, test points {first} to {last} of {task.X_test.shape[0]} scored, "
         f"{args.epochs} epochs = {clf.n_steps_} steps, fit {fit_seconds:.1f} s, test accuracy "
         f"{accuracy:.3f}; "
-        + ("no ground truth (--skip-ground-truth: no LDS, no LOO)" if truths is None else
-           f"LDS over {args.subsets} subsets of 50 %; ground truth "
-           f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s")
+        + (
+            "no ground truth (--skip-ground-truth: no LDS, no LOO)"
+            if truths is None
+            else f"LDS over {args.subsets} subsets of 50 %; ground truth "
+            f"({2 * args.subsets + args.loo + 2} fits) {ground_seconds:.0f} s"
+        )
         + (f" (cache {args.ground_truth_cache})" if args.ground_truth_cache else "")
     )
     print(
@@ -627,21 +633,60 @@ def run_full(args):
     process's peak resident memory."""
     task = field_task(args)
     clf, fit_seconds, fit_cpu, epochs = fit_on_disk(task, args.full_steps)
-    rss_fit = _maxrss()
-    queries = task.X_test[: args.queries]
-    cpu = time.process_time()
-    found, seconds = _timed(lambda: clf.decompose(queries, target="predicted"))
-    decompose_cpu = time.process_time() - cpu
+    rss_fit, device_fit = _maxrss(), _device_peak_mib(clf)
+    queries, labels = task.X_test[: args.queries], task.y_test[: args.queries]
+    found, seconds, decompose_cpu = _timed_cpu(lambda: clf.decompose(queries, target="predicted"))
     print(
         f"\n## the full run: M={task.n_train}, {clf.n_steps_} steps ({epochs} epochs), "
-        f"{args.dtype}, path on disk ({_mib(clf.path_.nbytes) / 1024:.2f} GiB)\n"
+        f"{args.dtype}, on {clf.device_}, path on disk "
+        f"({_mib(clf.path_.nbytes) / 1024:.2f} GiB)\n"
         f"fit {fit_seconds:.1f} s (CPU {fit_cpu:.1f} s); decompose of {len(queries)} "
         f"queries, scalar target: {seconds / 60:.2f} min (CPU {decompose_cpu / 60:.2f} min), "
         f"{1e3 * seconds / len(queries) / clf.n_steps_:.3f} ms per query and step; residual "
         f"{np.max(found.residual):.1e}, model_gap {np.max(np.abs(found.model_gap)):.1e}; "
         f"peak resident {_maxrss():.0f} MiB (after the fit {rss_fit:.0f} MiB)"
+        + _device_line(clf, device_fit)
     )
-    return {"fit_s": fit_seconds, "decompose_s": seconds, "peak_mib": _maxrss()}
+    result = {"device": str(clf.device_), "fit_s": fit_seconds, "decompose_s": seconds,
+              "decompose_cpu_s": decompose_cpu, "residual": float(np.max(found.residual)),
+              "peak_mib": _maxrss(), "device_peak_mib": _device_peak_mib(clf)}  # fmt: skip
+    if args.full_counterfactual:
+        _reset_device_peak(clf)
+        attribution, cf_seconds, cf_cpu = _timed_cpu(
+            lambda: clf.counterfactual(queries, labels, target="margin")
+        )
+        print(
+            f"counterfactual(target='margin') of the {len(queries)} queries: "
+            f"{cf_seconds / 60:.2f} min (CPU {cf_cpu / 60:.2f} min), "
+            f"{1e3 * cf_seconds / len(queries) / clf.n_steps_:.3f} ms per query and step; "
+            f"peak resident {_maxrss():.0f} MiB" + _device_line(clf, None)
+        )
+        result.update(
+            counterfactual_s=cf_seconds,
+            counterfactual_cpu_s=cf_cpu,
+            counterfactual_device_peak_mib=_device_peak_mib(clf),
+            counterfactual_finite=bool(np.isfinite(attribution.scores).all()),
+        )
+    return result
+
+
+def _device_peak_mib(clf):
+    """The CUDA allocator's peak (MiB) on the estimator's device; None on the CPU."""
+    if clf.device_.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(clf.device_) / 2**20
+
+
+def _reset_device_peak(clf):
+    if clf.device_.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(clf.device_)
+
+
+def _device_line(clf, after_fit):
+    if clf.device_.type != "cuda":
+        return ""
+    line = f"; device peak {_device_peak_mib(clf):.0f} MiB"
+    return line + ("" if after_fit is None else f" (after the fit {after_fit:.0f} MiB)")
 
 
 # -- explanations at this size: the image grid -----------------------------------------------
@@ -886,6 +931,12 @@ def main():
     parser.add_argument("--memory-queries", type=int, default=None,
                         help="profile: peak memory of the scalar target of this many "
                         "queries (training rows) in one call, in a forked process")  # fmt: skip
+    parser.add_argument("--full-counterfactual", action="store_true",
+                        help="full: also counterfactual(X, y, target='margin') of the "
+                        "same queries")  # fmt: skip
+    parser.add_argument("--device", default="cpu",
+                        help="the estimator's device= (table, full, grid: 'cuda' for a "
+                        "GPU)")  # fmt: skip
     parser.add_argument("--full-steps", type=int, default=FIELD["steps"],
                         help="full: steps of the run (whole epochs)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="per method, seconds")
