@@ -4,6 +4,7 @@ on the tiles, tasks and passes the planner chooses."""
 import numpy as np
 import pytest
 import torch
+from _rounding import assert_equal_to_rounding
 
 
 def test_requests_that_cannot_fit_fail_early_with_sizes(relu_case, monkeypatch, engine_cases):
@@ -230,7 +231,7 @@ def test_accumulated_features_are_counted_for_the_tiles_held_at_once(engine_case
     assert feature_bytes * len(A) > 10 * feature_bytes * 2  # all rows' would not fit
     monkeypatch.setattr(_memory, "available_memory", lambda: results_bytes + 10 * feature_bytes)
     found = engine.decompose(A, batch_size=2)
-    np.testing.assert_allclose(found.contributions, expected.contributions, rtol=0, atol=1e-15)
+    assert_equal_to_rounding(found.contributions, expected.contributions)
     monkeypatch.setattr(_memory, "available_memory", lambda: results_bytes + feature_bytes)
     with pytest.raises(MemoryError, match="decompose on 40 rows.*batch_size"):
         engine.decompose(A, batch_size=2)

@@ -231,11 +231,16 @@ def test_step_chunks_of_the_estimators_and_recordings():
         recording.decompose(_queries().numpy())
 
 
-@pytest.mark.parametrize("optimizer", ["momentum_decay", "adamw"])
-def test_chunks_with_dropout_masks_and_batchnorm_statistics(optimizer):
+# (AdamW's bound: the first Linear's bias sits just before the BatchNorm, whose zero
+# gradient Adam divides by a tiny second moment; the residual shows it, between 1e-10
+# and 1e-8: test_batchnorm.py, test_a_bias_before_batchnorm_under_adam_shows_in_the_residual)
+@pytest.mark.parametrize(
+    ("optimizer", "residual_bound"), [("momentum_decay", 1e-10), ("adamw", 1e-8)]
+)
+def test_chunks_with_dropout_masks_and_batchnorm_statistics(optimizer, residual_bound):
     """Recorded dropout masks (the training side's own passes) and BatchNorm in
     training mode (rows coupled through their batch; the statistics' shares are
-    terms of phi, in the first pass only): the single pass's sums."""
+    terms of phi, in the first pass only): the single pass's sums and residual."""
     X, y = data(30)
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -246,9 +251,10 @@ def test_chunks_with_dropout_masks_and_batchnorm_statistics(optimizer):
     queries = _queries().numpy()
     single = recording.decompose(queries)  # (its engine widens the path by the statistics)
     assert single.statistics is not None
+    assert single.residual.max() <= residual_bound
     for n_chunks in (2, 3):
         recording.step_chunks = n_chunks
         chunked = recording.decompose(queries)
         _assert_equal_parts(chunked, single)
         np.testing.assert_allclose(chunked.statistics, single.statistics, rtol=0, atol=1e-12)
-        np.testing.assert_allclose(chunked.residual, 0, atol=1e-10)
+        np.testing.assert_allclose(chunked.residual, single.residual, rtol=0, atol=1e-14)
