@@ -25,13 +25,13 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _attribution_tasks import make_task  # noqa: E402
+from bench_gpu import timed  # noqa: E402
 
 from sklearn_pathkernel import ExactPathKernelClassifier  # noqa: E402
 
@@ -40,13 +40,8 @@ SETTINGS = (("float32", "disk"), ("float32", "memory"), ("float64", "memory"))
 
 def synchronised(device, function):
     """``function()``'s result and wall seconds, the device drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = function()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
+    result, seconds, _ = timed(device, function)
+    return result, seconds
 
 
 def main():
