@@ -30,11 +30,27 @@ With ``--clock cpu`` the loops are timed by the thread's CPU time
 (``time.thread_time``) instead of the wall clock: on a loaded machine, the time
 the process waits for a core is left out (cache disturbance by other jobs is not).
 
+With ``--interleave step`` the runs take turns of ``--block`` steps instead (the
+loop without a recorder, with this commit's, with ``--base``'s and the floors';
+the order rotated at every turn), each step timed with its batch's loading: a
+recorded step is measured within a few tens of milliseconds of a plain one, so a
+machine that drifts between runs moves both alike, and within a turn a run's
+steps follow its own (the caches as the loop alone leaves them, but for the
+turn's first step, which the median leaves out). The overhead is then the median step's
+(recorded against plain) plus the fixed costs (creating the recorder, ``finish``)
+spread over the run's steps, and, beside it, the ratio of the totals (every
+step's time, and the fixed costs, summed over the repeats). ``--ablate`` adds the
+recorder without its per-step weight check and without its per-step structure
+check.
+
 Run: ``python benchmarks/bench_recorder.py --repeats 15 --epochs 5 --batch-sizes 64 256
---networks "mlp 64-64-10" "cnn (example)"``.
+--networks "mlp 64-64-10" "cnn (example)"``; per step: ``python
+benchmarks/bench_recorder.py --interleave step --repeats 9 --epochs 10 --batch-sizes 64
+256 --networks "mlp 64-64-10" "cnn (example)" --floor --ablate --clock cpu``.
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -76,6 +92,15 @@ class WithoutWeightCheck(TrainingRecorder):
         super().__init__(*args, **kwargs)
         self._weights.unchanged = lambda log: True
         self._weights.after_step = lambda: None
+
+
+class WithoutStructureCheck(TrainingRecorder):
+    """The recorder without its per-step structure check (which parameters the module
+    trains and the optimiser holds), to measure that check (``--ablate``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._structure.changed = lambda: False
 
 
 class NoOpHooks:
@@ -182,6 +207,116 @@ def loop(build, X, y, epochs, batch_size, record, recorder_class=TrainingRecorde
     return end - start, recording, fixed + end - before_finish
 
 
+class SteppedRun:
+    """One training run of :func:`loop`'s loop, advanced one step at a time
+    (``--interleave step``): several runs take their steps in turn, so that each
+    recorded step has a plain step beside it, measured within milliseconds of it."""
+
+    def __init__(self, build, X, y, epochs, batch_size, recorder_class=None):
+        torch.manual_seed(0)
+        self.model = build()
+        generator = torch.Generator().manual_seed(1)
+        loader = DataLoader(
+            TensorDataset(X, y, torch.arange(len(y))),
+            batch_size=batch_size,
+            shuffle=True,
+            generator=generator,
+        )
+        self.n_steps = epochs * len(loader)
+        self.batches = itertools.chain.from_iterable(loader for _ in range(epochs))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01, weight_decay=1e-3)
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, self.n_steps)
+        self.recorder_class, self.X = recorder_class, X
+        self.recorder, self.recording = None, None
+        self.times, self.fixed = [], 0.0
+
+    def start(self):
+        """Create the recorder (timed as the run's fixed cost)."""
+        if self.recorder_class is not None:
+            start = clock()
+            self.recorder = self.recorder_class(
+                self.model, self.optimizer, self.X, max_steps=self.n_steps
+            )
+            self.fixed += clock() - start
+
+    def step(self):
+        """One step of the loop, the batch's loading included (timed)."""
+        start = clock()
+        images, labels, rows = next(self.batches)
+        self.optimizer.zero_grad()
+        logits = self.model(images)
+        if self.recorder is not None:
+            self.recorder.rows(rows)
+        F.cross_entropy(logits, labels).backward()
+        self.optimizer.step()
+        self.schedule.step()
+        self.times.append(clock() - start)
+
+    def finish(self):
+        """``finish`` (timed as the run's fixed cost)."""
+        if self.recorder is not None:
+            start = clock()
+            self.recording = self.recorder.finish()
+            self.fixed += clock() - start
+
+
+def stepped(build, X, y, epochs, batch_size, recorder_classes, block):
+    """Runs of the loop without a recorder and with each of ``recorder_classes``,
+    taking ``block`` steps each in turn (the order rotated at every turn); returns
+    the runs."""
+    runs = [SteppedRun(build, X, y, epochs, batch_size, None)] + [
+        SteppedRun(build, X, y, epochs, batch_size, cls) for cls in recorder_classes
+    ]
+    for run in runs:
+        run.start()
+    n_steps = runs[0].n_steps
+    for turn, start in enumerate(range(0, n_steps, block)):
+        shift = turn % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            for _ in range(min(block, n_steps - start)):
+                run.step()
+    for run in runs:
+        run.finish()
+    return runs
+
+
+def report_stepped(name, build, X, y, batch_size, args, base):
+    """``--interleave step``: per step, the loop with each recorder against the loop
+    without, their steps taken in turn."""
+    classes = [TrainingRecorder] + ([] if base is None else [base])
+    labels = ["this commit"] + ([] if base is None else [f"base {args.base}"])
+    if args.ablate:
+        classes += [WithoutWeightCheck, WithoutStructureCheck]
+        labels += ["without weight check", "without structure check"]
+    if args.floor:
+        classes += [NoOpHooks, NoOpHooksAndCopies]
+        labels += ["no-op hooks", "no-op hooks + copies"]
+    steps = [[] for _ in range(len(classes) + 1)]
+    fixed = [[] for _ in classes]
+    for _ in range(args.repeats):
+        runs = stepped(build, X, y, args.epochs, batch_size, classes, args.block)
+        for times, run in zip(steps, runs, strict=True):
+            times.extend(run.times)
+        for seconds, run in zip(fixed, runs[1:], strict=True):
+            seconds.append(run.fixed)
+    n_steps = runs[0].n_steps
+    plain = statistics.median(steps[0])
+    total = sum(steps[0])
+    print(
+        f"{name:<20}{batch_size:>6}{n_steps:>6}  plain step {1e3 * plain:.3f} ms (median of "
+        f"{len(steps[0])}), mean {1e3 * total / len(steps[0]):.3f} ms"
+    )
+    for label, times, seconds in zip(labels, steps[1:], fixed, strict=True):
+        fixed_s = statistics.median(seconds)
+        per_step = statistics.median(times) - plain
+        median = (per_step * n_steps + fixed_s) / (plain * n_steps)
+        mean = (sum(times) + sum(seconds)) / total - 1
+        print(
+            f"  {label:<24}overhead {median:>7.1%} (medians), {mean:>7.1%} (totals); "
+            f"{1e3 * per_step:.3f} ms/step, fixed {1e3 * fixed_s:.2f} ms per run"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
@@ -190,6 +325,28 @@ def main():
     parser.add_argument("--networks", nargs="+", default=list(networks()))
     parser.add_argument("--base", default=None, help="an earlier commit to compare with")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="with --interleave step: the steps each run takes in its turn (1: runs "
+        "alternate at every step, each step then follows another run's and finds the "
+        "caches as that one left them)",
+    )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="with --interleave step: also the recorder without its per-step weight "
+        "check, and without its per-step structure check",
+    )
+    parser.add_argument(
+        "--interleave",
+        choices=("run", "step"),
+        default="run",
+        help="run: whole runs in turn, the median run (the default); step: the runs' "
+        "steps in turn, the median step (robust to a drifting machine), plus the fixed "
+        "costs",
+    )
     parser.add_argument(
         "--floor",
         action="store_true",
@@ -215,6 +372,11 @@ def main():
         f"{'overhead':>17}{'check share':>12}{'ms/step':>8}{'fixed s':>8}{'KiB/step':>9}"
         f"{'ExPLAIND':>9}{'residual':>9}{'quadr.':>9}{'gap':>9}"
     )
+    if args.interleave == "step":
+        for batch_size in args.batch_sizes:
+            for name in args.networks:
+                report_stepped(name, networks()[name], X, y, batch_size, args, base)
+        return
     print(header)
     for batch_size in args.batch_sizes:
         for name in args.networks:

@@ -108,9 +108,7 @@ class OptimizerSettings:
         """A fresh ``optimizer_class`` over ``params`` (the path's parameters, in
         order) with the recorded groups' settings."""
         self._require()
-        groups = [
-            {**copy.deepcopy(settings), "params": []} for settings in self.groups
-        ]
+        groups = [{**copy.deepcopy(settings), "params": []} for settings in self.groups]
         for param, k in zip(params, self.group_of, strict=True):
             groups[k]["params"].append(param)
         return self.optimizer_class(groups)

@@ -75,6 +75,7 @@ from ._module_checks import check_module
 from ._module_copy import float64_tensor, module_copy
 from ._optimizers import RecordingRefused, rule_for
 from ._step_log import MicroBatch, StepLog, relative_difference, truncated_path
+from ._structure_watch import STRUCTURE_CHANGES, StructureWatch
 from ._weight_watch import (
     ConstantWatch,
     WeightWatch,
@@ -341,9 +342,24 @@ class PathRecorder:
         """A message saying how the module differs from the network after ``at_step``
         recorded steps, and the largest difference (None and 0.0 when it does not)."""
         weights = self._log.weights()
-        expected, current = weights[at_step], self._weights.flat()
+        expected = weights[at_step]
+        # the parameters the module holds now, by name (one replaced or removed after
+        # the last step is not the object the recorder followed)
+        present = dict(self.module.named_parameters())
+        held = [present.get(name) for name in self._names]
+        for name, param, own in zip(self._names, held, self._params, strict=True):
+            if param is None or param.shape != own.shape or param.dtype != own.dtype:
+                return (
+                    f"The module has no parameter {name!r} of the recorded shape and dtype "
+                    f"{tuple(own.shape)} any more (removed or replaced after the recorder "
+                    "was created): the kernel would not be the model's."
+                ), float("inf")
+        if all(param is own for param, own in zip(held, self._params, strict=True)):
+            current = self._weights.flat()
+        else:  # (a parameter replaced by another of its shape: compared by its values)
+            current = torch.cat([p.detach().reshape(-1).to(expected) for p in held])
         if not same_bits(current, expected):
-            names = dict(zip(self._names, self._params, strict=True))
+            names = dict(zip(self._names, held, strict=True))
             name, difference = largest_difference(
                 names, dict(zip(self._names, _split(expected, self._params), strict=True))
             )
@@ -388,6 +404,7 @@ class PathRecorder:
                 handle.remove()
             self._dropout.close()
             self._stats.close()
+            self._structure.close()
             self._finished = True
 
     def path(self):
@@ -507,17 +524,17 @@ class PathRecorder:
 
     def _before_step(self, optimizer, args, kwargs):
         step = self._log.n_steps
-        if self._structure.changed():
-            raise RecordingRefused(
-                f"Step {step}: the module's trainable parameters or the optimiser's parameters "
-                "changed since the recorder was created (a parameter added, replaced, frozen "
-                "or unfrozen); create a new recorder for a new set of parameters."
-            )
         if self.check == "every":
             now = self._fingerprints()
         else:  # (the usual case written out: a call less per step)
             now = [None if (g := p.grad) is None else (id(g), g._version) for p in self._params]
         active = [fingerprint is not None for fingerprint in now]
+        if self._structure.changed(active):
+            raise RecordingRefused(
+                f"Step {step}: the module's trainable parameters or the optimiser's parameters "
+                f"changed since the recorder was created ({STRUCTURE_CHANGES}); create a new "
+                "recorder for a new set of parameters."
+            )
         if self._stale or now != self._saved:  # (else, the usual case: nothing changed)
             self._check_gradients(step, active)
         batches = self._done
@@ -656,60 +673,6 @@ class PathRecorder:
             f"another than the recorded one.{restored} Put weight changes in the "
             "optimiser (e.g. its weight_decay)."
         )
-
-
-class StructureWatch:
-    """Which parameters a module trains and an optimiser holds, checked at every step.
-
-    The structure is the identities of the module's parameters that require a
-    gradient (in ``module.parameters()`` order) and of the optimiser's. Walking
-    the module for it at every step costs more than the rest of the check, so
-    :meth:`changed` first compares a signature read without that walk: the
-    identities of each known submodule's parameters and children, the
-    parameters' ``requires_grad`` flags and the optimiser's parameters. Equal
-    signatures mean an equal structure (the known submodules and parameters are
-    held here, so their identities cannot be reused by new objects); a different
-    signature is settled by the walk (a new layer without parameters is no
-    change, and becomes known).
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-    optimizer : torch.optim.Optimizer
-    """
-
-    def __init__(self, module, optimizer):
-        self.module, self.optimizer = module, optimizer
-        self._identity = self._structure()
-        self._learn()
-
-    def _structure(self):
-        trained = tuple(id(p) for p in self.module.parameters() if p.requires_grad)
-        held = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
-        return trained, held
-
-    def _learn(self):
-        self._submodules = list(self.module.modules())
-        self._parameters = list(self.module.parameters())
-        self._signature = self._read()
-
-    def _read(self):
-        return (
-            [id(p) for m in self._submodules for p in m._parameters.values()],
-            [id(c) for m in self._submodules for c in m._modules.values()],
-            [p.requires_grad for p in self._parameters],
-            [id(p) for g in self.optimizer.param_groups for p in g["params"]],
-        )
-
-    def changed(self):
-        """Whether a parameter was added, replaced, frozen or unfrozen (in the module
-        or the optimiser) since creation."""
-        if self._read() == self._signature:
-            return False
-        if self._structure() != self._identity:
-            return True
-        self._learn()
-        return False
 
 
 def _split(flat, params):

@@ -350,3 +350,40 @@ def test_on_mismatch_record_keeps_the_recorded_constants_and_survives_saving(dty
     assert loaded.model_difference_ == 3.0
     with pytest.warns(UserWarning, match="not the recorded network"):
         loaded.decompose(X[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parameter_replaced_after_the_last_step_is_refused(dtype):
+    """A trained parameter replaced by another object after the last step (the old
+    one, which the recorder followed, unchanged): its values are compared by name,
+    so other values are refused and the same values are the recorded network."""
+
+    def replace(values):
+        def after_step(step, model):
+            if step == 4:
+                model[2].bias = nn.Parameter(values(model[2].bias.detach()))
+
+        return after_step
+
+    model, recorder, X, _ = adam_run(dtype, n_steps=5, after_step=replace(torch.zeros_like))
+    with pytest.raises(RecordingRefused, match="parameter '2.bias' differs from the recorded"):
+        recorder.finish()
+    model, recorder, X, _ = adam_run(
+        dtype, n_steps=5, after_step=replace(torch.zeros_like), on_mismatch="record"
+    )
+    recording = recorder.finish()
+    assert "'2.bias'" in recording.model_mismatch_ and recording.model_difference_ > 0
+    model, recorder, X, _ = adam_run(dtype, n_steps=5, after_step=replace(torch.clone))
+    assert_exact_for(recorder.finish(), model, X)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parameter_removed_after_the_last_step_is_refused(dtype):
+    model, recorder, X, _ = adam_run(dtype, n_steps=3)
+    del model[2].bias
+    with pytest.raises(RecordingRefused, match="no parameter '2.bias' of the recorded shape"):
+        recorder.finish()
+    model, recorder, X, _ = adam_run(dtype, n_steps=3)
+    model[2].bias = nn.Parameter(model[2].bias.detach().half())  # (another dtype)
+    with pytest.raises(RecordingRefused, match="no parameter '2.bias' of the recorded shape"):
+        recorder.finish()

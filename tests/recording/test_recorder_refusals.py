@@ -448,3 +448,70 @@ def test_scheduler_cycling_the_momentum(name):
             own = model(X[:3]).numpy()
         assert np.abs(total - own).max() <= 1e-9
         assert len(set(recording.path_.learning_rates)) == 3  # the rate did change
+
+
+def test_parameter_removed_between_steps_is_refused_at_the_step():
+    """``del`` registers nothing: the removed parameter's missing gradient sends the
+    structure check to walk the module."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def remove(step):
+        if step == 1:
+            bias = model[2].bias.detach().clone()
+            del model[2].bias
+            model[2].bias = bias  # (a plain tensor: a constant the optimiser never moves)
+
+    X, y = data()
+    recorder = TrainingRecorder(model, optimizer, X)
+    with pytest.raises(RecordingRefused, match="Step 1: the module's trainable parameters"):
+        for step in range(4):
+            remove(step)
+            optimizer.zero_grad()
+            rows = np.arange(6) + 4 * step
+            out = model(X[rows])
+            recorder.rows(rows)
+            F.cross_entropy(out, y[rows]).backward()
+            optimizer.step()
+
+
+def test_modules_made_elsewhere_during_the_run_are_no_change():
+    """A layer built outside the model mid-run (a registration the global hooks see)
+    makes the structure check walk once; the run is recorded."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, y = data()
+    recorder = TrainingRecorder(model, optimizer, X)
+    for step in range(3):
+        nn.Linear(2, 2)
+        optimizer.zero_grad()
+        rows = np.arange(6) + 4 * step
+        out = model(X[rows])
+        recorder.rows(rows)
+        F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    assert recorder.finish().n_steps_ == 3
+
+
+def test_global_registration_hooks_removed_at_finish_and_when_collected():
+    import gc
+
+    from torch.nn.modules import module as torch_module
+
+    hooks = torch_module._global_parameter_registration_hooks
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, y = data()
+    before = set(hooks)
+    recorder = TrainingRecorder(model, optimizer, X)
+    ours = set(hooks) - before
+    assert len(ours) == 1
+    recorder.finish()
+    assert not ours & set(hooks)
+    before = set(hooks)
+    TrainingRecorder(model, optimizer, X)  # never finished: its hooks keep it alive
+    ours = set(hooks) - before
+    assert len(ours) == 1
+    del model, optimizer, recorder  # (the module holds the hooks; the first recorder it)
+    gc.collect()
+    assert not ours & set(hooks)
