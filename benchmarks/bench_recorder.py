@@ -177,18 +177,23 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
 
 
+def shuffled_loader(X, y, batch_size):
+    """The loop's DataLoader: (inputs, labels, rows), shuffled by a seeded generator
+    (every run sees the same batch order)."""
+    return DataLoader(
+        TensorDataset(X, y, torch.arange(len(y))),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+
+
 def loop(build, X, y, epochs, batch_size, record, recorder_class=TrainingRecorder):
     """One training run; returns (seconds, recording or None, seconds of creating
     the recorder and of finish)."""
     torch.manual_seed(0)
     model = build()
-    generator = torch.Generator().manual_seed(1)
-    loader = DataLoader(
-        TensorDataset(X, y, torch.arange(len(y))),
-        batch_size=batch_size,
-        shuffle=True,
-        generator=generator,
-    )
+    loader = shuffled_loader(X, y, batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * len(loader))
     start = clock()
@@ -219,13 +224,7 @@ class SteppedRun:
     def __init__(self, build, X, y, epochs, batch_size, recorder_class=None):
         torch.manual_seed(0)
         self.model = build()
-        generator = torch.Generator().manual_seed(1)
-        loader = DataLoader(
-            TensorDataset(X, y, torch.arange(len(y))),
-            batch_size=batch_size,
-            shuffle=True,
-            generator=generator,
-        )
+        loader = shuffled_loader(X, y, batch_size)
         self.n_steps = epochs * len(loader)
         self.batches = itertools.chain.from_iterable(loader for _ in range(epochs))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01, weight_decay=1e-3)

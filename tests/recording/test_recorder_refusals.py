@@ -21,10 +21,23 @@ def mlp(*extra):
     return nn.Sequential(nn.Linear(4, 6), *extra, nn.Tanh(), nn.Linear(6, 2)).double()
 
 
-def steps(model, optimizer, recorder, X, y, n_steps=3, before_step=None, inputs=None, loss=None):
+def steps(
+    model,
+    optimizer,
+    recorder,
+    X,
+    y,
+    n_steps=3,
+    before_step=None,
+    inputs=None,
+    loss=None,
+    before_forward=None,
+):
     loss = loss or (lambda out, target: F.cross_entropy(out, target))
     for step in range(n_steps):
         rows = np.arange(5) + 5 * step
+        if before_forward is not None:
+            before_forward(step)
         optimizer.zero_grad()
         batch = X[rows] if inputs is None else inputs(X[rows])
         out = model(batch)
@@ -462,17 +475,13 @@ def test_parameter_removed_between_steps_is_refused_at_the_step():
             del model[2].bias
             model[2].bias = bias  # (a plain tensor: a constant the optimiser never moves)
 
-    X, y = data()
-    recorder = TrainingRecorder(model, optimizer, X)
-    with pytest.raises(RecordingRefused, match="Step 1: the module's trainable parameters"):
-        for step in range(4):
-            remove(step)
-            optimizer.zero_grad()
-            rows = np.arange(6) + 4 * step
-            out = model(X[rows])
-            recorder.rows(rows)
-            F.cross_entropy(out, y[rows]).backward()
-            optimizer.step()
+    refused(
+        "Step 1: the module's trainable parameters",
+        model,
+        optimizer,
+        n_steps=4,
+        before_forward=remove,
+    )
 
 
 def test_modules_made_elsewhere_during_the_run_are_no_change():
@@ -482,14 +491,7 @@ def test_modules_made_elsewhere_during_the_run_are_no_change():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     X, y = data()
     recorder = TrainingRecorder(model, optimizer, X)
-    for step in range(3):
-        nn.Linear(2, 2)
-        optimizer.zero_grad()
-        rows = np.arange(6) + 4 * step
-        out = model(X[rows])
-        recorder.rows(rows)
-        F.cross_entropy(out, y[rows]).backward()
-        optimizer.step()
+    steps(model, optimizer, recorder, X, y, before_forward=lambda step: nn.Linear(2, 2))
     assert recorder.finish().n_steps_ == 3
 
 
