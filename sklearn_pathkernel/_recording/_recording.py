@@ -366,7 +366,9 @@ class Recording(ExplanationMixin):
         (built once)."""
         if self._replay_cache is None:
             link = output_function(self.link)
-            self._replay_cache = float64_run(self.module_, self.path_, self.X_train_, link)
+            self._replay_cache = float64_run(
+                self.module_, self.path_, self.X_train_, link, check_float64=True
+            )
         return self._replay_cache
 
     def _engine(self):

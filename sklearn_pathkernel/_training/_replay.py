@@ -52,7 +52,7 @@ class Float64Run:
     path: object
 
 
-def float64_run(module, path, X, link):
+def float64_run(module, path, X, link, check_float64=False):
     """The float64 run whose exact kernel the hosts compute, for a run recorded in
     any floating dtype.
 
@@ -66,6 +66,10 @@ def float64_run(module, path, X, link):
         The training inputs the path's batches index (any floating dtype).
     link : callable
         ``f = link(module(x))``, the function whose output gradients were recorded.
+    check_float64 : bool, default=False
+        Check a float64 path's moves against its recorded output gradients
+        (:func:`check_moves`): for a user's loop, whose loss the recorder does not
+        know; an estimator's loop builds each step from its output gradients.
 
     Returns
     -------
@@ -77,6 +81,8 @@ def float64_run(module, path, X, link):
     """
     module64 = copy.deepcopy(module).to(DTYPE).eval()
     if path.weights.dtype == DTYPE:
+        if check_float64:
+            check_moves(path, module, X, link)
         return Float64Run(module64, path)
     replayed = replay_in_float64(path, module64, X.to(DTYPE), link)
     check_replay(path, replayed)
@@ -121,45 +127,139 @@ def replay_in_float64(path, module, X, link):
     """
     # w_0 only: the recorded weights are not converted (they may be on disk)
     recorded = replace(path, weights=path.weights[:1]).astype(DTYPE)
-    device = X.device
-    module = _float64_copy(module, device)
-    names = set(path.param_names)
-    constants = {
-        name: value
-        for name, value in module.named_parameters(remove_duplicate=False)
-        if name not in names
-    }
-    tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
-        list(module.named_parameters())
-    )
-    X64 = X.to(DTYPE)
+    gradient_at = _StepGradient(path, module, X, link)
     weights, storage = allocate_weights(*path.weights.shape, path.storage, DTYPE)
     weights[0] = recorded.weights[0]
-    w = recorded.weights[0].to(device)
+    w = recorded.weights[0].to(X.device)
     accumulation = recorded.update.forward()
-    statistics = _StatisticsReplay(path.running_statistics, module, device)
     for step in range(path.n_steps):
+        w = w + accumulation.move(step, w, gradient_at(step, w))
+        weights[step + 1] = w.cpu()
+        release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
+    replayed = replace(recorded, weights=weights, storage=storage)
+    replayed.running_statistics = gradient_at.statistics.replayed()
+    return replayed
+
+
+def check_moves(path, module, X, link):
+    r"""Refuse a float64 recorded path whose moves are not the linear form of its
+    recorded output gradients.
+
+    At every step the gradient is recomputed at the **recorded** weights
+    :math:`w_s`, :math:`G_s = -\sum_{i \in B_s} J_i(w_s)^\top e_{s,i}`, from the
+    recorded rows and output gradients, and turned into a move by the recorded
+    update (:class:`~sklearn_pathkernel._path.ForwardAccumulation`); the move must
+    land on the recorded :math:`w_{s+1}` within the step's rounding, per
+    parameter,
+
+    .. math::
+
+        \max_j |w_{s,j} + m_{s,j} - w_{s+1,j}| \le c\,u\,\left(\max_j |w_{s+1,j}|
+        + \max_j |w_{s+1,j} - w_{s,j}|\right),
+
+    with ``c = ROUNDING_STEPS`` and ``u`` float64's unit roundoff. Unlike a replay
+    from :math:`w_0`, each step starts from the recorded weights, so rounding does
+    not grow along the run (a momentum buffer carries the rounding of earlier
+    gradients, decayed: well inside ``c``). A loss that is not a function of the
+    module's output alone at some step (a penalty on the weights switched on
+    mid-run, an auxiliary loss, gradients edited with ``check="none"``) moves the
+    weights by more than the recorded output gradients explain, and is refused
+    here, naming the first such step, rather than giving a kernel whose ``gram``
+    and explanations (which carry no residual) are of another run.
+
+    Parameters
+    ----------
+    path : WeightPath
+        The recorded path, in float64.
+    module, X, link
+        As :func:`replay_in_float64` takes them.
+
+    Notes
+    -----
+    Cost: one forward and backward pass of each step's batch in float64 (the
+    training run's work); memory: two rows of the path at a time.
+    """
+    from ._optimizers import RecordingRefused
+
+    gradient_at = _StepGradient(path, module, X, link)
+    accumulation = replace(path, weights=path.weights[:1]).astype(DTYPE).update.forward()
+    u = torch.finfo(DTYPE).eps / 2
+    numels = [int(torch.Size(shape).numel()) for shape in path.param_shapes]
+    following = path.weights[0].to(device=X.device, dtype=DTYPE)
+    for step in range(path.n_steps):
+        w, following = following, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
+        landed = w + accumulation.move(step, w, gradient_at(step, w))
+        offset = 0
+        for name, numel in zip(path.param_names, numels, strict=True):
+            part = slice(offset, offset + numel)
+            offset += numel
+            if not numel:
+                continue
+            end, start = following[part], w[part]
+            difference = float((landed[part] - end).abs().max())
+            bound = ROUNDING_STEPS * u * float(end.abs().max() + (end - start).abs().max())
+            if not difference <= bound:
+                raise RecordingRefused(
+                    f"Step {step}: the recorded move of {name!r} is not the linear form of "
+                    f"the step's recorded output gradients (it lands {difference:.3g} from "
+                    f"the recorded weights, beyond the step's rounding {bound:.3g}): the "
+                    "step's gradient was not the backward pass of the module's output on "
+                    "its rows (a penalty on the weights or an auxiliary loss at this step, "
+                    "gradients edited with check='none'), or the optimiser held state (a "
+                    "momentum buffer, Adam's first moment) from before the recorder; so the "
+                    "kernel would be of another run. Put weight penalties in the optimiser "
+                    "(its weight_decay), and create the recorder before the first step."
+                )
+
+
+class _StepGradient:
+    """A recorded step's gradient at given weights: the step's rows, dropout masks
+    and BatchNorm pass, the float64 network with its constants, the recorded
+    output gradients (one forward and one backward pass per call; steps in order).
+
+    Parameters
+    ----------
+    path : WeightPath
+    module : torch.nn.Module
+        Copied in float64 (not changed).
+    X : torch.Tensor
+    link : callable
+    """
+
+    def __init__(self, path, module, X, link):
+        self.path, self.link = path, link
+        device = X.device
+        self.module = module = _float64_copy(module, device)
+        names = set(path.param_names)
+        self.constants = {
+            name: value
+            for name, value in module.named_parameters(remove_duplicate=False)
+            if name not in names
+        }
+        self.tied = len(list(module.named_parameters(remove_duplicate=False))) > len(
+            list(module.named_parameters())
+        )
+        self.X = X.to(DTYPE)
+        self.statistics = _StatisticsReplay(path.running_statistics, module, device)
+
+    def __call__(self, step, w):
+        """:math:`G_s` at weights ``w`` (flat, float64, on the inputs' device)."""
+        path, X = self.path, self.X
         params = {k: v.requires_grad_(True) for k, v in path.unflatten(w.clone()).items()}
-        rows = torch.as_tensor(recorded.batches[step], device=device)
-        with masks_applied(module, path.masks(step)), statistics.step(step) as buffers:
+        rows = torch.as_tensor(path.batches[step], device=X.device)
+        with masks_applied(self.module, path.masks(step)), self.statistics.step(step) as buffers:
             # (the step's dropout masks; BatchNorm's pass in training mode)
-            values = {**constants, **buffers, **params}
-            out = functional_call(module, values, (X64[rows],), tie_weights=tied)
-        out = link(out)
-        e = recorded.output_gradients[step].to(device)
+            values = {**self.constants, **buffers, **params}
+            out = functional_call(self.module, values, (X[rows],), tie_weights=self.tied)
+        out = self.link(out)
+        e = path.output_gradients[step].to(device=X.device, dtype=DTYPE)
         grads = torch.autograd.grad(out, list(params.values()), grad_outputs=-e, allow_unused=True)
-        gradient = torch.cat(
+        return torch.cat(
             [
                 (torch.zeros_like(p) if g is None else g).reshape(-1)
                 for g, p in zip(grads, params.values(), strict=True)
             ]
         )
-        w = w + accumulation.move(step, w, gradient)
-        weights[step + 1] = w.cpu()
-        release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
-    replayed = replace(recorded, weights=weights, storage=storage)
-    replayed.running_statistics = statistics.replayed()
-    return replayed
 
 
 class _StatisticsReplay:
