@@ -16,8 +16,10 @@ batch)::
 What each hook records (no extra forward or backward pass):
 
 - a forward hook on the module: the batch's inputs (a reference, checked against
-  the training rows at the step) and, through a pre-hook of the autograd node that
-  made the output (``output.grad_fn.register_prehook``: a fifth of the cost of
+  the training rows as soon as they are named, by :meth:`PathRecorder.rows` or by
+  this hook when the rows came first: before a reused input buffer is overwritten)
+  and, through a pre-hook of the autograd node that made the output
+  (``output.grad_fn.register_prehook``: a fifth of the cost of
   ``Tensor.register_hook``, at the same point of the pass; a tensor hook only for
   an output without a node), the output gradient ``e_{s,i} = -dL/dout_i`` exactly
   as the user's own loss and reduction produced it (class weights, mean or sum
@@ -265,9 +267,11 @@ class PathRecorder:
                     f"Row indices must lie in [0, {self._n_rows}); got {rows.min()}..{rows.max()}."
                 )
         if self._open and self._open[-1].rows is None:
-            self._open[-1].rows = rows
+            batch = self._open[-1]
+            batch.rows = rows
+            batch.match_inputs(self._log.n_steps, self.X, self._X_numpy)
             if output is not None:
-                self._open[-1].take_from(output)
+                batch.take_from(output)
         elif output is not None:
             raise ValueError("rows(..., output=...) must follow the batch's forward pass.")
         else:
@@ -458,6 +462,8 @@ class PathRecorder:
             self._stats.take() if self._has_statistics else _NO_MASKS,
             self._backward_started,  # (not kept on self: a bound method there is a cycle)
         )
+        if self._rows is not None:  # (named before the forward pass)
+            batch.match_inputs(self._log.n_steps, self.X, self._X_numpy)
         self._rows = None
         self._open.append(batch)
         node = output.grad_fn

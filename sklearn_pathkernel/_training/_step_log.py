@@ -62,6 +62,7 @@ class MicroBatch:
     stats: dict = None  # what the pass did to BatchNorm running statistics (by layer)
     started: object = None  # called first by each gradient hook (the recorder's)
     output_nr: int = 0  # the output's position among its autograd node's outputs
+    matched: bool = False  # the inputs were found to be X[rows] (match_inputs)
 
     def take_from(self, output):
         """Record the gradient of ``output`` (``link(module(x))``) instead of the
@@ -122,7 +123,20 @@ class MicroBatch:
                 f"Step {step}: recorder.rows named {len(self.rows)} rows for a batch of "
                 f"{self.output_gradient.shape[0]}."
             )
+        if not self.matched:
+            self.match_inputs(step, X, X_numpy)
+
+    def match_inputs(self, step, X, X_numpy=None):
+        """Refuse the batch if its inputs are not ``X[rows]``. Run as soon as both are
+        known (by ``recorder.rows`` after the forward pass, or by the forward hook
+        when the rows were named first), while the inputs are those the forward
+        pass read: an input buffer the loop reuses for its next micro-batch
+        (gradient accumulation) is checked before it is overwritten. A batch
+        whose size is not the rows' is left to :meth:`check`, at the step (its
+        own message)."""
         inputs = self.inputs
+        if inputs.ndim and inputs.shape[0] != len(self.rows):
+            return
         if X_numpy is not None:
             # the usual case: a host batch of X's dtype, compared by its bytes with
             # the rows gathered by numpy (one gather, one memcmp)
@@ -133,6 +147,7 @@ class MicroBatch:
                 and own.dtype == X_numpy.dtype
                 and own.tobytes() == X_numpy.take(self.rows, axis=0).tobytes()
             ):
+                self.matched = True
                 return
         # (one gather and one comparison, in torch: no copy of the rows on the host)
         index = torch.from_numpy(self.rows)
@@ -148,6 +163,7 @@ class MicroBatch:
                 "wrong indices): the kernel would be of other data. Record the augmented "
                 "inputs as training rows of their own."
             )
+        self.matched = True
 
 
 def truncated_path(path, n_steps):

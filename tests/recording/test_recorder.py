@@ -19,6 +19,7 @@ from torch import nn
 
 from sklearn_pathkernel import ExactPathKernelRegressor, TrainingRecorder
 from sklearn_pathkernel._path import log_softmax
+from sklearn_pathkernel._training._optimizers import RecordingRefused
 
 OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.2),
@@ -145,6 +146,43 @@ def test_gradient_accumulation_skipped_steps_and_skipped_parameters():
     assert worst <= 1e-14
     parts = recording.decompose(X[:5])
     assert parts.residual.max() <= 1e-11
+
+
+@pytest.mark.parametrize("named_first", [False, True])
+def test_gradient_accumulation_through_a_reused_input_buffer(named_first):
+    """A loop that copies each micro-batch into one preallocated input tensor: each
+    micro-batch's inputs are checked when both they and their rows are known,
+    before the next one overwrites them; the run is recorded and exact (a
+    buffer holding other rows is still refused at once)."""
+    X, y = data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    recorder = TrainingRecorder(model, optimizer, X)
+    buffer = torch.empty(5, X.shape[1], dtype=X.dtype)
+    for step in range(4):
+        optimizer.zero_grad()
+        for half in range(2):
+            rows = (np.arange(5) + 10 * step + 5 * half) % 30
+            buffer.copy_(X[rows])
+            if named_first:
+                recorder.rows(rows)
+            out = model(buffer)
+            if not named_first:
+                recorder.rows(rows)
+            F.cross_entropy(out, y[rows]).backward()
+        optimizer.step()
+    recording = recorder.finish()
+    assert [len(b) for b in recording.path_.batches] == [10] * 4
+    worst, _ = replay(recording)
+    assert worst <= 1e-14
+    assert recording.decompose(X[:5]).residual.max() <= 1e-11
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    recorder = TrainingRecorder(model, optimizer, X)
+    buffer.copy_(X[:5])
+    out = model(buffer)
+    with pytest.raises(RecordingRefused, match="Step 0: the batch's inputs are not"):
+        recorder.rows(np.arange(5, 10))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
