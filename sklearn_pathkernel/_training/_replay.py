@@ -160,7 +160,9 @@ def check_moves(path, module, X, link):
     with ``c = ROUNDING_STEPS`` and ``u`` float64's unit roundoff. Unlike a replay
     from :math:`w_0`, each step starts from the recorded weights, so rounding does
     not grow along the run (a momentum buffer carries the rounding of earlier
-    gradients, decayed: well inside ``c``). A loss that is not a function of the
+    gradients, decayed: well inside ``c``). Honest runs of 300 steps need ``c`` of
+    1.5 to 2.5 (Adam with dead ReLU units, ``eps=1e-12``, gradient accumulation,
+    SGD with momentum 0.99: ``benchmarks/move_check_margin.py``), a margin of 400. A loss that is not a function of the
     module's output alone at some step (a penalty on the weights switched on
     mid-run, an auxiliary loss, gradients edited with ``check="none"``) moves the
     weights by more than the recorded output gradients explain, and is refused
