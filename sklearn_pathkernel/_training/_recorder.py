@@ -355,8 +355,8 @@ class PathRecorder:
             if param is None or param.shape != own.shape or param.dtype != own.dtype:
                 return (
                     f"The module has no parameter {name!r} of the recorded shape and dtype "
-                    f"{tuple(own.shape)} any more (removed or replaced after the recorder "
-                    "was created): the kernel would not be the model's."
+                    f"({tuple(own.shape)}, {own.dtype}) any more (removed or replaced after "
+                    "the recorder was created): the kernel would not be the model's."
                 ), float("inf")
         if all(param is own for param, own in zip(held, self._params, strict=True)):
             current = self._weights.flat()
