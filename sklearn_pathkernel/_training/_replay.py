@@ -162,7 +162,8 @@ def check_moves(path, module, X, link):
     not grow along the run (a momentum buffer carries the rounding of earlier
     gradients, decayed: well inside ``c``). Honest runs of 300 steps need ``c`` of
     1.5 to 2.5 (Adam with dead ReLU units, ``eps=1e-12``, gradient accumulation,
-    SGD with momentum 0.99: ``benchmarks/move_check_margin.py``), a margin of 400.
+    SGD with momentum 0.99: ``benchmarks/bench_move_check.py --section margin``), a
+    margin of 400.
     A loss that is not a function of the module's output alone at some step (a
     penalty on the weights switched on mid-run, an auxiliary loss, gradients edited
     with ``check="none"``) moves the weights by more than the recorded output
