@@ -1,0 +1,1 @@
+"""sklearn_pathkernel's asv benchmark suite (see doc/contributing.rst, "Benchmarks")."""
