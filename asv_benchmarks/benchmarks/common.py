@@ -32,18 +32,24 @@ def digits(n_train=800, n_queries=100):
     """scikit-learn's 8x8 digits, standardised. Returns ``X, y, X_query, y_query``."""
     X, y = load_digits(return_X_y=True)
     X = StandardScaler().fit_transform(X)
-    return X[:n_train], y[:n_train], X[n_train : n_train + n_queries], y[
-        n_train : n_train + n_queries
-    ]
+    return (
+        X[:n_train],
+        y[:n_train],
+        X[n_train : n_train + n_queries],
+        y[n_train : n_train + n_queries],
+    )
 
 
 def digits_images(n_train=400, n_queries=40):
     """The digits as images in [0, 1] for a CNN (flat rows of 64 pixels)."""
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
-    return X[:n_train], y[:n_train], X[n_train : n_train + n_queries], y[
-        n_train : n_train + n_queries
-    ]
+    return (
+        X[:n_train],
+        y[:n_train],
+        X[n_train : n_train + n_queries],
+        y[n_train : n_train + n_queries],
+    )
 
 
 class DigitsCNN(nn.Module):

@@ -92,5 +92,3 @@ class Regressors:
         return float(self.estimator.fit(self.X, self.y).score(self.X_test, self.y_test))
 
     track_r2.unit = "R^2"
-
-

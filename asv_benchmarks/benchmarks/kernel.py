@@ -74,8 +74,7 @@ class Gram:
 
     def setup_cache(self):
         return {
-            name: (estimator.fit(X, y), X, Q)
-            for name, (estimator, X, y, Q) in _networks().items()
+            name: (estimator.fit(X, y), X, Q) for name, (estimator, X, y, Q) in _networks().items()
         }
 
     def setup(self, cache, network):
