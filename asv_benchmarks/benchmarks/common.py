@@ -81,6 +81,17 @@ class Smooth(nn.Module):
         return self.outer(z * torch.sigmoid(z))
 
 
+class ColdCalls:
+    """Timing of benchmarks whose every timed call must start cold: one call per
+    sample and no warm-up, each sample after its own ``setup`` (which makes a
+    :func:`fresh` estimator), so that no call reads what an earlier one left in the
+    kernel's cache."""
+
+    number = 1
+    repeat = (1, 5, 30.0)
+    warmup_time = 0.0
+
+
 def fresh(estimator):
     """An independent copy of a fitted estimator (a pickle round trip): no result
     computed on the original (the kernel's cache) is shared with it."""

@@ -49,46 +49,59 @@ def _regressors():
     }  # fmt: skip
 
 
-class Classifiers:
+class _FitAndScore:
+    """Fit time and held-out score (``score``: accuracy, or R^2) of each estimator
+    of :meth:`estimators` on the rows of :meth:`data`."""
+
+    param_names = ["estimator"]
+    timeout = 600
+
+    @staticmethod
+    def data():
+        """``X, y, X_test, y_test``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def estimators():
+        raise NotImplementedError
+
+    def setup(self, estimator):
+        self.X, self.y, self.X_test, self.y_test = self.data()
+        self.estimator = self.estimators()[estimator]
+
+    def time_fit(self, estimator):
+        self.estimator.fit(self.X, self.y)
+
+    def track_score(self, estimator):
+        return float(self.estimator.fit(self.X, self.y).score(self.X_test, self.y_test))
+
+    track_score.unit = "accuracy or R^2"
+
+
+def _digits():
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit(X[:800]).transform(X)
+    return X[:800], y[:800], X[800:], y[800:]
+
+
+def _diabetes():
+    X, y = load_diabetes(return_X_y=True)
+    X = StandardScaler().fit(X[:300]).transform(X)
+    y = (y - y[:300].mean()) / y[:300].std()
+    return X[:300], y[:300], X[300:], y[300:]
+
+
+class Classifiers(_FitAndScore):
     """Fit time and test accuracy on the digits, against ``MLPClassifier``."""
 
     params = list(_classifiers())
-    param_names = ["estimator"]
-    timeout = 600
-
-    def setup(self, estimator):
-        X, y = load_digits(return_X_y=True)
-        X = StandardScaler().fit(X[:800]).transform(X)
-        self.X, self.y, self.X_test, self.y_test = X[:800], y[:800], X[800:], y[800:]
-        self.estimator = _classifiers()[estimator]
-
-    def time_fit(self, estimator):
-        self.estimator.fit(self.X, self.y)
-
-    def track_accuracy(self, estimator):
-        return float(self.estimator.fit(self.X, self.y).score(self.X_test, self.y_test))
-
-    track_accuracy.unit = "accuracy"
+    data = staticmethod(_digits)
+    estimators = staticmethod(_classifiers)
 
 
-class Regressors:
+class Regressors(_FitAndScore):
     """Fit time and test R^2 on the diabetes data, against ``MLPRegressor``."""
 
     params = list(_regressors())
-    param_names = ["estimator"]
-    timeout = 600
-
-    def setup(self, estimator):
-        X, y = load_diabetes(return_X_y=True)
-        X = StandardScaler().fit(X[:300]).transform(X)
-        y = (y - y[:300].mean()) / y[:300].std()
-        self.X, self.y, self.X_test, self.y_test = X[:300], y[:300], X[300:], y[300:]
-        self.estimator = _regressors()[estimator]
-
-    def time_fit(self, estimator):
-        self.estimator.fit(self.X, self.y)
-
-    def track_r2(self, estimator):
-        return float(self.estimator.fit(self.X, self.y).score(self.X_test, self.y_test))
-
-    track_r2.unit = "R^2"
+    data = staticmethod(_diabetes)
+    estimators = staticmethod(_regressors)

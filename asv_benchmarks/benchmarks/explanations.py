@@ -5,20 +5,17 @@ Digits (M=400, standardised), MLP 64-64-10, Adam in batches of 100, 20 steps.
 
 from sklearn_pathkernel import ExactPathKernelClassifier
 
-from .common import digits, fresh
+from .common import ColdCalls, digits, fresh
 
 TARGETS = [None, "predicted", "margin"]
 
 
-class Explain:
+class Explain(ColdCalls):
     """``explain(k=10)`` of 50 queries; ``self_influence(target="output")`` of the
-    400 rows (each row's own class: one output's work). Every
-    timed call starts from a fresh copy of the estimator."""
+    400 rows (each row's own class: one output's work). Every timed call starts
+    cold (:class:`ColdCalls`)."""
 
     timeout = 600
-    number = 1
-    repeat = (1, 5, 30.0)
-    warmup_time = 0.0
 
     def setup_cache(self):
         X, y, Q, yq = digits(400, 50)
@@ -46,15 +43,12 @@ class Explain:
         self.clf.explain(self.Q, k=10)
 
 
-class ScalarTargets:
+class ScalarTargets(ColdCalls):
     """``decompose`` of 20 queries, every output against one scalar target each."""
 
     params = [["all outputs", "predicted", "margin"]]
     param_names = ["target"]
     timeout = 600
-    number = 1
-    repeat = (1, 5, 30.0)
-    warmup_time = 0.0
 
     def setup_cache(self):
         return Explain.setup_cache(self)

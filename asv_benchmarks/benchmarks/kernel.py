@@ -10,7 +10,7 @@ import torch
 
 from sklearn_pathkernel import DistanceKernelClassifier, ExactPathKernelClassifier
 
-from .common import DigitsCNN, Smooth, digits, digits_images, fresh, paper_toy
+from .common import ColdCalls, DigitsCNN, Smooth, digits, digits_images, fresh, paper_toy
 
 
 def _networks():
@@ -55,22 +55,17 @@ def _networks():
     }
 
 
-class Gram:
+class Gram(ColdCalls):
     """Training Gram (M x M, both sides on the training copy) and cross Gram
     (queries x M, the queries on the test copy) of ``kernel_``, and ``decompose``
     of 10 queries, M=400 digits and 50 queries: MLP 64-64-10 with 20 full-batch SGD
     steps and with 10 Adam steps in batches of 100; a CNN on the 8x8 images; the
     distance network; an MLP with a SiLU gate (the generic torch.func fallback);
-    20 full-batch steps each. Every timed call starts from a fresh copy of the
-    estimator (``number = 1``, no warm-up), so no result comes from the kernel's
-    cache."""
+    20 full-batch steps each. Every timed call starts cold (:class:`ColdCalls`)."""
 
     params = ["mlp-sgd", "mlp-adam", "cnn-sgd", "distance", "fallback"]
     param_names = ["network"]
     timeout = 900
-    number = 1
-    repeat = (1, 5, 30.0)
-    warmup_time = 0.0
 
     def setup_cache(self):
         return {
