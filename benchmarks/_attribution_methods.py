@@ -551,7 +551,7 @@ def counterfactual_no_hessian_self(ctx):
 
 
 #: ``counterfactual-hN``: the rule's sweep with a geometric horizon of mean ``N`` epochs'
-#: steps (``AdjointSweep.run_queries(horizon=...)``, private; issue 34's experiment),
+#: steps (``AdjointSweep.run_queries(horizon=...)``, private; the horizon experiment),
 #: ``None`` a horizon of one step. One rule for every task, never tuned per task.
 #: (``h2E`` and ``h8E``: the sensitivity of the rule, measured after the first three.)
 HORIZON_EPOCHS = {
@@ -812,8 +812,8 @@ def unsupported(method, ctx):
 
 #: Methods added for ``bench_field.py``, not in ``bench_attribution.py``'s default list.
 FIELD_METHODS = ("trak-ens", "if-datainf", "if-ekfac")
-#: The ensembles of ``counterfactual`` and of the peers (issue 34's fresh-seed
-#: question), not in ``bench_attribution.py``'s default list: they retrain.
+#: The ensembles of ``counterfactual`` and of the peers (for the fresh-seed LDS),
+#: not in ``bench_attribution.py``'s default list: they retrain.
 ENSEMBLE_METHODS = ("counterfactual-ens", "counterfactual-ens-std", "tracin-ens", "grad-dot-ens")
 #: The horizon experiment's methods, not in the default list either.
 HORIZON_METHODS = tuple(HORIZON_EPOCHS)

@@ -40,7 +40,7 @@ from sklearn_pathkernel import ExactPathKernelClassifier
 
 
 def small_cnn(n_features, n_classes):
-    """conv 1->8 3x3, ReLU, 2x2 max-pool, linear: the issue's small CNN on 8x8 digits."""
+    """conv 1->8 3x3, ReLU, 2x2 max-pool, linear: a small CNN on the 8x8 digits."""
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),
         nn.Conv2d(1, 8, 3),

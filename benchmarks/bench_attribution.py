@@ -45,6 +45,7 @@ from _attribution_tasks import (
     ground_truth,
     make_task,
 )
+from _extra import require
 
 
 def _status(key):
@@ -277,6 +278,7 @@ def main():
         with open(args.rst[0]) as saved, open(args.rst[1], "w") as out:
             out.write(rst_tables(json.load(saved)))
         return
+    require(["dattri"], args.quick, "bench_attribution.py (dattri's attributors and metrics)")
     if args.quick:
         args.train, args.test, args.subsets, args.loo, args.ensemble = 100, 10, 6, 4, 2
     torch.set_num_threads(1)

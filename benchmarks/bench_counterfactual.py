@@ -19,6 +19,7 @@ family's rule, and ``decompose(X_test)``, side by side in one process, and print
 
     python benchmarks/bench_counterfactual.py [--tasks ...] [--train 500] [--test 20]
         [--loo 10] [--certify 2]
+    python benchmarks/bench_counterfactual.py --quick   # three small tasks, 100 rows
 """
 
 import argparse
@@ -35,6 +36,10 @@ VARIANTS = {
                                                    learning_rate=0.05, weight_decay=1e-3)),
     "digits-mlp-adamw": ("digits-mlp-adam", dict(solver="adamw", weight_decay=0.01)),
 }  # fmt: skip
+
+#: ``--quick``: a smoke run (options given explicitly still win).
+QUICK = dict(tasks=["digits-mlp-sgd", "cancer-mlp-adam", "digits-mlp-adamw"], train=100,
+             test=10, loo=2, certify=1)  # fmt: skip
 
 
 def timed(function):
@@ -99,7 +104,11 @@ def main():
     parser.add_argument("--test", type=int, default=20)
     parser.add_argument("--certify", type=int, default=0)
     parser.add_argument("--loo", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 small tasks")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
     torch.set_num_threads(1)
     print(
         "| task | steps | exact growth (median) | exact growth (max) | peak at step | rule "

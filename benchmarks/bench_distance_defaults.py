@@ -13,6 +13,7 @@ in points, and the mean fit time per fold.
     python benchmarks/bench_distance_defaults.py --datasets digits wine \\
         --config "solver='adam', learning_rate=0.01, max_iter=300"
     python benchmarks/bench_distance_defaults.py --list
+    python benchmarks/bench_distance_defaults.py --quick   # the present defaults, 2 data sets
 
 ``--config`` takes keyword arguments as Python literals (repeatable). MLP scores
 are cached in ``--mlp-cache`` (JSON) so that screening runs do not refit it;
@@ -64,6 +65,8 @@ CANDIDATES = {
 }
 # Screening subset: the data sets where the former default trailed MLPClassifier.
 SCREEN = ["classification", "xor-like", "blobs", "digits", "wine", "breast-cancer"]
+#: ``--quick``: a smoke run (options given explicitly still win).
+QUICK = dict(datasets=["moons", "iris"], configs=["adam-0.02-500-eps1e-4"])
 
 
 def parse_config(text):
@@ -109,7 +112,15 @@ def main():
     parser.add_argument("--mlp-cache", default=None, help="JSON file caching MLP scores")
     parser.add_argument("--log", default=None, help="append JSON lines here")
     parser.add_argument("--list", action="store_true", help="print the candidates and exit")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: the present defaults on two small data sets",
+    )
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
     if args.list:
         for name, params in CANDIDATES.items():
             print(f"{name:<28} {config_name(params)}")

@@ -32,8 +32,12 @@ Models:
 - ``mlp``: ``MLPClassifier(random_state=0)`` (100 ReLU units, Adam).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_distance_images.py`` (single thread).
+``--quick``: a smoke run of the protocol at a tiny size (``digits`` alone, 100
+selection images, one architecture and learning rate, 20 epochs, 3-fold scores of 300
+images): its accuracies mean nothing.
 """
 
+import argparse
 import sys
 import time
 import warnings
@@ -53,6 +57,13 @@ N_SELECT, MAX_ITER = 300, 300
 #: layer; the CNN mirrors the one chosen.
 ARCHITECTURES = (((16, 3, 1, 1, 2),), ((16, 3, 1, 1, 3),))
 LEARNING_RATES = (0.01, 0.02, 0.05)
+#: The protocol's sizes; ``--quick``'s (a smoke run).
+FULL = dict(data_sets=("digits", "digits-shifted"), n_select=N_SELECT, max_iter=MAX_ITER,
+            architectures=ARCHITECTURES, learning_rates=LEARNING_RATES, n_report=None,
+            folds=5)  # fmt: skip
+QUICK = dict(FULL, data_sets=("digits",), n_select=100, max_iter=20,
+             architectures=ARCHITECTURES[:1], learning_rates=(0.02,), n_report=300,
+             folds=3)  # fmt: skip
 
 
 def digits_sets(seed=0):
@@ -103,23 +114,23 @@ class MirrorCNN(nn.Module):
         return self.head(self.body(x.view(-1, 1, *self.image_shape)).flatten(1))
 
 
-def conv_distance(image_shape, conv_layers, learning_rate):
+def conv_distance(image_shape, conv_layers, learning_rate, max_iter=MAX_ITER):
     return DistanceKernelClassifier(
         image_shape=image_shape,
         conv_layers=conv_layers,
         hidden_layer_sizes=(),
         learning_rate=learning_rate,
-        max_iter=MAX_ITER,
+        max_iter=max_iter,
         random_state=0,
     )
 
 
-def cnn(image_shape, conv_layers, learning_rate):
+def cnn(image_shape, conv_layers, learning_rate, max_iter=MAX_ITER):
     return ExactPathKernelClassifier(
         module=lambda n_features, n_outputs: MirrorCNN(image_shape, n_outputs, conv_layers),
         solver="adam",
         learning_rate=learning_rate,
-        max_iter=MAX_ITER,
+        max_iter=max_iter,
         random_state=0,
     )
 
@@ -129,36 +140,48 @@ def n_parameters(estimator, X, y):
     return sum(p.numel() for p in module.parameters())
 
 
-def select(name, shape, X_select, y_select):
+def select(name, shape, X_select, y_select, settings=FULL):
     """The two convolutional networks chosen on the selection images (2-fold CV):
     one architecture for both, each network's learning rate."""
     makers = {"conv-distance": conv_distance, "cnn": cnn}
+    architectures, max_iter = settings["architectures"], settings["max_iter"]
     best = {}
-    for layers in ARCHITECTURES:
+    for layers in architectures:
         for label, make in makers.items():
             scores = {
-                lr: cross_val_score(make(shape, layers, lr), X_select, y_select, cv=2).mean()
-                for lr in LEARNING_RATES
+                lr: cross_val_score(
+                    make(shape, layers, lr, max_iter), X_select, y_select, cv=2
+                ).mean()
+                for lr in settings["learning_rates"]
             }
             lr = max(scores, key=scores.get)
             best[layers, label] = (scores[lr], lr)
             print(f"{name} {label} {layers}: selection {scores}", flush=True)
-    layers = max(ARCHITECTURES, key=lambda a: sum(best[a, label][0] for label in makers))
+    layers = max(architectures, key=lambda a: sum(best[a, label][0] for label in makers))
     print(f"{name}: conv_layers={layers}", flush=True)
-    return {label: make(shape, layers, best[layers, label][1]) for label, make in makers.items()}
+    return {
+        label: make(shape, layers, best[layers, label][1], max_iter)
+        for label, make in makers.items()
+    }
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run at a tiny size")
+    settings = QUICK if parser.parse_args().quick else FULL
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Stochastic Optimizer")  # MLP's max_iter
     start = time.perf_counter()
     rows = []
     for name, (X, y, shape) in digits_sets().items():
+        if name not in settings["data_sets"]:
+            continue
         X_select, X_report, y_select, y_report = train_test_split(
-            X, y, train_size=N_SELECT, stratify=y, random_state=0
+            X, y, train_size=settings["n_select"], stratify=y, random_state=0
         )
-        folds = StratifiedKFold(5, shuffle=True, random_state=0)
-        models = select(name, shape, X_select, y_select)
+        X_report, y_report = X_report[: settings["n_report"]], y_report[: settings["n_report"]]
+        folds = StratifiedKFold(settings["folds"], shuffle=True, random_state=0)
+        models = select(name, shape, X_select, y_select, settings)
         models["mlp"] = MLPClassifier(random_state=0)
         counts = {label: n_parameters(est, X, y) for label, est in models.items() if label != "mlp"}
         counts["mlp"] = X.shape[1] * 100 + 100 + 100 * 10 + 10
@@ -183,7 +206,8 @@ def main():
                 flush=True,
             )
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
-    print("\n| data set | model | parameters | 5-fold accuracy | lr |\n|---|---|---|---|---|")
+    print(f"\n| data set | model | parameters | {settings['folds']}-fold accuracy | lr |")
+    print("|---|---|---|---|---|")
     for name, label, count, mean, std, lr, _ in rows:
         print(f"| {name} | {label} | {count} | {mean:.4f} ± {std:.4f} | {lr} |")
     return 0

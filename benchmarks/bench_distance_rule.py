@@ -17,6 +17,7 @@ results (relative to the Gram's largest entry; absolute for the decomposition).
     python benchmarks/bench_distance_rule.py       # M=500, 64 memories, 30 steps, 2 queries
     python benchmarks/bench_distance_rule.py --variants factored "factored, t grouped" generic
     python benchmarks/bench_distance_rule.py --n-train 300 --n-query 10 --steps 10
+    python benchmarks/bench_distance_rule.py --quick   # M=100, 16 memories, 5 steps, 1 query
 
 The generic rule's decomposition takes most of the run (about 1.5 min per query
 with the defaults on a 2-core CPU); ``--n-query`` scales it.
@@ -34,6 +35,9 @@ from sklearn.preprocessing import StandardScaler
 from sklearn_pathkernel import DistanceKernelClassifier
 from sklearn_pathkernel._engine.rules._registry import RULES
 from sklearn_pathkernel._nn._distance import DistanceLayer
+
+#: ``--quick``: a smoke run (options given explicitly still win).
+QUICK = dict(n_train=100, n_query=1, memories=16, steps=5)
 
 
 def fitted(args):
@@ -100,7 +104,11 @@ def main():
         default=["factored", "generic"],
         choices=["factored", "factored, t grouped", "generic"],
     )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: M=100, 5 steps")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
     clf, X_train, X_query, fit_time = fitted(args)
     print(
         f"digits, StandardScaler: M={args.n_train} training points, {args.n_query} queries, "

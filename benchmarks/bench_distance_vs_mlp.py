@@ -8,7 +8,8 @@ skew transform, head), each changing one default at a time.
 
     python benchmarks/bench_distance_vs_mlp.py            # table + ablations
     python benchmarks/bench_distance_vs_mlp.py --no-ablations
-    python benchmarks/bench_distance_vs_mlp.py --datasets moons xor_like ...
+    python benchmarks/bench_distance_vs_mlp.py --datasets moons xor-like ...
+    python benchmarks/bench_distance_vs_mlp.py --quick   # 2 data sets, one short ablation
 
 Set ``OMP_NUM_THREADS=1`` on a shared machine: both models then use one core.
 """
@@ -100,7 +101,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="*", default=list(DATASETS))
     parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: moons and iris, two kernels of the ablations",
+    )
     args = parser.parse_args()
+    ablations = ABLATIONS
+    if args.quick:
+        parser.set_defaults(datasets=["moons", "iris"])
+        args = parser.parse_args()
+        ablations = [(ABLATIONS[0][0], ABLATIONS[0][1][:2])]
     data = {name: DATASETS[name]() for name in args.datasets}
 
     print("Accuracy (mean of 5 folds) and fit time per fold, default settings")
@@ -121,7 +132,7 @@ def main():
     )
     if args.no_ablations:
         return
-    for parameter, values in ABLATIONS:
+    for parameter, values in ablations:
         print(f"\nAblation: {parameter} (accuracy; other parameters at their defaults)")
         print(f"{'value':<12} " + " ".join(f"{name[:9]:>9}" for name in data) + f" {'mean':>7}")
         for value in values:

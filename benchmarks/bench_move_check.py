@@ -19,7 +19,9 @@ AdamW with ``eps=1e-12`` (the preconditioner where it is largest), SGD with mome
 0.99 and Nesterov at a large learning rate.
 
 Run: ``python benchmarks/bench_move_check.py --section cost --repeats 3`` and
-``python benchmarks/bench_move_check.py --section margin``.
+``python benchmarks/bench_move_check.py --section margin``; ``--quick``: both sections
+(or the one given) at small sizes: one repeat of 20 steps, margins of 60-step loops
+by 12 bisections.
 """
 
 import argparse
@@ -114,33 +116,44 @@ def smallest_passing(run, iterations=30):
     return high
 
 
-def margin(X, y):
+def margin(X, y, n_steps=300, iterations=30):
     for name, (optimizer, activation, micro_batches) in MARGIN_RUNS.items():
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Linear(64, 32), activation(), nn.Linear(32, 32), activation(), nn.Linear(32, 10)
         ).double()
-        run, _ = recording(model, optimizer(model.parameters()), X, y, 300, 32, micro_batches)
-        print(f"{name:<40} smallest c that passes: {smallest_passing(run):.3g} (the check: 1024)")
+        run, _ = recording(model, optimizer(model.parameters()), X, y, n_steps, 32, micro_batches)
+        smallest = smallest_passing(run, iterations)
+        print(f"{name:<40} smallest c that passes: {smallest:.3g} (the check: 1024)")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--section", choices=("cost", "margin"), default="cost")
+    parser.add_argument("--section", choices=("cost", "margin"), default=None,
+                        help="default: cost (--quick: both)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=95, help="the cost section's steps")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(repeats=1, steps=20)
+        args = parser.parse_args()
+    sections = [args.section] if args.section else ["cost", "margin"] if args.quick else ["cost"]
     torch.set_num_threads(1)
     digits = load_digits()
-    if args.section == "cost":
+    if "cost" in sections:
         cost(
             torch.tensor(digits.data[:1200] / 16.0),
             torch.tensor(digits.target[:1200]),
             args.repeats,
             args.steps,
         )
-    else:
-        margin(torch.tensor(digits.data[:600] / 16.0), torch.tensor(digits.target[:600]))
+    if "margin" in sections:
+        margin(
+            torch.tensor(digits.data[:600] / 16.0),
+            torch.tensor(digits.target[:600]),
+            *((60, 12) if args.quick else ()),
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ of ``--repeats`` calls), its ratio to plain SGD's, and the max error of ``bias +
 sum(contributions) + decay`` against the network's own log-probabilities.
 
     python benchmarks/bench_optimizers.py [--steps 50] [--threads 2] [--repeats 3]
+    python benchmarks/bench_optimizers.py --quick   # 10 steps, one thread, one call
 """
 
 import argparse
@@ -38,7 +39,11 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 10 steps, 1 call")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(steps=10, threads=1, repeats=1)
+        args = parser.parse_args()
     torch.set_num_threads(args.threads)
     X, y, queries = paper_toy()
     print(

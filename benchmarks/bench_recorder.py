@@ -25,7 +25,7 @@ comparison of the weights with the previous step's result): ``check share`` is
 that check's part of the loop.
 
 The overhead is given for the median of the repeats (and for the fastest); the
-issue's goal: at most 15 % at batch 64, 5 % at batch 256, float32, one thread.
+goal: at most 15 % at batch 64, 5 % at batch 256, float32, one thread.
 With ``--clock cpu`` the loops are timed by the thread's CPU time
 (``time.thread_time``) instead of the wall clock: on a loaded machine, the time
 the process waits for a core is left out (cache disturbance by other jobs is not).
@@ -366,7 +366,12 @@ def main():
         help="also time the recorder's hook points doing nothing, and with the "
         "copies of the weights and Adam's moments only (the least a recorder costs)",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 2 repeats of 1 epoch, the MLP"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.epochs, args.networks = 2, 1, list(networks())[:1]
     global clock
     clock = CLOCKS[args.clock]
     base = None if args.base is None else import_commit(args.base).TrainingRecorder

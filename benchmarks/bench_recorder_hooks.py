@@ -23,14 +23,16 @@ host copies).
 Also printed, per run (median, milliseconds of the thread's CPU time): creating
 the recorder (``__init__``, with the module checks on a float64 copy,
 ``_check_module``), ``finish``, and Adam's :math:`P_s` of all steps
-(``_finish_adam``: inside ``finish`` up to 50110f7, at the path's first read
-since, ``AdamFinisher.finish``, which each run does after ``finish``). With
+(``_finish_adam``: ``AdamFinisher.finish`` at the path's first read, which each run
+does after ``finish``; inside ``finish`` in earlier commits that have no
+``AdamFinisher``). With
 ``--prefault`` the step log's host arrays are written once when they are
 allocated (their pages faulted in then), so that ``append`` shows the copies
 without the first writes into fresh memory.
 
-Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits 8b06ba1``
-(``--batch-size 256``: batches of 256 rows instead of 64).
+Run: ``python benchmarks/bench_recorder_hooks.py --network mlp --commits REV``
+(``--batch-size 256``: batches of 256 rows instead of 64; ``--quick``: 2 runs of this
+tree alone).
 """
 
 import argparse
@@ -170,7 +172,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--prefault", action="store_true")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 runs")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(repeats=2)
+        args = parser.parse_args()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     X = torch.rand(1200, 64, generator=generator)

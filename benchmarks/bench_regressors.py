@@ -7,6 +7,7 @@ mean and worst difference to ``MLPRegressor`` (its defaults, ``random_state=0``)
 
     OMP_NUM_THREADS=1 python benchmarks/bench_regressors.py            # defaults
     OMP_NUM_THREADS=1 python benchmarks/bench_regressors.py --sweep    # candidate settings
+    OMP_NUM_THREADS=1 python benchmarks/bench_regressors.py --quick    # two data sets
 """
 
 import argparse
@@ -88,7 +89,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="evaluate candidate settings")
     parser.add_argument("--datasets", nargs="*", default=list(DATASETS))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: two data sets")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(datasets=["linear", "sine"])
+        args = parser.parse_args()
     models = CANDIDATES if args.sweep else DEFAULTS
     names = ["mlp", *models]
     results = {}

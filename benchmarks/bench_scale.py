@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_scale.py                 # M in {300, 1000, 4000}; long
-    python benchmarks/bench_scale.py --quick         # small sizes, a few minutes
+    python benchmarks/bench_scale.py --quick         # one small configuration per table
     python benchmarks/bench_scale.py --out DIR       # where plots and results.json go
                                                      # (default benchmarks/results/)
 
@@ -67,12 +67,13 @@ FULL = {
     "width_sweep": {"M": 1000, "widths": (32, 128, 512)},
 }
 QUICK = {
-    "sizes": (100, 300),
+    "sizes": (100,),
     "steps": 5,
     "queries": 20,
-    "archs": ("mlp-64", "mlp-128x128", "cnn", "distance"),
-    "steps_sweep": {"arch": "mlp-64", "M": 300, "steps": (3, 6)},
-    "width_sweep": {"M": 300, "widths": (16, 64)},
+    "archs": ("mlp-64",),
+    "steps_sweep": {"arch": "cnn", "M": 100, "steps": (3,)},
+    "width_sweep": {"M": 100, "widths": (16,)},
+    "naive_steps": 1,
 }
 
 
@@ -373,7 +374,7 @@ def _values(configs, phase, key, engine):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="small sizes (about two minutes)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="plots and json")
     parser.add_argument("--archs", nargs="*", help="subset of architectures")
     parser.add_argument("--sizes", nargs="*", type=int, help="values of M (overrides the preset)")
@@ -381,8 +382,9 @@ def main():
     parser.add_argument(
         "--naive-steps",
         type=int,
-        default=3,
-        help="steps given to the naive engine (its time is extrapolated to all S); 0 skips it",
+        default=None,
+        help="steps given to the naive engine (its time is extrapolated to all S); 0 skips "
+        "it (default 3; --quick: 1)",
     )
     parser.add_argument(
         "--naive-max-bytes",
@@ -399,6 +401,8 @@ def main():
         return
 
     settings = dict(QUICK if args.quick else FULL)
+    if args.naive_steps is None:
+        args.naive_steps = settings.get("naive_steps", 3)
     if args.sizes:
         settings["sizes"] = tuple(args.sizes)
     if args.steps:

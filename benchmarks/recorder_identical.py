@@ -9,8 +9,10 @@ and two parameter groups, float32 and float64. Compared with ``torch.equal`` /
 gradients, the learning rates and the per-step coefficients, and ``decompose`` on
 four rows (contributions, bias, residual).
 
-Run: ``python benchmarks/recorder_identical.py COMMIT [--hidden 7]`` (``--hidden
+Run: ``python benchmarks/recorder_identical.py REV [--hidden 7]`` (``--hidden
 30000``: wide enough that Adam's preconditioners are finished in several blocks).
+``--quick`` without ``REV`` compares the working tree with ``HEAD``. The exit status
+is 1 when some recording differs.
 """
 
 import argparse
@@ -85,9 +87,19 @@ def identical(mine, theirs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("base", help="the earlier commit")
+    parser.add_argument("base", nargs="?", help="the earlier commit (--quick: HEAD)")
     parser.add_argument("--hidden", type=int, default=7)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: against HEAD when no commit is given",
+    )
     args = parser.parse_args()
+    if args.base is None:
+        if not args.quick:
+            parser.error("the earlier commit is needed (or --quick, which takes HEAD)")
+        args.base = "HEAD"
+    print(f"this tree against {args.base}")
     base = import_commit(args.base)
     torch.set_num_threads(1)
     everything = True
