@@ -23,6 +23,7 @@ recording's ``model_gap``.
 import contextlib
 import copy
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch.func import functional_call
@@ -183,55 +184,38 @@ def anchored_in_float64(path, module, X, link):
     """
     from ._optimizers import RecordingRefused
 
-    gradient_at = _StepGradient(path, module, X, link)
     recorded = replace(path, weights=path.weights[:1]).astype(DTYPE)
-    accumulation = recorded.update.forward()
-    # the move a unit gradient at every step would make: how much a gradient's
-    # rounding moves each weight (Adam: about the learning rate, whatever the gradient)
+    # the move a unit gradient at every step would make: how far a gradient's rounding
+    # moves each weight (Adam: about the learning rate, whatever the gradient's size)
     unit_response = recorded.update.forward()
     weights, storage = allocate_weights(*path.weights.shape, path.storage, DTYPE)
     rounding, _ = allocate_weights(path.n_steps, path.n_weights, path.storage, DTYPE)
-    u = torch.finfo(path.weights.dtype).eps / 2
-    numels = [int(torch.Size(shape).numel()) for shape in path.param_shapes]
+    weights[0] = recorded.weights[0]
+    allowance = ROUNDING_STEPS * torch.finfo(path.weights.dtype).eps / 2
     largest_gradient, share = 0.0, 0.0
-    following = path.weights[0].to(device=X.device, dtype=DTYPE)
-    weights[0] = following.cpu()
-    zeros, ones = torch.zeros_like(following), torch.ones_like(following)
-    for step in range(path.n_steps):
-        w, following = following, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
-        moved = following - w  # (exact: differences of float32 numbers)
-        gradient = gradient_at(step, w)
-        r = moved - accumulation.move(step, w, gradient)
-        unit = unit_response.move(step, zeros, ones).abs()
+    for move in _recorded_moves(path, module, X, link):
+        step, r = move.step, move.rounding
+        unit = unit_response.move(step, torch.zeros_like(r), torch.ones_like(r)).abs()
         # (a gradient's rounding is relative to the terms it sums, which a gradient
         # that cancels to zero does not show: the network's largest gradient so far)
-        largest_gradient = max(largest_gradient, float(gradient.abs().max()))
-        offset = 0
-        for name, numel in zip(path.param_names, numels, strict=True):
-            part = slice(offset, offset + numel)
-            offset += numel
-            if not numel:
-                continue
-            bound = (
-                ROUNDING_STEPS
-                * u
-                * (following[part].abs() + moved[part].abs() + unit[part] * largest_gradient)
+        largest_gradient = max(largest_gradient, float(move.gradient.abs().max()))
+        bound = allowance * (move.end.abs() + move.moved.abs() + unit * largest_gradient)
+        size = r.abs()
+        share = max(share, float((size / bound.clamp_min(torch.finfo(DTYPE).tiny)).max()))
+        if bool((size > bound).any()):
+            j = int((size - bound).argmax())
+            name, part = next((n, p) for n, p in _parameter_parts(path) if p.start <= j < p.stop)
+            raise RecordingRefused(
+                f"Step {step}: the recorded move of {name!r} is not the update of the "
+                f"step's recorded output gradients to the {path.weights.dtype} run's "
+                f"rounding (at its element {j - part.start} it is {float(size[j]):.3g} away, "
+                f"beyond the step's rounding {float(bound[j]):.3g}): the step's gradient "
+                "was not the backward pass of the module's output on its rows (a penalty "
+                "on the weights or an auxiliary loss at this step), the weights were "
+                "changed between steps, or the optimiser did something the recorder does "
+                "not represent; so the kernel would be of another run."
             )
-            excess = r[part].abs() - bound
-            share = max(share, float((r[part].abs() / bound.clamp_min(1e-300)).max()))
-            if bool((excess > 0).any()):
-                j = int(excess.argmax())
-                raise RecordingRefused(
-                    f"Step {step}: the recorded move of {name!r} is not the update of the "
-                    f"step's recorded output gradients to the {path.weights.dtype} run's "
-                    f"rounding (at its element {j} it is {float(r[part][j].abs()):.3g} away, "
-                    f"beyond the step's rounding {float(bound[j]):.3g}): the step's gradient "
-                    "was not the backward pass of the module's output on its rows (a penalty "
-                    "on the weights or an auxiliary loss at this step), the weights were "
-                    "changed between steps, or the optimiser did something the recorder does "
-                    "not represent; so the kernel would be of another run."
-                )
-        weights[step + 1] = following.cpu()
+        weights[step + 1] = move.end.cpu()
         rounding[step] = r.cpu()
         release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
         release_pages(rounding[step])
@@ -327,27 +311,16 @@ def check_moves(path, module, X, link):
     """
     from ._optimizers import RecordingRefused
 
-    gradient_at = _StepGradient(path, module, X, link)
-    accumulation = replace(path, weights=path.weights[:1]).astype(DTYPE).update.forward()
     u = torch.finfo(DTYPE).eps / 2
-    numels = [int(torch.Size(shape).numel()) for shape in path.param_shapes]
-    following = path.weights[0].to(device=X.device, dtype=DTYPE)
-    for step in range(path.n_steps):
-        w, following = following, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
-        landed = w + accumulation.move(step, w, gradient_at(step, w))
-        offset = 0
-        for name, numel in zip(path.param_names, numels, strict=True):
-            part = slice(offset, offset + numel)
-            offset += numel
-            if not numel:
-                continue
-            end, start = following[part], w[part]
-            difference = float((landed[part] - end).abs().max())
-            bound = ROUNDING_STEPS * u * float(end.abs().max() + (end - start).abs().max())
+    for move in _recorded_moves(path, module, X, link):
+        for name, part in _parameter_parts(path):
+            end = move.end[part]
+            difference = float(move.rounding[part].abs().max())
+            bound = ROUNDING_STEPS * u * float(end.abs().max() + move.moved[part].abs().max())
             if not difference <= bound:
                 raise RecordingRefused(
-                    f"Step {step}: the recorded move of {name!r} is not the linear form of "
-                    f"the step's recorded output gradients (it lands {difference:.3g} from "
+                    f"Step {move.step}: the recorded move of {name!r} is not the linear form "
+                    f"of the step's recorded output gradients (it lands {difference:.3g} from "
                     f"the recorded weights, beyond the step's rounding {bound:.3g}): the "
                     "step's gradient was not the backward pass of the module's output on "
                     "its rows (a penalty on the weights or an auxiliary loss at this step, "
@@ -356,6 +329,49 @@ def check_moves(path, module, X, link):
                     "kernel would be of another run. Put weight penalties in the optimiser "
                     "(its weight_decay), and create the recorder before the first step."
                 )
+
+
+class _RecordedMove(NamedTuple):
+    """One recorded step against the update of its recomputed gradient, in float64 on
+    the inputs' device: ``start`` :math:`w_s`, ``end`` :math:`w_{s+1}`, ``moved``
+    their difference, ``gradient`` :math:`G_s` at the recorded :math:`w_s`, and
+    ``rounding`` :math:`r_s = w_{s+1} - w_s - m_s`, with :math:`m_s` the recorded
+    update's move of :math:`G_s`."""
+
+    step: int
+    start: torch.Tensor
+    end: torch.Tensor
+    moved: torch.Tensor
+    gradient: torch.Tensor
+    rounding: torch.Tensor
+
+
+def _recorded_moves(path, module, X, link):
+    """Every recorded step, first to last, as a :class:`_RecordedMove`: its gradient
+    recomputed at the **recorded** weights (:class:`_StepGradient`) and turned into a
+    move by the recorded update (:class:`~sklearn_pathkernel._path.ForwardAccumulation`:
+    a momentum buffer or Adam's first moment accumulated from these gradients). Each
+    step starts from the recorded weights, so rounding does not grow along the run.
+    Memory: two rows of the path at a time."""
+    gradient_at = _StepGradient(path, module, X, link)
+    accumulation = replace(path, weights=path.weights[:1]).astype(DTYPE).update.forward()
+    end = path.weights[0].to(device=X.device, dtype=DTYPE)
+    for step in range(path.n_steps):
+        start, end = end, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
+        moved = end - start  # (exact for float32 weights: differences of float32 numbers)
+        gradient = gradient_at(step, start)
+        rounding = moved - accumulation.move(step, start, gradient)
+        yield _RecordedMove(step, start, end, moved, gradient, rounding)
+
+
+def _parameter_parts(path):
+    """``(name, slice)`` of each parameter with weights, in the flat order."""
+    offset = 0
+    for name, shape in zip(path.param_names, path.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        if numel:
+            yield name, slice(offset, offset + numel)
+        offset += numel
 
 
 class _StepGradient:
