@@ -11,10 +11,12 @@ then writes the trained network's output on a test image exactly as a sum over t
 training images, from which we read the most helpful and the most harmful ones.
 
 The decomposed function is the network's own output (its logits). The kernel is
-computed in float64, for the float64 replay of the recorded float32 run (the same
-rows, output gradients, learning rates and Adam preconditioners, the gradients
-recomputed in float64): the certificate compares the sum with that float64 network,
-and the float32 network's own distance from it is reported apart.
+that of the recorded float32 run itself, computed in float64: every step anchored at
+its recorded weights (the gradients recomputed there in float64, with the recorded
+rows, output gradients, learning rates and Adam preconditioners), each step's float32
+rounding an explicit term of the decay. The certificate compares the sum with the
+float32 weights evaluated in float64, and the float32 network's own distance from
+that evaluation is reported apart.
 """
 
 # %%
@@ -85,20 +87,21 @@ print(
 # -------------------------
 # ``decompose`` returns, for each training image, what it added to each logit over the
 # whole run (through Adam's moments and preconditioner, as the run itself did).
-# The float32 optimiser rounds each of its updates, so no kernel is exact for the
-# float32 weights themselves: the recording replays the run in float64 (on the first
-# ``decompose``) and decomposes that replay exactly (to about 1e-13 here); the float32
-# network's own output differs from the replay's by the run's float32 rounding
-# (``model_gap``, about 3e-6 here). A float64 model is decomposed as it was trained.
+# The float32 optimiser rounds each of its updates: the recording anchors every step at
+# its recorded float32 weights (on the first ``decompose``), the gradients recomputed
+# there in float64, and keeps each step's rounding as a term of ``decay`` (what no
+# training image moved). The sum then equals the float32 weights' output evaluated in
+# float64 to about 1e-14; the float32 network's own forward pass differs from that
+# evaluation by its rounding (``model_gap``). A float64 model is decomposed as trained.
 start = time.perf_counter()
 query = X_test[:1]
 parts = recording.decompose(query)
 print(f"decomposition in {time.perf_counter() - start:.1f} s")
 predicted = int(parts.output[0].argmax())
 print(f"prediction {predicted} (true {y_test[0]})")
-print(f"certificate (sum vs the float64 replay): {parts.residual[0]:.1e}")
+print(f"certificate (sum vs the float32 weights in float64): {parts.residual[0]:.1e}")
 print(f"  of which the quadrature's bound: {parts.quadrature_error[0]:.1e}")
-print(f"float32 network vs the float64 replay: {parts.model_gap[0]:.1e}")
+print(f"float32 forward pass vs its float64 evaluation: {parts.model_gap[0]:.1e}")
 
 contributions = parts.contributions[0, :, predicted]
 helpful = np.argsort(-contributions)[:5]

@@ -44,9 +44,10 @@ def run(model, optimizer, X, y, *, epochs=3, batch_size=8, scheduler=None, loss=
     return recorder.finish()
 
 
-def replay(recording):
+def replay(recording, rounding=None):
     """Every step rebuilt from the recorded linear form: (largest weight error,
-    largest step)."""
+    largest step). ``rounding``: per step, a part of the move the linear form need
+    not give (a float32 run's rounding moves), taken off the recorded move first."""
     path, update = recording.path_, recording.path_.update
     module = recording.module_
     X = recording.X_train_
@@ -76,6 +77,8 @@ def replay(recording):
         move = -P * (update.gradient_rates[step] * buffer + update.direct_rates[step] * g)
         move = move + update.decoupled_decays[step] * w
         actual = path.weights[step + 1].double() - w
+        if rounding is not None:
+            actual = actual - rounding[step].double()
         worst = max(worst, float((move - actual).abs().max()))
         largest = max(largest, float(actual.abs().max()))
     module.to(recording.dtype)

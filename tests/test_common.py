@@ -37,7 +37,7 @@ SMALL_ESTIMATORS = [
     PathKernelTransformer(
         ExactPathKernelRegressor(hidden_layer_sizes=(8,), max_iter=10, random_state=0)
     ),
-    # trained in float32, the kernel of the float64 replay
+    # trained in float32, the kernel of the float32 run anchored at its weights
     ExactPathKernelClassifier(
         hidden_layer_sizes=(8,), max_iter=100, random_state=0, dtype="float32"
     ),
@@ -57,28 +57,11 @@ FLOAT32_FAILURES = {
     "check_sample_weight_equivalence_on_dense_data": FLOAT32_ROUNDING,
     "check_methods_subset_invariance": FLOAT32_ROUNDING,
 }
-FLOAT32_REGRESSOR_FAILURES = {
-    name: (
-        "refused at fit (RecordingRefused): the regressors' solver is Adam; at step 0 the "
-        "output bias's gradient is ~1e-9 (zero output layer, centred targets) and its float32 "
-        "rounding flips its sign, which 1 / (sqrt(v) + epsilon) ~ 7e7 turns into a move: the "
-        "float64 replay ends 0.0043 from the bias, beyond the rounding bound 0.0018 (a float32 "
-        "Adam needs an epsilon above its gradients' rounding, see the user guide)"
-    )
-    for name in (
-        "check_regressors_train",
-        "check_regressors_train(readonly_memmap=True)",
-        "check_regressors_train(readonly_memmap=True,X_dtype=float32)",
-    )
-}
-
-
 def expected_failed_checks(estimator):
     """The known failures (of the distance estimators, of float32 fits), with their reasons."""
     if getattr(estimator, "dtype", "float64") == "float32":
         if isinstance(estimator, ExactPathKernelRegressor):
-            weighting = "check_sample_weight_equivalence_on_dense_data"
-            return {weighting: FLOAT32_ROUNDING, **FLOAT32_REGRESSOR_FAILURES}
+            return {"check_sample_weight_equivalence_on_dense_data": FLOAT32_ROUNDING}
         return dict(FLOAT32_FAILURES)
     distance = (DistanceKernelClassifier, DistanceKernelRegressor)
     if isinstance(estimator, distance) and estimator.init != "uniform":

@@ -12,7 +12,9 @@ where ``psi_s`` is the test side of the update's backward accumulation
 ``gamma B_s + zeta_s P_s phi_s`` with the buffer ``B_s = alpha_s P_s phi_s +
 beta B_{s+1}`` for momentum and Adam (``P_s`` Adam's preconditioner), and the
 last two sums are the decay terms (``UpdateRecord.decay_rate``, the coupled and
-decoupled weight decays).
+decoupled weight decays). A float32 run's path, anchored at its recorded weights,
+adds ``sum_s <phi_s, r_s>`` to the decay term: each step's rounding, the part of
+its recorded move the linear form does not give (``WeightPath.rounding_moves``).
 
 Cost, per step and query row: the test copy (see :mod:`._test_copy`) and one
 product with the batch's factors (per-step updates: every layer keeps its
@@ -280,7 +282,17 @@ class Decomposition(SharedByTasks):
                     decay_rate, self.steps.step(index).start, self.probes.current().params
                 )
                 decay += factor * integrated.features.directional(direction)
+            decay += self._rounding_term(index, integrated.features)
         return self._part(contributions, decay, quadrature_error, statistics)
+
+    def _rounding_term(self, index, features):
+        """``<phi_s, r_s>``: the part of step ``index``'s recorded move that no
+        training row made, a float32 run's rounding (``WeightPath.rounding_moves``);
+        0 for a path without it."""
+        moves = self.path.rounding_moves
+        if moves is None:
+            return 0.0
+        return features.directional(self.path.unflatten(read_row(moves, index, self.steps.device)))
 
     def _statistics_block(self, X, n_outputs):
         """(n, M, K) zeros for the running statistics' shares, or None without them."""
@@ -379,6 +391,7 @@ class Decomposition(SharedByTasks):
             if update.decoupled_decays[index]:
                 factor, direction = weighted(update.decoupled_decays[index], start, params)
                 decay += factor * features.directional(direction)
+            decay += self._rounding_term(index, features)
             fixed = fixed_layers.of(features)  # (empty unless the steps mix by scalars)
             u = features.materialised(keep=fixed)
             for layer, outer in fixed.items():

@@ -208,7 +208,7 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
         )
         for param in module.parameters():
             param.requires_grad_(False)
-        # A float32 run's float64 replay, checked at fit: a run whose replay is another
+        # A float32 run's float64 path, checked at fit: a run whose path is another
         # network than the float32 model is refused here, with the reason.
         replay = None if dtype == DTYPE else float64_run(module, result.path, X_t, loss.link)
 
@@ -254,8 +254,9 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
 
     def _float64_run(self):
         """The float64 network and path whose exact kernel the engine computes (a
-        ``Float64Run``): the fitted ones for a float64 fit, the float64 replay of a
-        float32 fit (:func:`~.._training._replay.float64_run`: built once, not pickled)."""
+        ``Float64Run``): the fitted ones for a float64 fit, the float64 path of a
+        float32 fit, anchored at its weights (:func:`~.._training._replay.float64_run`:
+        built once, not pickled)."""
         check_is_fitted(self)
         if self.path_.weights.dtype == DTYPE:
             return Float64Run(self.module_, self.path_)
@@ -399,9 +400,10 @@ class BasePathEstimator(ExplanationMixin, BaseEstimator):
             accounts for, summed over steps; ``model_gap`` (n_samples,): ``max_k``
             of the difference between the trained network's own output in its
             training ``dtype`` and ``output`` (zero for ``dtype="float64"``; for
-            a float32 fit, ``output`` and ``residual`` are those of the float64
-            network at the final weights of the run's float64 replay, see
-            ``dtype``). With BatchNorm trained in training mode, also
+            a float32 fit, ``output`` and ``residual`` are those of its float32
+            weights evaluated in float64, and ``decay`` holds each step's float32
+            rounding beside weight decay, see ``dtype``). With BatchNorm trained
+            in training mode, also
             ``statistics`` (shaped as ``contributions``): the part of each
             contribution that came through the running statistics' moves (see the
             user guide's "Which modules").

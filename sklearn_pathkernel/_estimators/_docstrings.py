@@ -222,16 +222,20 @@ PATH_PARAMETERS = (
         ``"float32"``, ``module_`` (what ``predict`` evaluates), the training
         arithmetic and ``path_`` (4 bytes a number, half the float64 path) are
         float32. The kernel is always computed in float64: for a float32 fit it
-        is the exact kernel of the run's float64 replay (the recorded ``w_0``,
-        batches, output gradients, rates and preconditioners, each gradient
-        recomputed in float64), built at the first kernel query, checked to end
-        within the run's float32 rounding bound of ``path_``'s final weights
-        (else refused: a ``RecordingRefused`` names the parameter), and held in
-        float64 where ``path_storage`` says (``8 (n_steps + 1) n_weights`` bytes
-        more; not pickled, rebuilt bitwise on the next query). ``decompose``'s
-        ``residual`` is then measured against that float64 network and
-        ``model_gap`` says how far the float32 network's own output is from it
-        (about ``1e-6`` on digits). See the user guide, "Precision".
+        is the exact kernel of the float32 run itself, every step anchored at
+        its recorded weights (each gradient recomputed there in float64, with the
+        recorded batches, output gradients, rates and preconditioners) and each
+        step's float32 rounding an explicit part of ``decompose``'s ``decay``;
+        built at fit, each step checked to be its gradients' update to float32
+        rounding (else refused: a ``RecordingRefused`` names the step and the
+        parameter), and held in float64 where ``path_storage`` says
+        (``8 (2 n_steps + 1) n_weights`` bytes more; not pickled, rebuilt
+        bitwise on the next query). ``decompose``'s ``residual`` is then
+        measured against the float32 weights evaluated in float64, and
+        ``model_gap`` says how far the float32 network's own forward pass is
+        from that (about ``1e-6``). A network with BatchNorm in training mode
+        takes its float64 replay from ``w_0`` instead, refused when it drifts
+        beyond the run's rounding. See the user guide, "Float32 runs".
     device : str or torch.device, default="cpu"
         Where the network is trained and evaluated and the kernel computed:
         ``"cpu"``, ``"cuda"`` (the current CUDA device), ``"cuda:1"`` or a

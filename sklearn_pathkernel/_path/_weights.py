@@ -68,6 +68,15 @@ class WeightPath:
         The running statistics of the BatchNorm layers trained in training mode,
         per step, with each batch row's share of their moves (see
         ``_batchnorm``); None without such layers.
+    rounding_moves : torch.Tensor of shape (n_steps, n_weights) or None
+        Per step, the part of the recorded move :math:`w_{s+1} - w_s` that the
+        update's linear form of the step's gradients does not give:
+        :math:`r_s = w_{s+1} - w_s - m_s`, with :math:`m_s` the move the linear form
+        makes of the gradients recomputed in float64 at the recorded :math:`w_s`.
+        A float32 run's rounding, kept so that the kernel of the recorded float32
+        weights is exact (its term, ``<phi_s(x), r_s>``, joins the decay term; see
+        ``_training._replay.anchored_in_float64``).
+        None for a path whose moves are the linear form to float64 rounding.
     storage : str
         Where ``weights`` lives: ``"memory"``, or the directory of the
         memory-mapped file holding it (see :func:`allocate_weights`).
@@ -89,12 +98,15 @@ class WeightPath:
     update: UpdateRecord = None
     dropout_masks: list = None
     running_statistics: object = None
+    rounding_moves: torch.Tensor = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         if state.get("storage", "memory") != "memory":
             # Self-contained pickle: the data, not the (possibly temporary) file.
             state["weights"] = state["weights"].clone()
+            if state.get("rounding_moves") is not None:
+                state["rounding_moves"] = state["rounding_moves"].clone()
             state["storage"] = "memory"
         return state
 
@@ -102,6 +114,7 @@ class WeightPath:
         state.setdefault("storage", "memory")
         state.setdefault("dropout_masks", None)
         state.setdefault("running_statistics", None)
+        state.setdefault("rounding_moves", None)
         self.__dict__.update(state)
 
     @property
@@ -119,6 +132,8 @@ class WeightPath:
         preconditioners = None if self.update is None else self.update.preconditioners
         if preconditioners is not None:
             total += preconditioners.element_size() * preconditioners.nelement()
+        if self.rounding_moves is not None:
+            total += self.rounding_moves.element_size() * self.rounding_moves.nelement()
         for batch, coef in zip(self.batches, self.output_gradients, strict=False):
             if id(batch) not in seen:
                 seen.add(id(batch))
@@ -155,6 +170,7 @@ class WeightPath:
             self,
             running_statistics=None if stats is None else stats.astype(dtype),
             weights=self.weights.to(dtype),
+            rounding_moves=None if self.rounding_moves is None else self.rounding_moves.to(dtype),
             output_gradients=[g.to(dtype) for g in self.output_gradients],
             update=replace(
                 update,

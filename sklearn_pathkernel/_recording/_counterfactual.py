@@ -13,8 +13,10 @@ differentiates and the retraining that certifies it (:class:`StatedRun`).
 Which run: a float64 recording's own recorded weights. A float32 recording's scores
 are those of its float64 twin, the run trained again in float64 by ``torch.optim``
 from the recorded :math:`w_0` with the recorded batches and settings and the stated
-loss (checked to end within the float32 run's rounding bound of its final weights,
-as the kernel's float64 replay is); its ``values`` are that run's targets.
+loss (checked to end within the float32 run's rounding bound of its final weights:
+the sweep differentiates a run that reproduces itself step after step, which the
+kernel's path, anchored at the float32 weights, does not need to be); its
+``values`` are that run's targets.
 """
 
 from dataclasses import dataclass

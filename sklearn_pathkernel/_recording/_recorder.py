@@ -57,11 +57,11 @@ class TrainingRecorder(PathRecorder):
         catches in-place edits that do not bump torch's version counter (an AMP
         scaler's ``unscale_``) at any step; otherwise the version counter and
         the tensor's identity catch clipping and manual edits. Whatever the
-        setting, a float64 recording checks every step's move against its
-        recorded output gradients before its first query (one forward and
-        backward pass per step, once; a float32 one is checked by its float64
-        replay): ``check`` says when a step is refused, in the loop or at the
-        first query.
+        setting, a recording checks every step's move against its recorded
+        output gradients before its first query (one forward and backward pass
+        per step, once; to float64 rounding for a float64 run, to float32
+        rounding for a float32 one): ``check`` says when a step is refused, in
+        the loop or at the first query.
     max_steps : int or None, default=None
         The number of steps expected, if known (any number may be taken): the
         host arrays are allocated once for that many. Otherwise they start

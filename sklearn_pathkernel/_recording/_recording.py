@@ -21,12 +21,15 @@ recorded as the user's loss produced them.
 
 Precision: the kernel is always computed in float64. For a float64 model it is
 the kernel of the recorded path, exact to the quadrature's certificate. A float32
-optimiser rounds its own updates, so a float32 path does not meet the update's
-linear form exactly; the kernel is then that of the path's float64 replay
-(:func:`~.._training._replay.replay_in_float64`: the recorded ``w_0``, rows,
-output gradients, rates and preconditioners, each gradient recomputed in float64),
-exact against the float64 network at the replayed final weights, and
-``model_gap`` says how far the float32 model's own output is from it.
+optimiser rounds its own updates, so a float32 path meets the update's linear
+form only to float32 rounding; the kernel is then that of the float32 run itself
+(:func:`~.._training._replay.anchored_in_float64`: every step anchored at its
+recorded weights, each gradient recomputed there in float64 from the recorded
+rows, output gradients, rates and preconditioners, each step's rounding an
+explicit part of the decay term), exact against the float32 weights evaluated in
+float64, and ``model_gap`` says how far the float32 model's own forward pass is
+from that evaluation. A network with BatchNorm in training mode takes the path's
+float64 replay from ``w_0`` instead (:func:`~.._training._replay.replay_in_float64`).
 
 The recording holds the user's module as long as it lives (a live module):
 every query first checks, bitwise, that its weights and constants are still
@@ -210,7 +213,7 @@ class Recording(ExplanationMixin):
     attributes: set them on the recording that
     :meth:`~sklearn_pathkernel.TrainingRecorder.finish` returns
     (``recording.n_jobs = 2``) at any time, and the next computation follows
-    them (a float32 run's float64 replay is kept). They are checked there, with
+    them (a float32 run's float64 path is kept). They are checked there, with
     the estimators' rules.
     """
 
@@ -312,7 +315,7 @@ class Recording(ExplanationMixin):
 
     def final_state_dict(self):
         """The recorded network's final state: the recorded weights after the last
-        step (those of its float64 replay are the engine's, see the notes), and
+        step (a float32 run's, which the kernel is of, see the notes), and
         the constants; the ``state_dict`` of the network the kernel is of, in the
         training dtype, to compare with the model's own."""
         final = self.path_.unflatten(self.path_.weights[-1])
@@ -362,8 +365,8 @@ class Recording(ExplanationMixin):
 
     def _float64_run(self):
         """The float64 module at the final weights and its path (a ``Float64Run``):
-        the recorded ones for a float64 run, the float64 replay of a float32 one
-        (built once)."""
+        the recorded ones for a float64 run, the float64 path of a float32 one,
+        anchored at its weights (built once)."""
         if self._replay_cache is None:
             link = output_function(self.link)
             self._replay_cache = float64_run(
@@ -421,9 +424,9 @@ class Recording(ExplanationMixin):
         Bunch
             ``contributions`` (n, n_train, K): what each training row moved each
             output over the run; ``bias`` (n, K): the output at the initial
-            weights; ``decay`` (n, K): what weight decay moved; ``output`` (n, K):
-            the module's output at the final weights, in float64 (for a float32
-            run, at the final weights of its float64 replay);
+            weights; ``decay`` (n, K): what weight decay moved (and, for a float32
+            run, each step's float32 rounding); ``output`` (n, K): the module's
+            output at the final weights, in float64;
             ``residual`` (n,): ``max_k |bias + sum contributions + decay -
             output|``, the certificate against the module itself;
             ``quadrature_error`` (n,): the part the quadrature accounts for;

@@ -23,6 +23,7 @@ recording's ``model_gap``.
 import contextlib
 import copy
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch.func import functional_call
@@ -50,6 +51,10 @@ class Float64Run:
 
     module: torch.nn.Module
     path: object
+    #: A float32 run anchored at its recorded weights: the largest share of its
+    #: per-step rounding bound a rounding move took (:func:`anchored_in_float64`);
+    #: None otherwise.
+    rounding_share: float = None
 
 
 def float64_run(module, path, X, link, check_float64=False):
@@ -84,6 +89,10 @@ def float64_run(module, path, X, link, check_float64=False):
         if check_float64:
             check_moves(path, module, X, link)
         return Float64Run(module64, path)
+    if path.running_statistics is None:
+        # the run's own weights, each step's rounding an explicit term
+        anchored, share = anchored_in_float64(path, module64, X.to(DTYPE), link)
+        return Float64Run(module64, anchored, share)
     replayed = replay_in_float64(path, module64, X.to(DTYPE), link)
     check_replay(path, replayed)
     final = replayed.unflatten(replayed.weights[-1])
@@ -94,6 +103,123 @@ def float64_run(module, path, X, link, check_float64=False):
     if replayed.running_statistics is not None:  # BatchNorm's, replayed too
         load_statistics(module64, replayed.running_statistics)
     return Float64Run(module64, replayed)
+
+
+def anchored_in_float64(path, module, X, link):
+    r"""A float32 run's own path in float64, every step anchored at its recorded
+    weights, with each step's rounding as an explicit term.
+
+    At every step the gradient is recomputed in float64 at the **recorded**
+    weights, :math:`G_s = -\sum_{i \in B_s} J_i(w_s)^\top e_{s,i}`, from the
+    recorded rows, output gradients and dropout masks, and turned into the move
+    :math:`m_s` the recorded update makes of it (the recorded rates and Adam
+    preconditioners :math:`P_s`; a momentum buffer or Adam's first moment
+    accumulated from these float64 gradients). The recorded move differs from it by
+    the step's rounding,
+
+    .. math::
+
+        r_s = w_{s+1} - w_s - m_s,
+
+    which is kept (:attr:`WeightPath.rounding_moves`): the decomposition's decay
+    term takes :math:`\langle \phi_s(x), r_s \rangle` beside weight decay, so that
+
+    .. math::
+
+        f(x; w_S) = f(x; w_0) + \sum_i c_i(x) + \mathrm{decay}(x)
+
+    holds to float64 rounding for the float32 weights themselves, evaluated in
+    float64. Each step starts from the recorded weights, so rounding does not grow
+    along the run (unlike a replay from :math:`w_0`, whose own weights drift from the
+    run's where the dynamics amplify rounding: Adam's large preconditioners, long
+    runs). The rows' contributions are exactly those of the linear form at the
+    recorded weights; only the rounding is not attributed to rows.
+
+    A step whose rounding is beyond what the float32 step can round, at some weight
+    :math:`j` of a parameter,
+
+    .. math::
+
+        |r_{s,j}| > c\,u\,\left(|w_{s+1,j}| + |w_{s+1,j} - w_{s,j}| + \rho_{s,j}\,
+        \max_{r \le s,\,k} |G_{r,k}|\right),
+
+    with :math:`\rho_{s,j}` the move the update makes of a unit gradient at every
+    step (:math:`P_{s,j}` times the step's coefficients summed over the steps its
+    buffer holds: how far a gradient's rounding moves the weight; about the learning
+    rate for Adam, whatever the gradient's size), the network's largest gradient so
+    far (a gradient's rounding is relative to the terms it sums, which a gradient that
+    cancels to zero, e.g. an output bias on a class-balanced batch, does not show),
+    ``c = ROUNDING_STEPS`` and ``u`` float32's unit roundoff, was
+    not the optimiser's step of the recorded gradients (a penalty on the weights,
+    weights edited between steps, a setting the recorder does not represent): it is
+    refused, naming the step, the parameter and the weight.
+
+    Parameters
+    ----------
+    path : WeightPath
+        The recorded path, in its training dtype, without BatchNorm statistics
+        trained in training mode.
+    module : torch.nn.Module
+        The network; a float64 copy of it is used (not changed).
+    X : torch.Tensor of shape (n_samples, ...)
+        The training inputs the path's batches index.
+    link : callable
+        ``f = link(module(x))``, the function whose output gradients were recorded.
+
+    Returns
+    -------
+    path : WeightPath
+        In float64: the recorded weights (exactly: float32 numbers are float64
+        numbers), batches, output gradients, rates, update record, and the rounding
+        moves.
+    share : float
+        The largest :math:`|r_{s,j}|` of the run as a share of its bound (at most 1).
+
+    Notes
+    -----
+    Cost: one forward and backward pass of each step's batch in float64 (the
+    training run's work, at float64 speed); memory: the float64 weights and the
+    rounding moves, ``8 (2 S + 1) W`` bytes (RAM, or memory-mapped files beside the
+    recording's, like its path).
+    """
+    from ._optimizers import RecordingRefused
+
+    recorded = replace(path, weights=path.weights[:1]).astype(DTYPE)
+    # the move a unit gradient at every step would make: how far a gradient's rounding
+    # moves each weight (Adam: about the learning rate, whatever the gradient's size)
+    unit_response = recorded.update.forward()
+    weights, storage = allocate_weights(*path.weights.shape, path.storage, DTYPE)
+    rounding, _ = allocate_weights(path.n_steps, path.n_weights, path.storage, DTYPE)
+    weights[0] = recorded.weights[0]
+    allowance = ROUNDING_STEPS * torch.finfo(path.weights.dtype).eps / 2
+    largest_gradient, share = 0.0, 0.0
+    for move in _recorded_moves(path, module, X, link):
+        step, r = move.step, move.rounding
+        unit = unit_response.move(step, torch.zeros_like(r), torch.ones_like(r)).abs()
+        # (a gradient's rounding is relative to the terms it sums, which a gradient
+        # that cancels to zero does not show: the network's largest gradient so far)
+        largest_gradient = max(largest_gradient, float(move.gradient.abs().max()))
+        bound = allowance * (move.end.abs() + move.moved.abs() + unit * largest_gradient)
+        size = r.abs()
+        share = max(share, float((size / bound.clamp_min(torch.finfo(DTYPE).tiny)).max()))
+        if bool((size > bound).any()):
+            j = int((size - bound).argmax())
+            name, part = next((n, p) for n, p in _parameter_parts(path) if p.start <= j < p.stop)
+            raise RecordingRefused(
+                f"Step {step}: the recorded move of {name!r} is not the update of the "
+                f"step's recorded output gradients to the {path.weights.dtype} run's "
+                f"rounding (at its element {j - part.start} it is {float(size[j]):.3g} away, "
+                f"beyond the step's rounding {float(bound[j]):.3g}): the step's gradient "
+                "was not the backward pass of the module's output on its rows (a penalty "
+                "on the weights or an auxiliary loss at this step), the weights were "
+                "changed between steps, or the optimiser did something the recorder does "
+                "not represent; so the kernel would be of another run."
+            )
+        weights[step + 1] = move.end.cpu()
+        rounding[step] = r.cpu()
+        release_pages(weights[step + 1])  # (a path on disk: the row stays in the file)
+        release_pages(rounding[step])
+    return replace(recorded, weights=weights, storage=storage, rounding_moves=rounding), share
 
 
 def replay_in_float64(path, module, X, link):
@@ -185,27 +311,16 @@ def check_moves(path, module, X, link):
     """
     from ._optimizers import RecordingRefused
 
-    gradient_at = _StepGradient(path, module, X, link)
-    accumulation = replace(path, weights=path.weights[:1]).astype(DTYPE).update.forward()
     u = torch.finfo(DTYPE).eps / 2
-    numels = [int(torch.Size(shape).numel()) for shape in path.param_shapes]
-    following = path.weights[0].to(device=X.device, dtype=DTYPE)
-    for step in range(path.n_steps):
-        w, following = following, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
-        landed = w + accumulation.move(step, w, gradient_at(step, w))
-        offset = 0
-        for name, numel in zip(path.param_names, numels, strict=True):
-            part = slice(offset, offset + numel)
-            offset += numel
-            if not numel:
-                continue
-            end, start = following[part], w[part]
-            difference = float((landed[part] - end).abs().max())
-            bound = ROUNDING_STEPS * u * float(end.abs().max() + (end - start).abs().max())
+    for move in _recorded_moves(path, module, X, link):
+        for name, part in _parameter_parts(path):
+            end = move.end[part]
+            difference = float(move.rounding[part].abs().max())
+            bound = ROUNDING_STEPS * u * float(end.abs().max() + move.moved[part].abs().max())
             if not difference <= bound:
                 raise RecordingRefused(
-                    f"Step {step}: the recorded move of {name!r} is not the linear form of "
-                    f"the step's recorded output gradients (it lands {difference:.3g} from "
+                    f"Step {move.step}: the recorded move of {name!r} is not the linear form "
+                    f"of the step's recorded output gradients (it lands {difference:.3g} from "
                     f"the recorded weights, beyond the step's rounding {bound:.3g}): the "
                     "step's gradient was not the backward pass of the module's output on "
                     "its rows (a penalty on the weights or an auxiliary loss at this step, "
@@ -214,6 +329,49 @@ def check_moves(path, module, X, link):
                     "kernel would be of another run. Put weight penalties in the optimiser "
                     "(its weight_decay), and create the recorder before the first step."
                 )
+
+
+class _RecordedMove(NamedTuple):
+    """One recorded step against the update of its recomputed gradient, in float64 on
+    the inputs' device: ``start`` :math:`w_s`, ``end`` :math:`w_{s+1}`, ``moved``
+    their difference, ``gradient`` :math:`G_s` at the recorded :math:`w_s`, and
+    ``rounding`` :math:`r_s = w_{s+1} - w_s - m_s`, with :math:`m_s` the recorded
+    update's move of :math:`G_s`."""
+
+    step: int
+    start: torch.Tensor
+    end: torch.Tensor
+    moved: torch.Tensor
+    gradient: torch.Tensor
+    rounding: torch.Tensor
+
+
+def _recorded_moves(path, module, X, link):
+    """Every recorded step, first to last, as a :class:`_RecordedMove`: its gradient
+    recomputed at the **recorded** weights (:class:`_StepGradient`) and turned into a
+    move by the recorded update (:class:`~sklearn_pathkernel._path.ForwardAccumulation`:
+    a momentum buffer or Adam's first moment accumulated from these gradients). Each
+    step starts from the recorded weights, so rounding does not grow along the run.
+    Memory: two rows of the path at a time."""
+    gradient_at = _StepGradient(path, module, X, link)
+    accumulation = replace(path, weights=path.weights[:1]).astype(DTYPE).update.forward()
+    end = path.weights[0].to(device=X.device, dtype=DTYPE)
+    for step in range(path.n_steps):
+        start, end = end, path.weights[step + 1].to(device=X.device, dtype=DTYPE)
+        moved = end - start  # (exact for float32 weights: differences of float32 numbers)
+        gradient = gradient_at(step, start)
+        rounding = moved - accumulation.move(step, start, gradient)
+        yield _RecordedMove(step, start, end, moved, gradient, rounding)
+
+
+def _parameter_parts(path):
+    """``(name, slice)`` of each parameter with weights, in the flat order."""
+    offset = 0
+    for name, shape in zip(path.param_names, path.param_shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        if numel:
+            yield name, slice(offset, offset + numel)
+        offset += numel
 
 
 class _StepGradient:

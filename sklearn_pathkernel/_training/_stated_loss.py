@@ -241,8 +241,9 @@ def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_wei
     recorded : WeightPath
         The recorded float32 path (what the twin is checked against).
     replayed : WeightPath
-        Its float64 replay (:func:`~._replay.float64_run`): the batches, masks,
-        running statistics, learning rates and :math:`w_0` are read.
+        Its float64 path (:func:`~._replay.float64_run`: anchored at the recorded
+        weights, or a BatchNorm network's replay): the batches, masks, running
+        statistics, learning rates and :math:`w_0` are read.
     X, y, loss, settings, sample_weight
         As :func:`retrain` takes them.
 
@@ -250,9 +251,10 @@ def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_wei
     -------
     WeightPath
         ``replayed`` with the twin's weights (and running statistics' values) of
-        every step, in memory. The rows' shares of the statistics' moves stay the
-        replay's (what the sweep differentiates does not read them; the kernel of a
-        float32 run is the replay's, not the twin's).
+        every step, in memory, and no rounding moves. The rows' shares of the
+        statistics' moves stay the replay's (what the sweep differentiates does not
+        read them; the kernel of a float32 run is that of its own weights, not the
+        twin's).
 
     Raises
     ------
@@ -268,7 +270,11 @@ def float64_twin(module, recorded, replayed, X, y, loss, settings, *, sample_wei
     if stats is not None:
         stats = replace(stats, values=coordinates[:, n_weights:])
     twin = replace(
-        replayed, weights=coordinates[:, :n_weights], storage="memory", running_statistics=stats
+        replayed,
+        weights=coordinates[:, :n_weights],
+        storage="memory",
+        running_statistics=stats,
+        rounding_moves=None,  # (a float64 run: its moves are the update's)
     )
     check_replay(recorded, twin)
     return twin

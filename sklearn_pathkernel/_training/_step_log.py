@@ -180,6 +180,7 @@ def truncated_path(path, n_steps):
         running_statistics=None
         if path.running_statistics is None
         else path.running_statistics.truncated(n_steps),
+        rounding_moves=None if path.rounding_moves is None else path.rounding_moves[:n_steps],
     )
 
 
