@@ -155,15 +155,10 @@ STUDIES = {
         "bench_move_check.py",
         "the float64 move check: its cost at the first query, and the margin it leaves honest runs",
     ),
-    "float32-gap": (
-        "bench_float32_gap.py",
-        "how far a float32 recording's float64 replay is from the float32 run, "
-        "against the same loop in float64",
-    ),
-    "float32-estimator": (
-        "bench_float32_estimator.py",
-        "the certificate of float32 estimator fits on digits: replay against its "
-        "bound, residual, model gap",
+    "float32-grid": (
+        "bench_float32_grid.py",
+        "ordinary float32 loops on MNIST (CNN, MLP; Adam, AdamW, SGD with momentum; "
+        "dropout, BatchNorm): refused or not, the identity's error, the rounding bound used",
     ),
     # -- the estimators against scikit-learn's
     "distance-vs-mlp": (
@@ -219,8 +214,7 @@ GROUPS = {
         "recorder-hooks",
         "recorder-identical",
         "move-check",
-        "float32-gap",
-        "float32-estimator",
+        "float32-grid",
     ),
     "the estimators against scikit-learn's": (
         "distance-vs-mlp",
