@@ -202,8 +202,9 @@ def anchored_in_float64(path, module, X, link):
         bound = allowance * (move.end.abs() + move.moved.abs() + unit * largest_gradient)
         size = r.abs()
         share = max(share, float((size / bound.clamp_min(torch.finfo(DTYPE).tiny)).max()))
-        if bool((size > bound).any()):
-            j = int((size - bound).argmax())
+        outside = ~(size <= bound)  # (a NaN is outside too)
+        if bool(outside.any()):
+            j = int(outside.to(torch.uint8).argmax())
             name, part = next((n, p) for n, p in _parameter_parts(path) if p.start <= j < p.stop)
             raise RecordingRefused(
                 f"Step {step}: the recorded move of {name!r} is not the update of the "

@@ -202,6 +202,16 @@ def test_weights_off_the_run_are_refused_at_their_step():
         recording.decompose(X[:2])
 
 
+def test_a_weight_that_is_not_a_number_is_refused_at_its_step():
+    """A recorded weight that is NaN (a comparison with it is never true) is outside
+    every bound: refused at the step that moved to it, not carried as rounding."""
+    recording, _, X = cnn_adamw_run()
+    recording.path_.weights[3, 0] = float("nan")
+    recording._live_module = None
+    with pytest.raises(RecordingRefused, match=r"Step 2: .* beyond the step's rounding"):
+        recording.decompose(X[:2])
+
+
 def test_a_penalty_in_a_float32_loop_is_refused_at_its_first_step():
     """A loss with a penalty on the weights (not a function of the module's output):
     its moves are not the recorded output gradients' update, refused at step 2 where
