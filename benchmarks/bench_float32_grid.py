@@ -16,9 +16,15 @@ lr 1e-3 and 3e-3; 10 and 30 steps; every output decomposed); ``--grid wide``: lo
 runs, higher rates, SGD with momentum, dropout and BatchNorm (one scalar target, the
 predicted class, per query: the same identity at one output's cost).
 
+``--against REV``: the package of commit ``REV`` beside this one, in one process, on
+scikit-learn's digits (MLP 64-32-10, 10 steps of batches of 100, SGD and Adam, float64
+and float32): the torch operations one ``decompose`` of 10 queries dispatches (counted
+by a ``TorchDispatchMode``), its time and its residual, or "refused".
+
     python benchmarks/bench_float32_grid.py --grid issue
     python benchmarks/bench_float32_grid.py --grid wide
     python benchmarks/bench_float32_grid.py --quick
+    python benchmarks/bench_float32_grid.py --against REV
 """
 
 import argparse
@@ -124,12 +130,60 @@ def run(X, y, net, extra, optimizer, lr, epochs, target, seed=0):
     }
 
 
+def against(rev):
+    """This package and commit ``rev``'s, side by side (see the module docstring)."""
+    from _baseline import import_commit
+    from sklearn.datasets import load_digits
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import sklearn_pathkernel
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    packages = {rev: import_commit(rev), "this tree": sklearn_pathkernel}
+    for dtype in ("float64", "float32"):
+        for solver, lr in (("sgd", 0.1), ("adam", 1e-3)):
+            cells = []
+            for name, package in packages.items():
+                clf = package.ExactPathKernelClassifier(
+                    hidden_layer_sizes=(32,), max_iter=10, batch_size=100, solver=solver,
+                    learning_rate=lr, random_state=0, dtype=dtype,
+                )  # fmt: skip
+                try:
+                    clf.fit(X[:500], y[:500])
+                    clf.decompose(X[500:502])  # (the float64 path built once)
+                except package.RecordingRefused:
+                    cells.append(f"{name}: refused")
+                    continue
+                with Count() as count:
+                    parts = clf.decompose(X[500:510])
+                begin = time.perf_counter()
+                clf.decompose(X[500:510])
+                seconds = time.perf_counter() - begin
+                cells.append(
+                    f"{name}: {count.n} ops, {seconds:.3f} s, residual {parts.residual.max():.1e}"
+                )
+            print(f"{dtype} {solver:<5}", " | ".join(cells), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=("issue", "wide"), default="issue")
     parser.add_argument("--quick", action="store_true", help="two small MLP runs")
+    parser.add_argument("--against", default=None, help="a commit to compare with")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.against is not None:
+        return against(args.against)
     X, y = data()
     cells = QUICK if args.quick else ISSUE if args.grid == "issue" else WIDE
     target = None if args.grid == "issue" and not args.quick else "predicted"

@@ -282,17 +282,15 @@ class Decomposition(SharedByTasks):
                     decay_rate, self.steps.step(index).start, self.probes.current().params
                 )
                 decay += factor * integrated.features.directional(direction)
-            decay += self._rounding_term(index, integrated.features)
+            if self.path.rounding_moves is not None:  # (a float32 run's rounding)
+                decay += self._rounding_term(index, integrated.features)
         return self._part(contributions, decay, quadrature_error, statistics)
 
     def _rounding_term(self, index, features):
         """``<phi_s, r_s>``: the part of step ``index``'s recorded move that no
-        training row made, a float32 run's rounding (``WeightPath.rounding_moves``);
-        0 for a path without it."""
-        moves = self.path.rounding_moves
-        if moves is None:
-            return 0.0
-        return features.directional(self.path.unflatten(read_row(moves, index, self.steps.device)))
+        training row made, a float32 run's rounding (``WeightPath.rounding_moves``)."""
+        row = read_row(self.path.rounding_moves, index, self.steps.device)
+        return features.directional(self.path.unflatten(row))
 
     def _statistics_block(self, X, n_outputs):
         """(n, M, K) zeros for the running statistics' shares, or None without them."""
@@ -391,7 +389,8 @@ class Decomposition(SharedByTasks):
             if update.decoupled_decays[index]:
                 factor, direction = weighted(update.decoupled_decays[index], start, params)
                 decay += factor * features.directional(direction)
-            decay += self._rounding_term(index, features)
+            if self.path.rounding_moves is not None:  # (a float32 run's rounding)
+                decay += self._rounding_term(index, features)
             fixed = fixed_layers.of(features)  # (empty unless the steps mix by scalars)
             u = features.materialised(keep=fixed)
             for layer, outer in fixed.items():
